@@ -1,0 +1,1 @@
+"""pollen wire API: generated protobuf and gRPC modules (see protos/generate.py)."""

@@ -1,0 +1,157 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENCODING_FLOAT32: _ClassVar[Encoding]
+    ENCODING_FLOAT16: _ClassVar[Encoding]
+    ENCODING_BFLOAT16: _ClassVar[Encoding]
+    ENCODING_INT8: _ClassVar[Encoding]
+    ENCODING_UBINARY: _ClassVar[Encoding]
+
+class Truncate(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRUNCATE_NONE: _ClassVar[Truncate]
+    TRUNCATE_END: _ClassVar[Truncate]
+    TRUNCATE_START: _ClassVar[Truncate]
+
+class Pooling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOLING_UNSPECIFIED: _ClassVar[Pooling]
+    POOLING_MEAN: _ClassVar[Pooling]
+    POOLING_CLS: _ClassVar[Pooling]
+    POOLING_LAST: _ClassVar[Pooling]
+ENCODING_FLOAT32: Encoding
+ENCODING_FLOAT16: Encoding
+ENCODING_BFLOAT16: Encoding
+ENCODING_INT8: Encoding
+ENCODING_UBINARY: Encoding
+TRUNCATE_NONE: Truncate
+TRUNCATE_END: Truncate
+TRUNCATE_START: Truncate
+POOLING_UNSPECIFIED: Pooling
+POOLING_MEAN: Pooling
+POOLING_CLS: Pooling
+POOLING_LAST: Pooling
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("id", "texts", "token_ids", "dimensions", "normalize", "encoding", "truncate")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    dimensions: int
+    normalize: bool
+    encoding: Encoding
+    truncate: Truncate
+    def __init__(self, id: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., truncate: _Optional[_Union[Truncate, str]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens",)
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class Timing(_message.Message):
+    __slots__ = ("queue_us", "inference_us")
+    QUEUE_US_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_US_FIELD_NUMBER: _ClassVar[int]
+    queue_us: int
+    inference_us: int
+    def __init__(self, queue_us: _Optional[int] = ..., inference_us: _Optional[int] = ...) -> None: ...
+
+class Error(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("id", "embeddings", "rows", "dims", "encoding", "usage", "timing", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    embeddings: bytes
+    rows: int
+    dims: int
+    encoding: Encoding
+    usage: Usage
+    timing: Timing
+    error: Error
+    def __init__(self, id: _Optional[str] = ..., embeddings: _Optional[bytes] = ..., rows: _Optional[int] = ..., dims: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("texts", "truncate")
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    truncate: Truncate
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., truncate: _Optional[_Union[Truncate, str]] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("tokens", "counts", "usage")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    usage: Usage
+    def __init__(self, tokens: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., counts: _Optional[_Iterable[int]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("model", "dimensions", "max_tokens", "pooling", "encodings", "max_texts_per_request", "max_batch_tokens", "max_queued_tokens", "max_request_bytes", "vocab_size", "workers", "device")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    ENCODINGS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TEXTS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    dimensions: int
+    max_tokens: int
+    pooling: Pooling
+    encodings: _containers.RepeatedScalarFieldContainer[Encoding]
+    max_texts_per_request: int
+    max_batch_tokens: int
+    max_queued_tokens: int
+    max_request_bytes: int
+    vocab_size: int
+    workers: int
+    device: str
+    def __init__(self, model: _Optional[str] = ..., dimensions: _Optional[int] = ..., max_tokens: _Optional[int] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., encodings: _Optional[_Iterable[_Union[Encoding, str]]] = ..., max_texts_per_request: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_queued_tokens: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., workers: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...

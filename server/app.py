@@ -1,0 +1,99 @@
+"""The frontend process: check the model, start the workers, serve gRPC until SIGTERM.
+
+Shutdown order on SIGTERM or SIGINT: health says NOT_SERVING, gRPC stops taking new calls and
+waits (up to --shutdown-grace) for the calls in flight, then each worker finishes what it holds
+and exits, and the shared-memory segments are removed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pollen.v1 import embedder_pb2 as pb
+from pollen.v1 import embedder_pb2_grpc as pb_grpc
+from server.admission import Admission
+from server.config import ServeConfig
+from server.service import EmbedderService
+from server.tokenizer import TextTokenizer
+from server.workers import WorkerPool
+from shared_mem import records
+from shared_mem.ring import Ring, cleanup_stale_segments
+from worker.models.spec import read_model_spec
+from worker.postprocess import row_bytes
+
+log = logging.getLogger("pollen")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Embedder"].full_name
+
+
+def check_limits(cfg: ServeConfig, spec) -> None:
+    """Refuse at start the settings that would fail requests later."""
+    if cfg.max_batch_tokens < spec.max_tokens:
+        raise ValueError(f"--max-batch-tokens {cfg.max_batch_tokens} is below the model's limit of "
+                         f"{spec.max_tokens} tokens: one long text could never be batched")
+    largest_answer = records.RESULT_HEADER + cfg.max_texts_per_request * row_bytes(spec.hidden_size, pb.ENCODING_FLOAT32)
+    if largest_answer > Ring.max_record_for(cfg.response_ring_bytes):
+        raise ValueError(f"--response-ring-bytes {cfg.response_ring_bytes} cannot hold one answer of "
+                         f"{cfg.max_texts_per_request} x {spec.hidden_size} float32 values")
+    largest_request = records.REQUEST_HEADER + cfg.max_texts_per_request * 4 * (1 + spec.max_tokens)
+    if largest_request > Ring.max_record_for(cfg.request_ring_bytes):
+        raise ValueError(f"--request-ring-bytes {cfg.request_ring_bytes} cannot hold one request of "
+                         f"{cfg.max_texts_per_request} texts of {spec.max_tokens} tokens")
+
+
+async def serve(cfg: ServeConfig) -> None:
+    removed = cleanup_stale_segments()
+    if removed:
+        log.info("removed %d shared-memory segments left by a dead server", len(removed))
+    spec = read_model_spec(cfg.model)
+    check_limits(cfg, spec)
+    executor = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="pollen-tokenize")
+    admission = Admission(spec, TextTokenizer(cfg.model, spec.max_tokens), executor, cfg.max_texts_per_request)
+    pool = WorkerPool(cfg)
+
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", cfg.max_request_bytes),
+        ("grpc.max_send_message_length", -1),
+    ])
+    pb_grpc.add_EmbedderServicer_to_server(EmbedderService(cfg, spec, admission, pool), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if server.add_insecure_port(cfg.listen) == 0 and not cfg.listen.startswith("unix:"):
+        raise OSError(f"cannot listen on {cfg.listen}")
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    await server.start()
+    try:
+        log.info("loading %s on %d %s worker(s)", spec.name, cfg.workers, cfg.device)
+        starting = asyncio.ensure_future(pool.start())
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if starting.done():
+            starting.result()  # raises if a worker could not start
+            for name in ("", SERVICE_NAME):
+                await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+            log.info("serving %s on %s", spec.name, cfg.listen)
+            await stop.wait()
+        else:
+            starting.cancel()
+        log.info("stopping: finishing the work in flight (up to %.0f s)", cfg.shutdown_grace)
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(cfg.shutdown_grace)
+    finally:
+        await pool.stop()
+        executor.shutdown(wait=False, cancel_futures=True)
+        log.info("stopped")

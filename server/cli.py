@@ -1,0 +1,44 @@
+"""The `pollen` command. `pollen serve --help` lists every flag and its POLLEN_* variable."""
+from __future__ import annotations
+
+import logging
+import sys
+
+USAGE = """usage: pollen serve [flags]    serve embeddings over gRPC (pollen serve --help)"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    if argv[0] != "serve":
+        print(f"pollen: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
+        return 2
+    return serve(argv[1:])
+
+
+def serve(argv: list[str]) -> int:
+    from server.config import ServeConfig
+
+    try:
+        cfg = ServeConfig.from_args(argv)
+    except ValueError as exc:
+        print(f"pollen serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvloop
+
+    from server.app import serve as run_server
+
+    try:
+        uvloop.run(run_server(cfg))
+    except (ValueError, OSError, RuntimeError) as exc:
+        logging.getLogger("pollen").error("%s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""pollen.v1.Embedder over grpc.aio. RequestError becomes a status here and nowhere else."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from pollen.v1 import embedder_pb2 as pb
+from pollen.v1 import embedder_pb2_grpc as pb_grpc
+from server.admission import Admission
+from server.config import ServeConfig
+from server.errors import RequestError, invalid, status_number
+from server.workers import WorkerPool
+from worker.models.spec import ModelSpec
+from worker.postprocess import SUPPORTED
+
+log = logging.getLogger("pollen.service")
+
+_POOLING = {"mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS, "last": pb.POOLING_LAST}
+_WORKER_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class EmbedderService(pb_grpc.EmbedderServicer):
+    def __init__(self, cfg: ServeConfig, spec: ModelSpec, admission: Admission, pool: WorkerPool):
+        self.cfg = cfg
+        self.spec = spec
+        self.admission = admission
+        self.pool = pool
+
+    async def embed(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
+        job = await self.admission.admit(request)
+        result = await self.pool.embed(job.seqs, job.dims, job.normalize, job.encoding)
+        if result.status:
+            raise RequestError(_WORKER_STATUS.get(result.status, grpc.StatusCode.INTERNAL),
+                               result.body.decode(errors="replace"))
+        return pb.EmbedResponse(
+            id=request.id, embeddings=result.body, rows=result.rows, dims=result.dims,
+            encoding=result.encoding, usage=pb.Usage(prompt_tokens=job.tokens),
+            timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us))
+
+    async def Embed(self, request, context):
+        try:
+            return await self.embed(request)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def EmbedStream(self, request_iterator, context):
+        """Answer each message as soon as it is done; a bad message gets an error answer only."""
+        answers: asyncio.Queue = asyncio.Queue()
+        in_flight: set[str] = set()
+        tasks: set[asyncio.Task] = set()
+
+        async def answer(request: pb.EmbedRequest) -> None:
+            try:
+                response = await self.embed(request)
+            except RequestError as exc:
+                response = error_response(request.id, exc)
+            except Exception as exc:  # a bug must still answer the message, and say so
+                log.exception("stream message %r failed", request.id)
+                response = error_response(request.id, RequestError(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}"))
+            finally:
+                in_flight.discard(request.id)
+            answers.put_nowait(response)
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    if not request.id:
+                        answers.put_nowait(error_response("", invalid("id is required on EmbedStream messages")))
+                    elif request.id in in_flight:
+                        answers.put_nowait(error_response(request.id, invalid(
+                            f"id {request.id!r} is still in flight on this stream; ids must be unique "
+                            "until answered")))
+                    else:
+                        in_flight.add(request.id)
+                        task = asyncio.create_task(answer(request))
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
+                while tasks:
+                    await asyncio.wait(set(tasks))
+            finally:
+                answers.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (response := await answers.get()) is not None:
+                yield response
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+
+    async def Tokenize(self, request, context):
+        try:
+            if request.truncate not in pb.Truncate.values():
+                raise invalid(f"truncate {request.truncate} is not a known Truncate value")
+            if len(request.texts) > self.cfg.max_texts_per_request:
+                raise invalid(f"{len(request.texts)} texts in one request, over the limit of "
+                              f"{self.cfg.max_texts_per_request}")
+            seqs = await self.admission.tokenize(list(request.texts), request.truncate)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+        return pb.TokenizeResponse(tokens=[pb.TokenIds(ids=s.tolist()) for s in seqs],
+                                   counts=[len(s) for s in seqs],
+                                   usage=pb.Usage(prompt_tokens=sum(len(s) for s in seqs)))
+
+    async def Info(self, request, context):
+        return pb.InfoResponse(
+            model=self.spec.name, dimensions=self.spec.hidden_size, max_tokens=self.spec.max_tokens,
+            pooling=_POOLING.get(self.spec.pooling, pb.POOLING_UNSPECIFIED), encodings=list(SUPPORTED),
+            max_texts_per_request=self.cfg.max_texts_per_request, max_batch_tokens=self.cfg.max_batch_tokens,
+            max_queued_tokens=self.cfg.max_queued_tokens, max_request_bytes=self.cfg.max_request_bytes,
+            vocab_size=self.spec.vocab_size, workers=self.cfg.workers, device=self.cfg.device)
+
+
+def error_response(request_id: str, exc: RequestError) -> pb.EmbedResponse:
+    return pb.EmbedResponse(id=request_id, error=pb.Error(code=status_number(exc.code), message=exc.message))

@@ -1,0 +1,455 @@
+"""Lock-free single-producer single-consumer byte ring in POSIX shared memory.
+
+One ``Ring`` carries records one way between two processes (the frontend has a request ring to the
+worker and a response ring back). Records are variable-length byte strings tagged with a small
+``kind``; nothing is pickled. A busy peer costs no system call per record: the eventfds are only
+written when the other side has said it is asleep.
+
+Setup: the creator calls ``Ring.create()``, starts the peer with
+``subprocess.Popen(..., pass_fds=[ring.data_fd, ring.space_fd])`` and hands it ``ring.name`` and
+the two fd numbers, which the peer passes to ``Ring.attach()``. The creator ``unlink()``s the
+segment when done; ``cleanup_stale_segments()`` at start-up removes those of crashed creators.
+
+An asyncio consumer does not block in ``wait_readable``; it watches ``data_fd``::
+
+    def on_readable():                 # loop.add_reader(ring.data_fd, on_readable)
+        ring.drain_signal(ring.data_fd)
+        ring.set_consumer_sleeping(False)
+        while (record := ring.read()) is not None:
+            handle(*record)            # copy the payload out: it is reused after release()
+        ring.release()
+        ring.set_consumer_sleeping(True)
+        if ring.has_data():            # committed between the last read and the flag
+            loop.call_soon(on_readable)
+
+    ring.set_consumer_sleeping(True)   # before add_reader, or no wake-up ever comes
+
+Because a wake-up can (rarely) be lost, see ``Ring``, it should also call ``on_readable`` every
+``Ring.WAIT_SLICE`` or so while it awaits answers.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+import select
+import struct
+import time
+
+import numpy as np
+
+SHM_DIR = "/dev/shm"
+
+_MAGIC = int.from_bytes(b"POLLENRG", "little")
+_VERSION = 1
+_WRAP = 0xFFFFFFFF  # record length value meaning "no record here, continue at data offset 0"
+_REC = struct.Struct("<II")  # record header: payload length, kind
+_ONE = (1).to_bytes(8, "little")  # what an eventfd write adds to the counter
+
+_STATIC = struct.Struct("<QI4xQ")  # magic, version, capacity: written once, before any sharing
+# Element indices of the shared positions and flags in numpy views of the header (see Ring).
+_I_WRITE_POS, _I_READ_POS = 8, 16  # u64 words at byte 64 and 128
+_I_PRODUCER_SLEEPING, _I_CONSUMER_SLEEPING = 18, 34  # u32 words at byte 72 and 136
+
+
+class RingFull(Exception):
+    """No room for a record right now; raised by callers that prefer it to ``try_write``'s False."""
+
+
+class Ring:
+    """One-way record ring in a shared-memory segment, one producer process, one consumer process.
+
+    Segment layout (little-endian; every field naturally aligned)::
+
+        byte  size  field              written by
+        ----  ----  -----------------  ---------------------------------------------------
+           0     8  magic "POLLENRG"   create(), once             \\
+           8     4  version            create(), once              | cache line 0: read-only
+          16     8  capacity           create(), once              | after create()
+          24    40  (zero)                                        /
+          64     8  write_pos          producer                   \\ cache line 1:
+          72     4  producer_sleeping  producer                    | producer-written
+          76    52  (zero)                                        /
+         128     8  read_pos           consumer                   \\ cache line 2:
+         136     4  consumer_sleeping  consumer                    | consumer-written
+         140    52  (zero)                                        /
+         192  capacity  data area: records back to back
+
+    ``write_pos`` and ``read_pos`` are byte counters that only grow (u64, they never wrap); a
+    record at counter ``p`` lives at data offset ``p % capacity``. ``write_pos - read_pos`` is the
+    number of bytes in use, so ``write_pos == read_pos`` means empty and nothing is ever ambiguous.
+
+    Record format, every record starting 8-byte aligned::
+
+        +------------+------------+---------------------------+---------+
+        | length u32 | kind u32   | payload (length bytes)    | pad to 8|
+        +------------+------------+---------------------------+---------+
+        | 0xFFFFFFFF | (unused)   |  wrap marker: the rest of the data area is skipped and
+        +------------+------------+  the next record starts at data offset 0
+
+    A record is never split: if it does not fit before the end of the data area, the producer
+    writes a wrap marker and places it at offset 0 (the skipped tail counts as used space). A
+    record of at most ``capacity / 2`` bytes (header and padding included) fits at any offset once
+    the ring drains, before the end or else at 0; a larger one might never fit. Hence
+    ``max_record = capacity // 2 - RECORD_HEADER``.
+
+    Publication order, and why it is safe:
+
+    * Producer: payload and record header (and any wrap marker) first, then ``write_pos``. The
+      consumer loads ``write_pos`` first and only then the records below it, so it never sees a
+      record before its bytes are complete.
+    * Consumer: reads (or copies out) the payloads, then publishes ``read_pos``. The producer loads
+      ``read_pos`` before it writes into the space below it, so it never overwrites bytes the
+      consumer still uses. The consumer may read several records and release them all at once.
+    * Sleep protocol: a side about to block sets its ``*_sleeping`` flag, re-checks the ring, then
+      polls its eventfd; the other side, after publishing its position, writes the eventfd only if
+      the flag is set.
+
+    Assumptions: x86-64 (TSO): stores become visible in program order, loads are not reordered with
+    other loads nor with later stores, and an aligned 8-byte load or store is a single instruction
+    (the positions are accessed through a numpy uint64 view for that reason, never struct). TSO
+    does let a store be delayed past a later load, and Python has no memory fence, so in the sleep
+    protocol "set flag, load position" on one side and "store position, load flag" on the other
+    can both miss: a wake-up is lost. Blocking waits therefore poll in bounded slices of
+    ``WAIT_SLICE`` seconds, which caps the cost of that rare race at one slice.
+
+    Capacity is rounded up to a multiple of 4096 bytes (the page size), at least 4096.
+    """
+
+    HEADER_BYTES = 192
+    RECORD_HEADER = 8
+    WAIT_SLICE = 0.002  # seconds; the safety net for a lost wake-up (see above)
+
+    def __init__(self, name: str, mm: mmap.mmap, data_fd: int, space_fd: int, own_fds: bool):
+        self.name = name
+        self.data_fd = data_fd
+        self.space_fd = space_fd
+        self._own_fds = own_fds
+        self._mm = mm
+        self._mv = memoryview(mm)
+        self._u64 = np.frombuffer(mm, dtype=np.uint64, count=self.HEADER_BYTES // 8)
+        self._u32 = np.frombuffer(mm, dtype=np.uint32, count=self.HEADER_BYTES // 4)
+        self.capacity = _STATIC.unpack_from(mm)[2]
+        self.max_record = self.capacity // 2 - self.RECORD_HEADER
+        # Private cursors: each side owns one position and caches it here.
+        self._wpos = int(self._u64[_I_WRITE_POS])  # producer: == shared write_pos
+        self._rcur = int(self._u64[_I_READ_POS])  # consumer: >= read_pos (read, not released)
+        self._pending: tuple[int, int, int] | None = None  # (new write_pos, offset, length)
+        self._data_poll = select.poll()
+        self._data_poll.register(data_fd, select.POLLIN)
+        self._space_poll = select.poll()
+        self._space_poll.register(space_fd, select.POLLIN)
+        self._closed = False
+
+    @classmethod
+    def create(cls, capacity: int, prefix: str = "pollen") -> Ring:
+        """New segment of ``capacity`` data bytes (rounded up to 4096) with its two eventfds."""
+        if capacity <= 0 or capacity > 2**32:
+            raise ValueError(f"ring capacity must be in 1..2**32 bytes, got {capacity}")
+        capacity = -(-capacity // 4096) * 4096
+        name = f"{prefix}-{os.getpid()}-{secrets.token_hex(16)}"
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        fds = []
+        try:
+            os.ftruncate(fd, cls.HEADER_BYTES + capacity)  # zero-filled: positions and flags are 0
+            mm = mmap.mmap(fd, cls.HEADER_BYTES + capacity)
+            _STATIC.pack_into(mm, 0, _MAGIC, _VERSION, capacity)
+            for _ in range(2):
+                fds.append(os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
+        except BaseException:
+            os.unlink(path)
+            for efd in fds:
+                os.close(efd)
+            raise
+        finally:
+            os.close(fd)  # the mapping keeps the segment alive
+        return cls(name, mm, fds[0], fds[1], own_fds=True)
+
+    @classmethod
+    def attach(cls, name: str, data_fd: int, space_fd: int, own_fds: bool = True) -> Ring:
+        """Map an existing segment by basename, using eventfds inherited from its creator.
+
+        With ``own_fds`` (the default, right for a child that got them through ``pass_fds``),
+        ``close()`` closes the two fds; pass False when they belong to another ``Ring`` object.
+        """
+        if "/" in name:
+            raise ValueError(f"ring name must be a basename under {SHM_DIR}, got {name!r}")
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            if size < cls.HEADER_BYTES:
+                raise ValueError(f"{name} is not a pollen ring: {size} bytes")
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        magic, version, capacity = _STATIC.unpack_from(mm)
+        if magic != _MAGIC or version != _VERSION or cls.HEADER_BYTES + capacity != size:
+            mm.close()
+            raise ValueError(
+                f"{name} is not a pollen ring v{_VERSION}: magic={magic:#x} version={version} "
+                f"capacity={capacity} size={size}"
+            )
+        return cls(name, mm, data_fd, space_fd, own_fds=own_fds)
+
+    # --- producer side ---
+
+    def free_bytes(self) -> int:
+        """Bytes not in use now (a record also needs its header, padding, maybe a wrapped tail)."""
+        return self.capacity - (int(self._u64[_I_WRITE_POS]) - int(self._u64[_I_READ_POS]))
+
+    def try_reserve(self, nbytes: int) -> memoryview | None:
+        """Writable view of ``nbytes`` contiguous bytes for the next record's payload; None if full.
+
+        Nothing is visible to the consumer until ``commit()``. Calling again before ``commit()``
+        replaces the reservation.
+        """
+        if not 0 <= nbytes <= self.max_record:
+            raise ValueError(f"record of {nbytes} bytes; this ring takes 0..{self.max_record}")
+        size = self.RECORD_HEADER + ((nbytes + 7) & ~7)
+        wpos, cap = self._wpos, self.capacity
+        free = cap - (wpos - int(self._u64[_I_READ_POS]))
+        offset = wpos % cap
+        tail = cap - offset  # >= 8: offsets are 8-aligned and capacity is a multiple of 8
+        if size <= tail:
+            if size > free:
+                return None
+            new_wpos = wpos + size
+        else:
+            if tail + size > free:
+                return None
+            _REC.pack_into(self._mm, self.HEADER_BYTES + offset, _WRAP, 0)
+            offset, new_wpos = 0, wpos + tail + size
+        self._pending = (new_wpos, offset, nbytes)
+        start = self.HEADER_BYTES + offset + self.RECORD_HEADER
+        return self._mv[start : start + nbytes]
+
+    def commit(self, kind: int, notify: bool = True) -> None:
+        """Publish the record reserved last, tagged ``kind`` (0..2**32-1)."""
+        if self._pending is None:
+            raise RuntimeError("Ring.commit() without a successful try_reserve()")
+        if not 0 <= kind <= 0xFFFFFFFF:
+            raise ValueError(f"record kind must be in 0..2**32-1, got {kind}")
+        new_wpos, offset, nbytes = self._pending
+        self._pending = None
+        _REC.pack_into(self._mm, self.HEADER_BYTES + offset, nbytes, kind)
+        self._u64[_I_WRITE_POS] = new_wpos  # publish last: the record is complete before this
+        self._wpos = new_wpos
+        if notify:
+            self.notify_consumer()
+
+    def try_write(self, kind: int, *parts, notify: bool = True) -> bool:
+        """Gather-write the bytes-like ``parts`` as one record; False (nothing written) if full."""
+        views = [memoryview(p).cast("B") for p in parts]
+        dst = self.try_reserve(sum(v.nbytes for v in views))
+        if dst is None:
+            return False
+        pos = 0
+        for v in views:
+            dst[pos : pos + v.nbytes] = v
+            pos += v.nbytes
+        self.commit(kind, notify)
+        return True
+
+    def write(self, kind: int, *parts, timeout: float | None = None, notify: bool = True) -> None:
+        """Blocking ``try_write`` for a plain producer; raises TimeoutError after ``timeout`` s."""
+        views = [memoryview(p).cast("B") for p in parts]
+        dst = self.reserve(sum(v.nbytes for v in views), timeout)
+        pos = 0
+        for v in views:
+            dst[pos : pos + v.nbytes] = v
+            pos += v.nbytes
+        del dst
+        self.commit(kind, notify)
+
+    def reserve(self, nbytes: int, timeout: float | None = None) -> memoryview:
+        """Blocking ``try_reserve`` for a plain producer; raises TimeoutError after ``timeout`` s."""
+        if (dst := self.try_reserve(nbytes)) is not None:
+            return dst
+        self.notify_consumer()  # records committed with notify=False must not wait on us
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._u32[_I_PRODUCER_SLEEPING] = 1
+        try:
+            # Re-check after setting the flag: the consumer may have released just before.
+            while (dst := self.try_reserve(nbytes)) is None:
+                wait = self.WAIT_SLICE
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"ring {self.name}: no space for a record in {timeout} s")
+                    wait = min(wait, left)
+                self._space_poll.poll(wait * 1000)
+                self.drain_signal(self.space_fd)
+            return dst
+        finally:
+            self._u32[_I_PRODUCER_SLEEPING] = 0
+
+    def set_producer_sleeping(self, sleeping: bool) -> None:
+        """Mark an event-loop producer as waiting for space (True) or not (False).
+
+        While set, the consumer's ``release()`` writes ``space_fd``; watch it with add_reader.
+        """
+        self._u32[_I_PRODUCER_SLEEPING] = 1 if sleeping else 0
+
+    @classmethod
+    def max_record_for(cls, capacity: int) -> int:
+        """The ``max_record`` a ring created with ``capacity`` will have."""
+        return (-(-capacity // 4096) * 4096) // 2 - cls.RECORD_HEADER
+
+    def notify_consumer(self) -> None:
+        """Wake the consumer if it sleeps (after commits made with ``notify=False``)."""
+        if self._u32[_I_CONSUMER_SLEEPING]:
+            _signal(self.data_fd)
+
+    # --- consumer side ---
+
+    def has_data(self) -> bool:
+        """True if a committed record follows the consumer's cursor."""
+        return self._rcur != int(self._u64[_I_WRITE_POS])
+
+    def read(self) -> tuple[int, memoryview] | None:
+        """Next record as ``(kind, payload)``, or None when empty.
+
+        The payload view is valid until ``release()``; copy what must outlive it.
+        """
+        cur = self._rcur
+        if cur == int(self._u64[_I_WRITE_POS]):  # load write_pos before the record
+            return None
+        offset = cur % self.capacity
+        nbytes, kind = _REC.unpack_from(self._mm, self.HEADER_BYTES + offset)
+        if nbytes == _WRAP:  # committed together with the record at offset 0
+            cur += self.capacity - offset
+            offset = 0
+            nbytes, kind = _REC.unpack_from(self._mm, self.HEADER_BYTES)
+        if nbytes > self.max_record:
+            raise RuntimeError(
+                f"ring {self.name}: record of {nbytes} bytes at position {cur} exceeds max_record "
+                f"{self.max_record}; the segment is corrupt. This is a bug."
+            )
+        self._rcur = cur + self.RECORD_HEADER + ((nbytes + 7) & ~7)
+        start = self.HEADER_BYTES + offset + self.RECORD_HEADER
+        return kind, self._mv[start : start + nbytes]
+
+    def release(self) -> None:
+        """Free all records read so far (drop their views first); wake a waiting producer."""
+        self._u64[_I_READ_POS] = self._rcur
+        if self._u32[_I_PRODUCER_SLEEPING]:
+            _signal(self.space_fd)
+
+    def wait_readable(self, timeout: float | None) -> bool:
+        """Block until a record is available or ``timeout`` s pass (None: forever); True if data.
+
+        Sets ``consumer_sleeping`` while it waits, so the producer writes ``data_fd``. Polls in
+        slices of at most ``WAIT_SLICE`` s because a wake-up can be lost (see the class docstring).
+        """
+        if self.has_data():
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._u32[_I_CONSUMER_SLEEPING] = 1
+        try:
+            while not self.has_data():  # re-check after setting the flag: no lost wake-up
+                wait = self.WAIT_SLICE
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    wait = min(wait, left)
+                self._data_poll.poll(wait * 1000)
+                self.drain_signal(self.data_fd)  # before the re-check, so no signal is eaten
+            return True
+        finally:
+            self._u32[_I_CONSUMER_SLEEPING] = 0
+
+    def set_consumer_sleeping(self, sleeping: bool) -> None:
+        """Mark an event-loop consumer idle (True) or busy (False); see the module docstring."""
+        self._u32[_I_CONSUMER_SLEEPING] = 1 if sleeping else 0
+
+    @property
+    def consumer_sleeping(self) -> bool:
+        """Whether the consumer says it sleeps (the producer's test; handy in tests, metrics)."""
+        return bool(self._u32[_I_CONSUMER_SLEEPING])
+
+    @property
+    def producer_sleeping(self) -> bool:
+        """Whether the producer says it sleeps, waiting for space."""
+        return bool(self._u32[_I_PRODUCER_SLEEPING])
+
+    @staticmethod
+    def drain_signal(fd: int) -> None:
+        """Reset an eventfd's counter without blocking; no-op if it was not signalled."""
+        try:
+            os.eventfd_read(fd)
+        except BlockingIOError:
+            pass
+
+    # --- lifetime ---
+
+    def close(self) -> None:
+        """Unmap and close owned fds; idempotent. The segment file stays (see ``unlink``).
+
+        If payload views handed out are still alive, the mapping is freed when the last one goes.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._pending = None
+        self._u64 = self._u32 = None
+        self._mv.release()
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # caller still holds a view; the mapping goes with it
+        if self._own_fds:
+            for fd in (self.data_fd, self.space_fd):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def unlink(self) -> None:
+        """Remove the segment file; idempotent. Attached processes keep their mappings."""
+        try:
+            os.unlink(os.path.join(SHM_DIR, self.name))
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> Ring:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _signal(fd: int) -> None:
+    try:
+        os.write(fd, _ONE)
+    except BlockingIOError:
+        pass  # counter saturated: the peer has plenty of wake-ups pending already
+
+
+def cleanup_stale_segments(prefix: str = "pollen") -> list[str]:
+    """Remove ``/dev/shm/{prefix}-{pid}-*`` segments whose creator pid is gone; return their names.
+
+    A reused pid keeps its stale segment until that process dies too; that is only a leak.
+    """
+    pattern = re.compile(re.escape(prefix) + r"-(\d+)-[0-9a-f]+")
+    removed = []
+    for name in sorted(os.listdir(SHM_DIR)):
+        match = pattern.fullmatch(name)
+        if match is None or int(match.group(1)) <= 0:
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed

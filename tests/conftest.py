@@ -1,0 +1,133 @@
+"""Shared fixtures: a real `pollen serve` process, gRPC stubs, and the sentence-transformers reference."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pollen.v1 import embedder_pb2 as pb
+from pollen.v1 import embedder_pb2_grpc as pb_grpc
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# The issue's limit for a 2-core machine; a server slower than this fails the fixture.
+SERVING_WITHIN_S = 15.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`pollen serve` in its own process, as a user would start it."""
+
+    def __init__(self, *args: str, env: dict | None = None, listen: str | None = None):
+        self.listen = listen or f"127.0.0.1:{free_port()}"
+        self.args = ["-m", "server.cli", "serve", "--listen", self.listen, *args]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.started_in_s = None
+
+    def start(self, timeout: float = SERVING_WITHIN_S) -> "ServerProcess":
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, *self.args], env=self.env)
+        channel = grpc.insecure_channel(self.listen)
+        health = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pollen serve exited with {self.proc.returncode} before serving")
+            try:
+                reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    self.started_in_s = time.monotonic() - t0
+                    channel.close()
+                    return self
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+        channel.close()
+        self.kill()
+        raise TimeoutError(f"pollen serve did not report SERVING within {timeout} s")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def worker_pids(self) -> list[int]:
+        with open(f"/proc/{self.pid}/task/{self.pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+
+    def healthy(self) -> bool:
+        with grpc.insecure_channel(self.listen) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def shm_segments(pid: int) -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"pollen-{pid}-"))
+
+
+@pytest.fixture(scope="session")
+def server():
+    srv = ServerProcess("--max-texts-per-request", "64", "--max-request-bytes", str(1 << 20)).start()
+    yield srv
+    assert srv.terminate() == 0
+    assert shm_segments(srv.pid) == []
+
+
+@pytest.fixture(scope="session")
+def channel(server):
+    with grpc.insecure_channel(server.listen) as ch:
+        yield ch
+
+
+@pytest.fixture(scope="session")
+def stub(channel):
+    return pb_grpc.EmbedderStub(channel)
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """sentence-transformers on the same model: the independent reference."""
+    from sentence_transformers import SentenceTransformer
+
+    from worker.models.spec import default_model_path
+
+    model = SentenceTransformer(default_model_path(), device="cpu")
+
+    def encode(texts: list[str]) -> np.ndarray:
+        return model.encode(texts, normalize_embeddings=True, batch_size=64, convert_to_numpy=True)
+
+    return encode
+
+
+def vectors(response: pb.EmbedResponse) -> np.ndarray:
+    assert not response.HasField("error"), response.error.message
+    assert response.encoding == pb.ENCODING_FLOAT32
+    return np.frombuffer(response.embeddings, dtype="<f4").reshape(response.rows, response.dims)
+
+
+def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a = a / np.linalg.norm(a, axis=1, keepdims=True)
+    b = b / np.linalg.norm(b, axis=1, keepdims=True)
+    return (a * b).sum(axis=1)

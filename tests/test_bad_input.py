@@ -1,0 +1,93 @@
+"""Bad input: a clear error that names the problem, and nothing else is lost."""
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from pollen.v1 import embedder_pb2 as pb
+from tests.conftest import vectors
+
+LONG = "word " * 400  # ~400 tokens, over all-MiniLM-L6-v2's 256
+
+BAD = {
+    "neither texts nor token_ids": (pb.EmbedRequest(id="b1"), "neither texts nor token_ids"),
+    "both texts and token_ids": (
+        pb.EmbedRequest(id="b2", texts=["x"], token_ids=[pb.TokenIds(ids=[101, 102])]), "not both"),
+    "empty string": (pb.EmbedRequest(id="b3", texts=["fine", ""]), "texts[1] is empty"),
+    "too long with truncate NONE": (pb.EmbedRequest(id="b4", texts=[LONG]), "over the model's limit of 256"),
+    "token id over the vocabulary": (
+        pb.EmbedRequest(id="b5", token_ids=[pb.TokenIds(ids=[101, 30522, 102])]), "id 30522, outside the vocabulary"),
+    "negative token id": (pb.EmbedRequest(id="b6", token_ids=[pb.TokenIds(ids=[101, -5, 102])]), "id -5"),
+    "dimensions above the model's": (pb.EmbedRequest(id="b7", texts=["x"], dimensions=385), "dimensions 385"),
+    "unknown encoding": (pb.EmbedRequest(id="b8", texts=["x"], encoding=99), "encoding 99 is not a known"),
+    "unknown truncate": (pb.EmbedRequest(id="b9", texts=["x"], truncate=7), "truncate 7 is not a known"),
+    "more texts than the limit": (pb.EmbedRequest(id="b10", texts=["x"] * 65), "65 inputs in one request, over the limit of 64"),
+    "token ids too long with truncate NONE": (
+        pb.EmbedRequest(id="b11", token_ids=[pb.TokenIds(ids=[1000] * 300)]), "token_ids[0] has 300 tokens"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_unary_bad_input_is_invalid_argument(stub, server, case):
+    request, fragment = BAD[case]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Embed(request, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in err.value.details()
+    assert server.healthy()
+
+
+def test_int8_answers_unimplemented_until_the_encodings_issue(stub):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Embed(pb.EmbedRequest(texts=["x"], encoding=pb.ENCODING_INT8), timeout=30)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "ENCODING_INT8" in err.value.details()
+
+
+def test_message_over_the_size_limit_is_refused_by_grpc(stub, server):
+    # The session server runs with --max-request-bytes 1 MiB.
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Embed(pb.EmbedRequest(texts=["x" * (1 << 20)]), timeout=30)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert server.healthy()
+    assert vectors(stub.Embed(pb.EmbedRequest(texts=["still fine"]), timeout=30)).shape == (1, 384)
+
+
+def test_stream_bad_messages_fail_alone(stub, server):
+    good = [pb.EmbedRequest(id=f"good-{i}", texts=[f"sentence number {i}", "another"]) for i in range(6)]
+    bad = [BAD[case][0] for case in BAD]
+    # The slow message holds id "dup" in flight while a second "dup" arrives.
+    slow = pb.EmbedRequest(id="dup", texts=[LONG] * 64, truncate=pb.TRUNCATE_END)
+    mixed = [slow, pb.EmbedRequest(id="dup", texts=["again"])]
+    for g, b in zip(good, bad):
+        mixed += [g, b]
+    mixed += good[len(bad):] + bad[len(good):] + [pb.EmbedRequest(texts=["no id"])]
+    answers: dict[str, list] = {}
+    for response in stub.EmbedStream(iter(mixed), timeout=120):
+        answers.setdefault(response.id, []).append(response)
+
+    for g in good:
+        (reply,) = answers[g.id]
+        assert vectors(reply).shape == (2, 384)
+    for case, (request, fragment) in BAD.items():
+        (reply,) = answers[request.id]
+        assert reply.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], case
+        assert fragment in reply.error.message, case
+        assert reply.rows == 0 and not reply.embeddings
+    dup = answers["dup"]
+    assert len(dup) == 2
+    errors = [r for r in dup if r.HasField("error")]
+    assert len(errors) == 1 and "still in flight" in errors[0].error.message
+    assert vectors(next(r for r in dup if not r.HasField("error"))).shape == (64, 384)
+    (no_id,) = answers[""]
+    assert "id is required" in no_id.error.message
+    assert server.healthy()
+
+
+def test_pre_tokenized_input_equals_texts(stub):
+    texts = ["pre-tokenized input", "東京 🙂"]
+    tokens = stub.Tokenize(pb.TokenizeRequest(texts=texts)).tokens
+    a = vectors(stub.Embed(pb.EmbedRequest(texts=texts, normalize=True)))
+    b = vectors(stub.Embed(pb.EmbedRequest(token_ids=tokens, normalize=True)))
+    np.testing.assert_allclose(a, b, atol=1e-6)

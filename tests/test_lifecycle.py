@@ -1,0 +1,89 @@
+"""Start-up, SIGTERM with work in flight, and segments left behind by a killed server."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from pollen.v1 import embedder_pb2 as pb
+from pollen.v1 import embedder_pb2_grpc as pb_grpc
+from tests.conftest import ServerProcess, shm_segments, vectors
+
+
+def test_sigterm_answers_work_in_flight_and_exits_0(tmp_path):
+    srv = ServerProcess(listen=f"unix:{tmp_path}/pollen.sock").start()
+    try:
+        texts = [f"document {i} " + "with a few more words " * 20 for i in range(32)]
+
+        async def main():
+            async with grpc.aio.insecure_channel(srv.listen) as channel:
+                stub = pb_grpc.EmbedderStub(channel)
+                calls = [asyncio.ensure_future(stub.Embed(pb.EmbedRequest(texts=texts), timeout=120))
+                         for _ in range(40)]
+                await asyncio.sleep(0.5)
+                assert not all(c.done() for c in calls), "the work finished before SIGTERM; make it bigger"
+                os.kill(srv.pid, signal.SIGTERM)
+                return await asyncio.gather(*calls)
+
+        replies = asyncio.run(main())
+        assert all(vectors(r).shape == (32, 384) for r in replies)
+        assert srv.proc.wait(60) == 0
+        assert shm_segments(srv.pid) == []
+    finally:
+        srv.kill()
+
+
+def test_killed_server_segments_are_removed_by_the_next_one():
+    first = ServerProcess().start()
+    first_segments = shm_segments(first.pid)
+    assert len(first_segments) == 2
+    os.kill(first.pid, signal.SIGKILL)  # no cleanup at all; its worker dies with it
+    first.proc.wait()
+    assert shm_segments(first.pid) == first_segments
+    second = ServerProcess().start()
+    try:
+        assert shm_segments(first.pid) == []
+        assert len(shm_segments(second.pid)) == 2
+        for name in shm_segments(second.pid):
+            assert os.stat(f"/dev/shm/{name}").st_mode & 0o777 == 0o600
+    finally:
+        second.terminate()
+
+
+def test_info_and_reflection(stub):
+    info = stub.Info(pb.InfoRequest())
+    assert info.dimensions == 384 and info.max_tokens == 256 and info.pooling == pb.POOLING_MEAN
+    assert info.vocab_size == 30522 and pb.ENCODING_FLOAT32 in info.encodings
+
+
+def test_reflection_lists_the_services(channel):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = {s.name for r in replies for s in r.list_services_response.service}
+    assert {"pollen.v1.Embedder", "grpc.health.v1.Health"} <= names
+
+
+def test_bad_model_directory_exits_with_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    run = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(tmp_path),
+                          "--listen", "127.0.0.1:0"], capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0
+    assert "gpt2" in run.stderr
+
+
+def test_flags_read_pollen_environment_variables():
+    from server.config import ServeConfig
+
+    cfg = ServeConfig.from_args([], environ={"POLLEN_WORKERS": "3", "POLLEN_MAX_BATCH_TOKENS": "4096",
+                                             "POLLEN_LISTEN": "unix:/tmp/x.sock"})
+    assert (cfg.workers, cfg.max_batch_tokens, cfg.listen) == (3, 4096, "unix:/tmp/x.sock")
+    assert ServeConfig.from_args(["--workers", "2"], environ={"POLLEN_WORKERS": "3"}).workers == 2
+    with pytest.raises(ValueError, match="max-batch-tokens"):
+        ServeConfig.from_args(["--max-batch-tokens", "0"], environ={})

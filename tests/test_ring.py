@@ -1,0 +1,236 @@
+"""Fast tests of shared_mem/ring.py: round trip, wrap, limits, lifetime, cross-process wake-up."""
+
+import os
+import secrets
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from shared_mem.ring import SHM_DIR, Ring, cleanup_stale_segments
+
+PREFIX = "pollentest"
+
+
+@pytest.fixture
+def ring():
+    r = Ring.create(4096, prefix=PREFIX)
+    yield r
+    r.close()
+    r.unlink()
+
+
+def drain(r):
+    out = []
+    while (rec := r.read()) is not None:
+        out.append((rec[0], bytes(rec[1])))
+    r.release()
+    return out
+
+
+def test_create_rounds_capacity_and_sets_limits(ring):
+    assert ring.capacity == 4096
+    assert ring.max_record == 4096 // 2 - Ring.RECORD_HEADER
+    assert ring.free_bytes() == 4096
+    assert os.path.getsize(os.path.join(SHM_DIR, ring.name)) == Ring.HEADER_BYTES + 4096
+    with Ring.create(5000, prefix=PREFIX) as other:
+        other.unlink()
+        assert other.capacity == 8192
+
+
+def test_round_trip_kinds_and_gather(ring):
+    assert ring.read() is None and not ring.has_data()
+    assert ring.try_write(7, b"hello")
+    assert ring.try_write(0xFFFFFFFF, b"ab", bytearray(b"cd"), memoryview(b"ef"))
+    assert ring.try_write(3)  # empty record
+    vec = np.arange(5, dtype=np.float32)
+    assert ring.try_write(4, vec)
+    assert ring.has_data()
+    got = drain(ring)
+    assert got == [(7, b"hello"), (0xFFFFFFFF, b"abcdef"), (3, b""), (4, vec.tobytes())]
+    assert ring.free_bytes() == ring.capacity and not ring.has_data()
+
+
+def test_reserve_commit_and_views_stay_valid_until_release(ring):
+    view = ring.try_reserve(3)
+    view[:] = b"xyz"
+    ring.commit(9)
+    ring.try_write(1, b"second")
+    kind, first = ring.read()
+    kind2, second = ring.read()
+    assert (kind, bytes(first), kind2, bytes(second)) == (9, b"xyz", 1, b"second")
+    assert ring.read() is None
+    used = ring.capacity - ring.free_bytes()
+    assert used == 2 * 16  # 8-byte header + payload padded to 8, per record
+    ring.release()
+    assert ring.free_bytes() == ring.capacity
+    with pytest.raises(RuntimeError):
+        ring.commit(1)  # nothing reserved
+
+
+def test_wrap_around_keeps_records_whole(ring):
+    rng = np.random.default_rng(1)
+    sent = received = 0
+    expected = []
+    for round_ in range(200):
+        n = int(rng.integers(0, 1500))
+        payload = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        while not ring.try_write(round_, payload):
+            for kind, data in drain(ring):
+                assert (kind, data) == expected[received]
+                received += 1
+        expected.append((round_, payload))
+        sent += 1
+    for kind, data in drain(ring):
+        assert (kind, data) == expected[received]
+        received += 1
+    assert received == sent == 200
+    assert ring._wpos > 10 * ring.capacity  # it did wrap, many times
+
+
+def test_record_exactly_max_record_at_every_kind_of_offset(ring):
+    big = bytes(range(256)) * (ring.max_record // 256) + b"\x01" * (ring.max_record % 256)
+    assert len(big) == ring.max_record
+    for target in (0, 8, 2048 - 8, 2048, 2048 + 8, 4096 - 8):
+        # Move the write offset to `target` with filler records (none of them wrapping) ...
+        while (offset := ring._wpos % ring.capacity) != target:
+            size = min((target - offset) % ring.capacity, 2048, ring.capacity - offset)
+            assert ring.try_write(0, bytes(size - Ring.RECORD_HEADER))
+            drain(ring)
+        # ... then a max_record record fits there once the ring is drained, wrapping if it must.
+        assert ring.try_write(1, big)
+        assert drain(ring) == [(1, big)]
+
+
+def test_full_ring_returns_none_then_succeeds_after_release(ring):
+    n = 0
+    while ring.try_reserve(100) is not None:
+        ring.commit(n, notify=False)
+        n += 1
+    assert n == ring.capacity // 112
+    assert ring.try_reserve(100) is None
+    assert not ring.try_write(0, b"x" * 100)
+    assert ring.read() is not None
+    assert ring.try_reserve(100) is None  # read but not released: bytes still in use
+    ring.release()
+    assert ring.try_reserve(100) is not None
+
+
+def test_value_error_above_max_record(ring):
+    with pytest.raises(ValueError):
+        ring.try_reserve(ring.max_record + 1)
+    with pytest.raises(ValueError):
+        ring.try_write(0, bytes(ring.max_record + 1))
+    with pytest.raises(ValueError):
+        ring.write(0, bytes(ring.max_record + 1), timeout=0.01)
+
+
+def test_blocking_write_times_out_then_wakes_on_release(ring):
+    while ring.try_write(0, bytes(1000)):
+        pass
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        ring.write(0, bytes(1000), timeout=0.05)
+    assert 0.04 < time.monotonic() - t0 < 1.0
+    assert not ring.producer_sleeping
+
+    def consume_later():
+        time.sleep(0.05)
+        drain(ring)
+
+    t = threading.Thread(target=consume_later)
+    t.start()
+    ring.write(5, b"a" * 1000, timeout=5)  # does not fit until the thread drains the ring
+    t.join()
+    assert drain(ring) == [(5, b"a" * 1000)]
+
+
+def test_segment_mode_is_0600_and_unlink_removes_it(ring):
+    path = os.path.join(SHM_DIR, ring.name)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert ring.name.startswith(f"{PREFIX}-{os.getpid()}-")
+    ring.unlink()
+    assert not os.path.exists(path)
+    ring.unlink()  # idempotent
+    ring.close()
+    ring.close()
+
+
+def test_attach_shares_data_and_rejects_foreign_files(ring):
+    peer = Ring.attach(ring.name, ring.data_fd, ring.space_fd, own_fds=False)
+    try:
+        assert (peer.capacity, peer.max_record) == (ring.capacity, ring.max_record)
+        ring.try_write(2, b"across")
+        assert drain(peer) == [(2, b"across")]
+        assert ring.free_bytes() == ring.capacity
+    finally:
+        peer.close()
+    bogus = f"{PREFIX}-{os.getpid()}-{secrets.token_hex(16)}"
+    with open(os.path.join(SHM_DIR, bogus), "wb") as f:
+        f.write(bytes(Ring.HEADER_BYTES + 4096))
+    try:
+        with pytest.raises(ValueError):
+            Ring.attach(bogus, ring.data_fd, ring.space_fd, own_fds=False)
+    finally:
+        os.unlink(os.path.join(SHM_DIR, bogus))
+
+
+def test_cleanup_stale_segments_removes_dead_pids_only():
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = f"{PREFIX}-{dead.pid}-{secrets.token_hex(16)}"
+    open(os.path.join(SHM_DIR, stale), "wb").close()
+    live = Ring.create(4096, prefix=PREFIX)  # our own pid: alive
+    try:
+        removed = cleanup_stale_segments(PREFIX)
+        assert stale in removed and live.name not in removed
+        assert not os.path.exists(os.path.join(SHM_DIR, stale))
+        assert os.path.exists(os.path.join(SHM_DIR, live.name))
+    finally:
+        live.close()
+        live.unlink()
+
+
+# The child sleeps in wait_readable with a huge WAIT_SLICE, so only the eventfd can wake it soon.
+WAKE_CHILD = """
+import sys, time
+from shared_mem.ring import Ring
+ring = Ring.attach(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+Ring.WAIT_SLICE = 30.0
+print("ready", flush=True)
+assert ring.wait_readable(timeout=20)
+woke = time.monotonic()
+kind, payload = ring.read()
+print(kind, bytes(payload).decode(), repr(woke), flush=True)
+"""
+
+
+def test_eventfd_wakes_sleeping_consumer_in_other_process(ring):
+    child = subprocess.Popen(
+        [sys.executable, "-c", WAKE_CHILD, ring.name, str(ring.data_fd), str(ring.space_fd)],
+        pass_fds=[ring.data_fd, ring.space_fd],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 10
+        while not ring.consumer_sleeping:
+            assert time.monotonic() < deadline, "child never went to sleep"
+            time.sleep(0.001)
+        time.sleep(0.05)  # let it settle into poll()
+        sent = time.monotonic()
+        ring.try_write(42, b"wake")
+        out, _ = child.communicate(timeout=10)
+        kind, text, woke = out.split()
+        assert (kind, text) == ("42", "wake")
+        assert float(woke) - sent < 0.5  # the 30 s slice would be far later
+        assert child.returncode == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()

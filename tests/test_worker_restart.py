@@ -1,0 +1,76 @@
+"""kill -9 of a worker with 2,000 requests in flight: every one is answered, correctly."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+
+import grpc
+import numpy as np
+
+from pollen.v1 import embedder_pb2 as pb
+from pollen.v1 import embedder_pb2_grpc as pb_grpc
+from tests.conftest import ServerProcess, cosine_rows, shm_segments, vectors
+from tests.texts import stsb_pairs
+
+REQUESTS = 2000
+
+
+def test_kill_9_worker_loses_nothing(reference):
+    srv = ServerProcess().start()
+    try:
+        rng = random.Random(5)
+        pool = sorted({b for _, b, _ in stsb_pairs()})[:300]
+        plan = [rng.sample(range(len(pool)), rng.randint(1, 4)) for _ in range(REQUESTS)]
+        ref = reference(pool)
+        (victim,) = srv.worker_pids()
+
+        async def main():
+            answered = 0
+            async with grpc.aio.insecure_channel(srv.listen) as channel:
+                stub = pb_grpc.EmbedderStub(channel)
+
+                async def one(picks):
+                    nonlocal answered
+                    reply = await stub.Embed(pb.EmbedRequest(texts=[pool[j] for j in picks], normalize=True),
+                                             timeout=300)
+                    answered += 1
+                    return reply
+
+                calls = [asyncio.ensure_future(one(p)) for p in plan]
+                # Kill once the worker is busy and most requests are still waiting.
+                while answered < 50:
+                    await asyncio.sleep(0.005)
+                os.kill(victim, signal.SIGKILL)
+                in_flight_at_kill = REQUESTS - answered
+                replies = await asyncio.gather(*calls)
+                return replies, in_flight_at_kill
+
+        replies, in_flight_at_kill = asyncio.run(main())
+        print(f"killed worker {victim} with {in_flight_at_kill} requests unanswered")
+        assert in_flight_at_kill > 1000
+        for picks, reply in zip(plan, replies):
+            assert cosine_rows(vectors(reply), ref[picks]).min() >= 0.9999
+
+        (new_worker,) = srv.worker_pids()
+        assert new_worker != victim
+        assert srv.healthy()
+        with grpc.insecure_channel(srv.listen) as channel:
+            reply = pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=[pool[0]], normalize=True), timeout=60)
+        np.testing.assert_allclose(vectors(reply)[0], ref[0], atol=1e-5)
+        # Only the live worker's two rings remain.
+        assert len(shm_segments(srv.pid)) == 2
+        assert all(not n.startswith("pollen-") or n.startswith(f"pollen-{srv.pid}-") or _owner_alive(n)
+                   for n in os.listdir("/dev/shm"))
+    finally:
+        srv.kill()
+
+
+def _owner_alive(name: str) -> bool:
+    try:
+        os.kill(int(name.split("-")[1]), 0)
+        return True
+    except (ProcessLookupError, ValueError, IndexError):
+        return False

@@ -1,0 +1,89 @@
+"""Packed BERT-style encoder (BERT, RoBERTa, XLM-R): post-LayerNorm layers, bidirectional attention.
+
+Checkpoint layout follows HF BertModel; loader.py fills our parameters through hf_weight_map().
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.models.attention import varlen_attention
+from worker.models.base import EmbeddingModel
+from worker.models.packing import positions
+from worker.models.pooling import pool
+from worker.models.spec import ModelSpec, position_offset
+
+
+class BertLayer(nn.Module):
+    def __init__(self, hidden: int, heads: int, intermediate: int, eps: float, act: str):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)  # query, key, value fused: one matmul
+        self.attn_out = nn.Linear(hidden, hidden)
+        self.attn_norm = nn.LayerNorm(hidden, eps=eps)
+        self.up = nn.Linear(hidden, intermediate)
+        self.down = nn.Linear(intermediate, hidden)
+        self.mlp_norm = nn.LayerNorm(hidden, eps=eps)
+        # HF "gelu" is the exact erf form; "gelu_new"/"gelu_pytorch_tanh" the tanh approximation.
+        self.gelu = "none" if act == "gelu" else "tanh"
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv(x).view(tokens, 3, self.heads, -1).unbind(1)
+        attn = varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=False).reshape(tokens, -1)
+        x = self.attn_norm(x + self.attn_out(attn))
+        return self.mlp_norm(x + self.down(F.gelu(self.up(x), approximate=self.gelu)))
+
+
+class BertEncoder(EmbeddingModel):
+    hf_prefixes = ("", "bert.", "roberta.")
+
+    def __init__(self, spec: ModelSpec, config: dict):
+        super().__init__()
+        self.spec = spec
+        hidden = config["hidden_size"]
+        eps = config.get("layer_norm_eps", 1e-12)
+        self.word = nn.Embedding(config["vocab_size"], hidden)
+        self.position = nn.Embedding(config["max_position_embeddings"], hidden)
+        self.token_type = nn.Embedding(config.get("type_vocab_size", 2), hidden)
+        self.emb_norm = nn.LayerNorm(hidden, eps=eps)
+        self.layers = nn.ModuleList(
+            BertLayer(hidden, config["num_attention_heads"], config["intermediate_size"], eps,
+                      config.get("hidden_act", "gelu"))
+            for _ in range(config["num_hidden_layers"])
+        )
+        self.position_offset = position_offset(config)
+        self.max_positions = config["max_position_embeddings"] - self.position_offset
+
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+        if max_seqlen > self.max_positions:
+            # Checked on the host int: an out-of-range position is a device assert on CUDA.
+            raise ValueError(f"sequence of {max_seqlen} tokens exceeds {self.max_positions} positions")
+        tokens = input_ids.shape[0]
+        pos = positions(cu_seqlens, tokens) + self.position_offset
+        # Every token has type 0 (single-text input); same summation order as HF.
+        x = self.word(input_ids) + self.token_type.weight[0] + self.position(pos)
+        x = self.emb_norm(x)
+        for layer in self.layers:
+            x = layer(x, cu_seqlens, max_seqlen)
+        return pool(x, cu_seqlens, self.spec.pooling)
+
+    def hf_weight_map(self) -> dict[str, list[str]]:
+        m = {
+            "word.weight": ["embeddings.word_embeddings.weight"],
+            "position.weight": ["embeddings.position_embeddings.weight"],
+            "token_type.weight": ["embeddings.token_type_embeddings.weight"],
+        }
+        for p in ("weight", "bias"):
+            m[f"emb_norm.{p}"] = [f"embeddings.LayerNorm.{p}"]
+            for i in range(len(self.layers)):
+                ours, hf = f"layers.{i}.", f"encoder.layer.{i}."
+                m[ours + f"qkv.{p}"] = [hf + f"attention.self.{n}.{p}" for n in ("query", "key", "value")]
+                m[ours + f"attn_out.{p}"] = [hf + f"attention.output.dense.{p}"]
+                m[ours + f"attn_norm.{p}"] = [hf + f"attention.output.LayerNorm.{p}"]
+                m[ours + f"up.{p}"] = [hf + f"intermediate.dense.{p}"]
+                m[ours + f"down.{p}"] = [hf + f"output.dense.{p}"]
+                m[ours + f"mlp_norm.{p}"] = [hf + f"output.LayerNorm.{p}"]
+        return m

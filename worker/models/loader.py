@@ -1,0 +1,80 @@
+"""Build an engine model from a HF safetensors directory (single file or sharded with an index)."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from worker.models.base import EmbeddingModel
+from worker.models.bert import BertEncoder
+from worker.models.spec import UnsupportedModel, read_config, read_model_spec
+
+FAMILIES: dict[str, type[EmbeddingModel]] = {"bert": BertEncoder}
+
+
+def load_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> EmbeddingModel:
+    spec = read_model_spec(path)
+    config = read_config(spec.path)
+    # Build on the meta device: no random init of weights we overwrite anyway (matters for 4B models).
+    with torch.device("meta"):
+        model = FAMILIES[spec.family](spec, config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    _load_weights(model, spec.path)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _load_weights(model: EmbeddingModel, path: str) -> None:
+    files = _tensor_files(path)
+    wanted = model.hf_weight_map()
+    params = dict(model.named_parameters())
+    if set(params) != set(wanted) or any(True for _ in model.buffers()):
+        raise AssertionError(f"{type(model).__name__}.hf_weight_map does not cover its parameters. This is a bug.")
+
+    # Pooler, MLM head, position_ids buffers etc. are simply never asked for.
+    def found(prefix: str) -> int:
+        return sum(prefix + n in files for names in wanted.values() for n in names)
+
+    prefix = max(model.hf_prefixes, key=found)
+    missing = [prefix + n for names in wanted.values() for n in names if prefix + n not in files]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise UnsupportedModel(f"{path}: checkpoint lacks {len(missing)} tensors: {shown}")
+
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        handles = {}
+
+        def tensor(name: str) -> torch.Tensor:
+            file = files[prefix + name]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+            return handles[file].get_tensor(prefix + name)
+
+        for ours, names in wanted.items():
+            t = torch.cat([tensor(n) for n in names]) if len(names) > 1 else tensor(names[0])
+            if t.shape != params[ours].shape:
+                raise UnsupportedModel(
+                    f"{path}: tensor {prefix + names[0]} has shape {tuple(t.shape)}, "
+                    f"config.json implies {tuple(params[ours].shape)}"
+                )
+            params[ours].copy_(t)  # converts dtype and moves to the model's device
+
+
+def _tensor_files(path: str) -> dict[str, str]:
+    """Checkpoint tensor name -> the .safetensors file holding it."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(path, file) for name, file in weight_map.items()}
+    files = {}
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(file, framework="pt") as h:
+            files.update(dict.fromkeys(h.keys(), file))
+    return files

