@@ -60,6 +60,11 @@ async def serve(cfg: ServeConfig) -> None:
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", cfg.max_request_bytes),
         ("grpc.max_send_message_length", -1),
+        # gRPC core sheds calls that wait for the handler past a soft limit of 1,000 with a bare
+        # CANCELLED. Admission is ours to decide (--max-queued-tokens answers RESOURCE_EXHAUSTED
+        # with a reason), so let the core hold many more.
+        ("grpc.server.max_pending_requests", 1 << 16),
+        ("grpc.server.max_pending_requests_hard_limit", 1 << 17),
     ])
     pb_grpc.add_EmbedderServicer_to_server(EmbedderService(cfg, spec, admission, pool), server)
     health_servicer = health.aio.HealthServicer()

@@ -158,6 +158,10 @@ class WorkerHandle:
         if self.inflight:
             self.read_answers()
             self.flush()
+            # The worker's wake-up can be lost the same way; it sleeps in long slices and
+            # relies on this nudge while it holds unread requests.
+            if self.requests.free_bytes() < self.requests.capacity:
+                self.requests.notify_consumer()
         self.loop.call_later(Ring.WAIT_SLICE if self.inflight else 0.05, self.tick, generation)
 
     def respawn(self) -> None:

@@ -19,6 +19,9 @@ from pollen.v1 import embedder_pb2_grpc as pb_grpc
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The README's command, installed next to this interpreter by `pip install -e .`.
+POLLEN = os.path.join(os.path.dirname(sys.executable), "pollen")
+
 # The limit for a 2-core machine; a server slower than this fails the fixture.
 SERVING_WITHIN_S = 15.0
 
@@ -34,14 +37,14 @@ class ServerProcess:
 
     def __init__(self, *args: str, env: dict | None = None, listen: str | None = None):
         self.listen = listen or f"127.0.0.1:{free_port()}"
-        self.args = ["-m", "server.cli", "serve", "--listen", self.listen, *args]
+        self.args = ["serve", "--listen", self.listen, *args]
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.started_in_s = None
 
     def start(self, timeout: float = SERVING_WITHIN_S) -> "ServerProcess":
         t0 = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, *self.args], env=self.env)
+        self.proc = subprocess.Popen([POLLEN, *self.args], env=self.env)
         channel = grpc.insecure_channel(self.listen)
         health = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() - t0 < timeout:

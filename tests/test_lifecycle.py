@@ -8,11 +8,12 @@ import subprocess
 import sys
 
 import grpc
+import numpy as np
 import pytest
 
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
-from tests.conftest import ServerProcess, shm_segments, vectors
+from tests.conftest import ServerProcess, cosine_rows, shm_segments, vectors
 
 
 def test_sigterm_answers_work_in_flight_and_exits_0(tmp_path):
@@ -24,7 +25,7 @@ def test_sigterm_answers_work_in_flight_and_exits_0(tmp_path):
             async with grpc.aio.insecure_channel(srv.listen) as channel:
                 stub = pb_grpc.EmbedderStub(channel)
                 calls = [asyncio.ensure_future(stub.Embed(pb.EmbedRequest(texts=texts), timeout=120))
-                         for _ in range(40)]
+                         for _ in range(12)]
                 await asyncio.sleep(0.5)
                 assert not all(c.done() for c in calls), "the work finished before SIGTERM; make it bigger"
                 os.kill(srv.pid, signal.SIGTERM)
@@ -53,6 +54,41 @@ def test_killed_server_segments_are_removed_by_the_next_one():
             assert os.stat(f"/dev/shm/{name}").st_mode & 0o777 == 0o600
     finally:
         second.terminate()
+
+
+def cpu_ticks(pid: int) -> int:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def test_two_workers_share_the_work_and_survive_a_death(reference):
+    srv = ServerProcess("--workers", "2", "--worker-threads", "1").start()
+    try:
+        texts = [f"sentence {i} about routing work to the least busy worker, " * 3 for i in range(256)]
+        ref = reference(texts)
+
+        async def burst():
+            async with grpc.aio.insecure_channel(srv.listen) as channel:
+                stub = pb_grpc.EmbedderStub(channel)
+                return await asyncio.gather(*(
+                    stub.Embed(pb.EmbedRequest(texts=texts[i:i + 8], normalize=True), timeout=120)
+                    for i in range(0, len(texts), 8)))
+
+        for round_ in range(2):
+            workers = srv.worker_pids()
+            assert len(workers) == 2
+            if round_ == 1:
+                os.kill(workers[0], signal.SIGKILL)  # the burst goes on with one worker dead
+            before = {pid: cpu_ticks(pid) for pid in workers[round_:]}
+            got = np.concatenate([vectors(r) for r in asyncio.run(burst())])
+            assert cosine_rows(got, ref).min() >= 0.9999
+            if round_ == 0:
+                # Least-queued routing: both workers did a real share of the burst.
+                spent = {pid: cpu_ticks(pid) - t for pid, t in before.items()}
+                assert min(spent.values()) >= 10, spent
+        assert len(srv.worker_pids()) == 2 and workers[0] not in srv.worker_pids()
+    finally:
+        assert srv.terminate() == 0
 
 
 def test_info_and_reflection(stub):

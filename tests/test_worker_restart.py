@@ -65,7 +65,9 @@ def test_kill_9_worker_loses_nothing(reference):
         assert all(not n.startswith("pollen-") or n.startswith(f"pollen-{srv.pid}-") or _owner_alive(n)
                    for n in os.listdir("/dev/shm"))
     finally:
-        srv.kill()
+        if srv.proc.poll() is None:
+            assert srv.terminate() == 0
+        assert shm_segments(srv.pid) == []
 
 
 def _owner_alive(name: str) -> bool:

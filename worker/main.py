@@ -66,6 +66,9 @@ class Worker:
         self.model = load_model(cfg.model, device=cfg.device)
         self.hidden = self.model.spec.hidden_size
         self.requests = Ring.attach(cfg.request_ring, *cfg.request_fds)
+        # An idle worker sleeps in long slices: the frontend re-signals a lost wake-up every
+        # few ms while it has requests out (server/workers.py, tick), so a laptop stays quiet.
+        self.requests.WAIT_SLICE = 0.5
         self.responses = Ring.attach(cfg.response_ring, *cfg.response_fds)
         self.batcher = Batcher(cfg.max_batch_tokens)
         self.stopping = False
