@@ -44,6 +44,9 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             return await self.embed(request)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
+        except Exception as exc:  # a bug: say so with INTERNAL, never a bare UNKNOWN
+            log.exception("Embed failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
 
     async def EmbedStream(self, request_iterator, context):
         """Answer each message as soon as it is done; a bad message gets an error answer only."""
