@@ -123,3 +123,33 @@ def test_flags_read_pollen_environment_variables():
     assert ServeConfig.from_args(["--workers", "2"], environ={"POLLEN_WORKERS": "3"}).workers == 2
     with pytest.raises(ValueError, match="max-batch-tokens"):
         ServeConfig.from_args(["--max-batch-tokens", "0"], environ={})
+
+
+def test_full_server_refuses_with_resource_exhausted_and_recovers():
+    srv = ServerProcess("--max-batch-tokens", "256", "--max-queued-tokens", "3000").start()
+    try:
+        text = "a sentence of about twenty tokens that fills the queue of a small server quickly"
+
+        async def flood():
+            async with grpc.aio.insecure_channel(srv.listen) as channel:
+                stub = pb_grpc.EmbedderStub(channel)
+                return await asyncio.gather(*(stub.Embed(pb.EmbedRequest(texts=[text] * 8), timeout=120)
+                                              for _ in range(100)), return_exceptions=True)
+
+        outcomes = asyncio.run(flood())
+        refused = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+        answered = [o for o in outcomes if isinstance(o, pb.EmbedResponse)]
+        assert len(refused) + len(answered) == 100
+        assert refused and answered
+        for err in refused:
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-queued-tokens 3000" in err.details()
+        first = vectors(answered[0])[0]
+        for reply in answered:
+            np.testing.assert_allclose(vectors(reply), np.tile(first, (8, 1)), atol=1e-5)
+        assert srv.healthy()
+        with grpc.insecure_channel(srv.listen) as channel:  # the queue drained: work is taken again
+            reply = pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=[text]), timeout=60)
+        np.testing.assert_allclose(vectors(reply)[0], first, atol=1e-5)
+    finally:
+        assert srv.terminate() == 0
