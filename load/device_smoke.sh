@@ -19,6 +19,7 @@
 # 36 ring/batcher/model tests passed, the served embeddings matched sentence-transformers
 # (min cosine 1.0), and /dev/shm held no pollen segment after SIGTERM.
 set -x
+cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -49,4 +50,4 @@ ours = np.frombuffer(r.embeddings, "<f4").reshape(r.rows, r.dims)
 ref = SentenceTransformer("/tmp/minilm_shape", device="cpu").encode(texts, normalize_embeddings=True)
 print("e2e on device machine (cpu worker): min cosine", (ours * ref).sum(1).min(), r.timing)
 PY
-pkill -TERM -f "pollen serve"; sleep 3; ls /dev/shm | grep -c pollen
+pkill -TERM -f "pollen serve"; sleep 3; echo "pollen segments left: $(ls /dev/shm | grep -c pollen)"
