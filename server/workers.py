@@ -138,8 +138,8 @@ class WorkerHandle:
         self.close_rings()
         self.restarts += 1
         self.early_deaths = 0 if was_ready else self.early_deaths + 1
-        log.error("worker %d died (code %s) with %d requests unanswered; restarting",
-                  self.index, code, len(self.inflight))
+        log.error("worker %d died (code %s) with %d requests unanswered; restart #%d",
+                  self.index, code, len(self.inflight), self.restarts)
         for req_id, p in list(self.inflight.items()):
             p.attempts += 1
             if p.attempts >= MAX_ATTEMPTS:

@@ -120,11 +120,11 @@ class Worker:
             if job.first_start_ns == 0:
                 job.first_start_ns = start_ns
             job.last_start_ns, job.last_end_ns = start_ns, end_ns
+            if job.done_seqs < 0:
+                continue  # already answered with an error
             if error is not None:
                 self.write_error(job, error)
-                job.done_seqs = -1  # answered; later spans of this job are dropped
-                continue
-            if job.done_seqs < 0:
+                job.done_seqs = -1  # answered; its later spans are dropped
                 continue
             if job.pooled is None:
                 job.pooled = np.empty((job.n_seqs, self.hidden), dtype=np.float32)
