@@ -65,6 +65,8 @@ class Worker:
         torch.set_num_threads(cfg.threads)
         self.model = load_model(cfg.model, device=cfg.device)
         self.hidden = self.model.spec.hidden_size
+        with torch.inference_mode():  # pay torch's first-call costs before READY, not on a client
+            self.model(torch.zeros(4, dtype=torch.long), torch.tensor([0, 2, 4], dtype=torch.int32), 2)
         self.requests = Ring.attach(cfg.request_ring, *cfg.request_fds)
         # An idle worker sleeps in long slices: the frontend re-signals a lost wake-up every
         # few ms while it has requests out (server/workers.py, tick), so a laptop stays quiet.
