@@ -40,22 +40,27 @@ class Admission:
         self.executor = executor
         self.max_texts = max_texts
 
+    def check_count(self, inputs: int) -> None:
+        if inputs > self.max_texts:
+            raise invalid(f"{inputs} inputs in one request, over the limit of {self.max_texts}; split the request")
+
+    def check_truncate(self, truncate: int) -> None:
+        if truncate not in _TRUNCATES:
+            raise invalid(f"truncate {truncate} is not a known Truncate value")
+
     def check_options(self, texts: int, id_lists: int, dimensions: int, encoding: int, truncate: int) -> None:
         if texts and id_lists:
             raise invalid("set either texts or token_ids, not both")
         if not texts and not id_lists:
             raise invalid("the request has neither texts nor token_ids")
-        if texts + id_lists > self.max_texts:
-            raise invalid(f"{texts + id_lists} inputs in one request, over the limit of {self.max_texts}; "
-                          "split the request")
+        self.check_count(texts + id_lists)
         if encoding not in _ENCODINGS:
             raise invalid(f"encoding {encoding} is not a known Encoding value")
         if encoding not in SUPPORTED:
             raise RequestError(grpc.StatusCode.UNIMPLEMENTED,
                                f"encoding {pb.Encoding.Name(encoding)} is not offered yet; "
                                f"offered: {', '.join(pb.Encoding.Name(e) for e in SUPPORTED)}")
-        if truncate not in _TRUNCATES:
-            raise invalid(f"truncate {truncate} is not a known Truncate value")
+        self.check_truncate(truncate)
         if dimensions > self.spec.hidden_size:
             raise invalid(f"dimensions {dimensions} is above the model's {self.spec.hidden_size}")
 
@@ -67,6 +72,11 @@ class Admission:
         else:
             seqs = [self.check_ids(i, t.ids, request.truncate) for i, t in enumerate(request.token_ids)]
         return Admitted(seqs, request.dimensions, request.normalize, request.encoding)
+
+    async def admit_tokenize(self, request: pb.TokenizeRequest) -> list[np.ndarray]:
+        self.check_count(len(request.texts))
+        self.check_truncate(request.truncate)
+        return await self.tokenize(list(request.texts), request.truncate)
 
     async def tokenize(self, texts: list[str], truncate: int) -> list[np.ndarray]:
         loop = asyncio.get_running_loop()

@@ -96,12 +96,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
 
     async def Tokenize(self, request, context):
         try:
-            if request.truncate not in pb.Truncate.values():
-                raise invalid(f"truncate {request.truncate} is not a known Truncate value")
-            if len(request.texts) > self.cfg.max_texts_per_request:
-                raise invalid(f"{len(request.texts)} texts in one request, over the limit of "
-                              f"{self.cfg.max_texts_per_request}")
-            seqs = await self.admission.tokenize(list(request.texts), request.truncate)
+            seqs = await self.admission.admit_tokenize(request)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
         return pb.TokenizeResponse(tokens=[pb.TokenIds(ids=s.tolist()) for s in seqs],

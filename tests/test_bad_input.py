@@ -91,3 +91,13 @@ def test_pre_tokenized_input_equals_texts(stub):
     a = vectors(stub.Embed(pb.EmbedRequest(texts=texts, normalize=True)))
     b = vectors(stub.Embed(pb.EmbedRequest(token_ids=tokens, normalize=True)))
     np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_tokenize_checks_its_input_too(stub):
+    for request, fragment in ((pb.TokenizeRequest(texts=["x"] * 65), "65 inputs in one request"),
+                              (pb.TokenizeRequest(texts=["x"], truncate=9), "truncate 9 is not a known"),
+                              (pb.TokenizeRequest(texts=["fine", ""]), "texts[1] is empty")):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Tokenize(request, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert fragment in err.value.details()
