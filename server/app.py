@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import platform
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
@@ -47,7 +48,16 @@ def check_limits(cfg: ServeConfig, spec) -> None:
                          f"{cfg.max_texts_per_request} texts of {spec.max_tokens} tokens")
 
 
+def check_platform() -> None:
+    """The rings rely on x86-64 memory ordering (shared_mem/ring.py says why); refuse elsewhere
+    rather than risk reading a record before its bytes land."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise RuntimeError(f"pollen's shared-memory rings need x86-64 memory ordering; this machine is "
+                           f"{platform.machine()!r}, where they would need fences Python cannot issue")
+
+
 async def serve(cfg: ServeConfig) -> None:
+    check_platform()
     removed = cleanup_stale_segments()
     if removed:
         log.info("removed %d shared-memory segments left by a dead server", len(removed))
