@@ -76,3 +76,64 @@ def _owner_alive(name: str) -> bool:
         return True
     except (ProcessLookupError, ValueError, IndexError):
         return False
+
+
+def test_small_rings_backlog_and_backpressure_lose_nothing(reference):
+    """Rings far smaller than the burst: the frontend's backlog and the worker's wait for
+    response space both run, and every answer is still right."""
+    srv = ServerProcess("--request-ring-bytes", "65536", "--response-ring-bytes", "65536",
+                        "--max-texts-per-request", "16").start()
+    try:
+        pool = sorted({a for a, _, _ in stsb_pairs()})[:200]
+        rng = random.Random(3)
+        plan = [rng.sample(range(len(pool)), rng.randint(8, 16)) for _ in range(300)]
+        ref = reference(pool)
+
+        async def main():
+            async with grpc.aio.insecure_channel(srv.listen) as channel:
+                stub = pb_grpc.EmbedderStub(channel)
+                return await asyncio.gather(*(
+                    stub.Embed(pb.EmbedRequest(texts=[pool[j] for j in picks], normalize=True), timeout=300)
+                    for picks in plan))
+
+        for picks, reply in zip(plan, asyncio.run(main())):
+            assert cosine_rows(vectors(reply), ref[picks]).min() >= 0.9999
+    finally:
+        assert srv.terminate() == 0
+
+
+def test_a_request_in_flight_through_three_worker_deaths_fails_alone():
+    srv = ServerProcess().start()
+    try:
+        big = pb.EmbedRequest(texts=["a long document " * 200] * 64, truncate=pb.TRUNCATE_END)
+
+        async def main():
+            async with grpc.aio.insecure_channel(srv.listen) as channel:
+                stub = pb_grpc.EmbedderStub(channel)
+                call = asyncio.ensure_future(stub.Embed(big, timeout=300))
+                killed = set()
+                for _ in range(3):
+                    while True:  # wait for the current worker (a new one after each death)
+                        pids = set(srv.worker_pids()) - killed
+                        if pids:
+                            break
+                        await asyncio.sleep(0.05)
+                    await asyncio.sleep(0.3)
+                    assert not call.done()
+                    (pid,) = pids
+                    os.kill(pid, signal.SIGKILL)
+                    killed.add(pid)
+                try:
+                    await call
+                except grpc.aio.AioRpcError as err:
+                    return err
+                raise AssertionError("the request survived three worker deaths")
+
+        err = asyncio.run(main())
+        assert err.code() == grpc.StatusCode.INTERNAL
+        assert "died 3 times" in err.details()
+        with grpc.insecure_channel(srv.listen) as channel:  # the next worker serves others
+            reply = pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=["still serving"]), timeout=120)
+        assert vectors(reply).shape == (1, 384)
+    finally:
+        assert srv.terminate() == 0
