@@ -40,13 +40,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us))
 
     async def Embed(self, request, context):
-        try:
-            return await self.embed(request)
-        except RequestError as exc:
-            await context.abort(exc.code, exc.message)
-        except Exception as exc:  # a bug: say so with INTERNAL, never a bare UNKNOWN
-            log.exception("Embed failed")
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
+        return await unary(context, "Embed", self.embed(request))
 
     async def EmbedStream(self, request_iterator, context):
         """Answer each message as soon as it is done; a bad message gets an error answer only."""
@@ -95,10 +89,10 @@ class EmbedderService(pb_grpc.EmbedderServicer):
                 task.cancel()
 
     async def Tokenize(self, request, context):
-        try:
-            seqs = await self.admission.admit_tokenize(request)
-        except RequestError as exc:
-            await context.abort(exc.code, exc.message)
+        return await unary(context, "Tokenize", self.tokenize(request))
+
+    async def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        seqs = await self.admission.admit_tokenize(request)
         return pb.TokenizeResponse(tokens=[pb.TokenIds(ids=s.tolist()) for s in seqs],
                                    counts=[len(s) for s in seqs],
                                    usage=pb.Usage(prompt_tokens=sum(len(s) for s in seqs)))
@@ -110,6 +104,17 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             max_texts_per_request=self.cfg.max_texts_per_request, max_batch_tokens=self.cfg.max_batch_tokens,
             max_queued_tokens=self.cfg.max_queued_tokens, max_request_bytes=self.cfg.max_request_bytes,
             vocab_size=self.spec.vocab_size, workers=self.cfg.workers, device=self.cfg.device)
+
+
+async def unary(context, method: str, work):
+    """Await a unary method's work; RequestError becomes its status, a bug becomes INTERNAL."""
+    try:
+        return await work
+    except RequestError as exc:
+        await context.abort(exc.code, exc.message)
+    except Exception as exc:  # never a bare UNKNOWN: say it is ours, and log it
+        log.exception("%s failed", method)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
 
 
 def error_response(request_id: str, exc: RequestError) -> pb.EmbedResponse:
