@@ -11,7 +11,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from pollen.v1 import embedder_pb2 as pb
-from server.errors import RequestError, invalid
+from server.errors import invalid
 
 
 class TextTokenizer:

@@ -1,6 +1,7 @@
 """Shared fixtures: a real `pollen serve` process, gRPC stubs, and the sentence-transformers reference."""
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -84,6 +85,17 @@ class ServerProcess:
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def embed_all_at_once(target: str, requests: list, timeout: float = 300, return_exceptions: bool = False) -> list:
+    """Send every request as its own unary Embed, all in flight together, on one aio channel."""
+    async def main():
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = pb_grpc.EmbedderStub(channel)
+            return await asyncio.gather(*(stub.Embed(r, timeout=timeout) for r in requests),
+                                        return_exceptions=return_exceptions)
+
+    return asyncio.run(main())
 
 
 def shm_segments(pid: int) -> list[str]:

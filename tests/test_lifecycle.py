@@ -13,7 +13,7 @@ import pytest
 
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
-from tests.conftest import ServerProcess, cosine_rows, shm_segments, vectors
+from tests.conftest import ServerProcess, cosine_rows, embed_all_at_once, shm_segments, vectors
 
 
 def test_sigterm_answers_work_in_flight_and_exits_0(tmp_path):
@@ -66,13 +66,7 @@ def test_two_workers_share_the_work_and_survive_a_death(reference):
     try:
         texts = [f"sentence {i} about routing work to the least busy worker, " * 3 for i in range(256)]
         ref = reference(texts)
-
-        async def burst():
-            async with grpc.aio.insecure_channel(srv.listen) as channel:
-                stub = pb_grpc.EmbedderStub(channel)
-                return await asyncio.gather(*(
-                    stub.Embed(pb.EmbedRequest(texts=texts[i:i + 8], normalize=True), timeout=120)
-                    for i in range(0, len(texts), 8)))
+        burst = [pb.EmbedRequest(texts=texts[i:i + 8], normalize=True) for i in range(0, len(texts), 8)]
 
         for round_ in range(2):
             workers = srv.worker_pids()
@@ -80,7 +74,7 @@ def test_two_workers_share_the_work_and_survive_a_death(reference):
             if round_ == 1:
                 os.kill(workers[0], signal.SIGKILL)  # the burst goes on with one worker dead
             before = {pid: cpu_ticks(pid) for pid in workers[round_:]}
-            got = np.concatenate([vectors(r) for r in asyncio.run(burst())])
+            got = np.concatenate([vectors(r) for r in embed_all_at_once(srv.listen, burst, timeout=120)])
             assert cosine_rows(got, ref).min() >= 0.9999
             if round_ == 0:
                 # Least-queued routing: both workers did a real share of the burst.
@@ -130,13 +124,8 @@ def test_full_server_refuses_with_resource_exhausted_and_recovers():
     try:
         text = "a sentence of about twenty tokens that fills the queue of a small server quickly"
 
-        async def flood():
-            async with grpc.aio.insecure_channel(srv.listen) as channel:
-                stub = pb_grpc.EmbedderStub(channel)
-                return await asyncio.gather(*(stub.Embed(pb.EmbedRequest(texts=[text] * 8), timeout=120)
-                                              for _ in range(100)), return_exceptions=True)
-
-        outcomes = asyncio.run(flood())
+        outcomes = embed_all_at_once(srv.listen, [pb.EmbedRequest(texts=[text] * 8)] * 100,
+                                     timeout=120, return_exceptions=True)
         refused = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
         answered = [o for o in outcomes if isinstance(o, pb.EmbedResponse)]
         assert len(refused) + len(answered) == 100

@@ -5,7 +5,6 @@ import asyncio
 import random
 
 import grpc
-import numpy as np
 
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc

@@ -5,14 +5,13 @@ import asyncio
 import os
 import random
 import signal
-import time
 
 import grpc
 import numpy as np
 
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
-from tests.conftest import ServerProcess, cosine_rows, shm_segments, vectors
+from tests.conftest import ServerProcess, cosine_rows, embed_all_at_once, shm_segments, vectors
 from tests.texts import stsb_pairs
 
 REQUESTS = 2000
@@ -89,14 +88,8 @@ def test_small_rings_backlog_and_backpressure_lose_nothing(reference):
         plan = [rng.sample(range(len(pool)), rng.randint(8, 16)) for _ in range(300)]
         ref = reference(pool)
 
-        async def main():
-            async with grpc.aio.insecure_channel(srv.listen) as channel:
-                stub = pb_grpc.EmbedderStub(channel)
-                return await asyncio.gather(*(
-                    stub.Embed(pb.EmbedRequest(texts=[pool[j] for j in picks], normalize=True), timeout=300)
-                    for picks in plan))
-
-        for picks, reply in zip(plan, asyncio.run(main())):
+        requests = [pb.EmbedRequest(texts=[pool[j] for j in picks], normalize=True) for picks in plan]
+        for picks, reply in zip(plan, embed_all_at_once(srv.listen, requests)):
             assert cosine_rows(vectors(reply), ref[picks]).min() >= 0.9999
     finally:
         assert srv.terminate() == 0
