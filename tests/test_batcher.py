@@ -43,3 +43,29 @@ def test_records_round_trip():
     rec = records.decode_request(memoryview(records.encode_request(7, 123, seqs, 32, True, 2)))
     assert (rec.req_id, rec.admit_ns, rec.dims, rec.normalize, rec.encoding) == (7, 123, 32, True, 2)
     assert rec.lengths.tolist() == [3, 2] and rec.ids.tolist() == [101, 5, 102, 101, 102]
+
+
+def test_pack_lays_sequences_end_to_end_and_pools_spans():
+    import torch
+
+    from worker.models.pooling import pool_rows
+    from worker.packed import pack
+
+    seqs = [np.array([5, 6, 7], np.int32), np.array([8], np.int32), np.array([1, 2, 3, 4], np.int32)]
+    whole = pack(seqs)
+    assert whole.ids.tolist() == [5, 6, 7, 8, 1, 2, 3, 4]
+    assert whole.positions.tolist() == [0, 1, 2, 0, 0, 1, 2, 3]
+    assert whole.cu_seqlens.tolist() == [0, 3, 4, 8] and whole.max_seqlen == 4
+    assert whole.pool_index.tolist() == [0, 0, 0, 1, 2, 2, 2, 2]
+
+    # Two rows out of the last sequence (its tokens 1..2 and 3..3); token 0 of it pools nowhere.
+    spans = pack(seqs, [[(0, 3)], [(0, 1)], [(1, 3), (3, 4)]])
+    assert spans.pool_index.tolist() == [0, 0, 0, 1, 4, 2, 2, 3]
+    assert spans.pool_first.tolist() == [0, 3, 5, 7] and spans.pool_last.tolist() == [2, 3, 6, 7]
+    hidden = torch.arange(16, dtype=torch.float32).view(8, 2)
+    t = torch.from_numpy
+    args = (t(spans.pool_index), t(spans.pool_first), t(spans.pool_last), t(spans.pool_count))
+    mean = pool_rows(hidden, *args, "mean")
+    assert mean.tolist() == [[2, 3], [6, 7], [11, 12], [14, 15]]
+    assert pool_rows(hidden, *args, "last").tolist() == [[4, 5], [6, 7], [12, 13], [14, 15]]
+    assert pool_rows(hidden, *args, "cls").tolist() == [[0, 1], [6, 7], [10, 11], [14, 15]]

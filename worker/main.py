@@ -19,7 +19,18 @@ import numpy as np
 from shared_mem import records
 from shared_mem.ring import Ring
 from worker.batcher import Batcher, Job
+from worker.packed import pack
 from worker.postprocess import finish, row_bytes
+
+
+@dataclasses.dataclass(slots=True)
+class InFlight:
+    """A submitted batch: its spans, the engine's pending handle (or the error submit raised)."""
+
+    spans: list
+    pending: object
+    error: Exception | None
+    start_ns: int
 
 
 @dataclasses.dataclass(slots=True)
@@ -58,15 +69,15 @@ class Worker:
     def __init__(self, cfg: WorkerConfig):
         import torch
 
+        from worker.engine import make_engine
         from worker.models.loader import load_model
 
         self.cfg = cfg
-        self.torch = torch
         torch.set_num_threads(cfg.threads)
         self.model = load_model(cfg.model, device=cfg.device)
         self.hidden = self.model.spec.hidden_size
-        with torch.inference_mode():  # pay torch's first-call costs before READY, not on a client
-            self.model(torch.zeros(4, dtype=torch.long), torch.tensor([0, 2, 4], dtype=torch.int32), 2)
+        self.engine = make_engine(self.model, cfg.device)
+        self.engine.warm_up()  # pay first-call costs before READY, not on a client
         self.requests = Ring.attach(cfg.request_ring, *cfg.request_fds)
         # An idle worker sleeps in long slices: the frontend re-signals a lost wake-up every
         # few ms while it has requests out (server/workers.py, tick), so a laptop stays quiet.
@@ -79,10 +90,15 @@ class Worker:
         ready = {"pid": os.getpid(), "index": self.cfg.index, "device": self.cfg.device,
                  "threads": self.cfg.threads, "model": self.model.spec.name}
         self.responses.write(records.READY, json.dumps(ready).encode())
+        in_flight: InFlight | None = None
         while True:
             self.drain_requests()
-            if self.batcher:
-                self.run_batch(self.batcher.next_batch())
+            # Submit batch N+1 before waiting on batch N: its packing and launch overlap N's work.
+            following = self.submit(self.batcher.next_batch()) if self.batcher else None
+            if in_flight is not None:
+                self.answer(in_flight)
+            in_flight = following
+            if in_flight is not None or self.batcher:
                 continue
             if self.stopping:
                 return
@@ -100,32 +116,35 @@ class Worker:
             del view  # the ring may reuse these bytes after release()
         self.requests.release()
 
-    def run_batch(self, spans: list[tuple[Job, int, int]]) -> None:
-        torch = self.torch
+    def submit(self, spans: list[tuple[Job, int, int]]) -> "InFlight":
         start_ns = time.monotonic_ns()
-        lengths = np.concatenate([job.rec.lengths[a:b] for job, a, b in spans])
-        ids = np.concatenate([job.rec.ids[job.offsets[a]:job.offsets[b]] for job, a, b in spans])
-        cu_seqlens = np.zeros(len(lengths) + 1, dtype=np.int32)
-        np.cumsum(lengths, out=cu_seqlens[1:])
+        sequences = [job.rec.ids[job.offsets[i]:job.offsets[i + 1]] for job, a, b in spans for i in range(a, b)]
         try:
-            with torch.inference_mode():
-                pooled = self.model(torch.from_numpy(ids).long(), torch.from_numpy(cu_seqlens),
-                                    int(lengths.max()))
-            pooled = pooled.float().cpu().numpy()
-            error = None
+            pending, error = self.engine.submit(pack(sequences)), None
         except Exception as exc:  # a failed batch fails its requests, not the worker
-            print(f"pollen-worker[{self.cfg.index}]: batch failed: {exc!r}", file=sys.stderr, flush=True)
-            pooled, error = None, f"model failed on this batch: {exc}"
+            pending, error = None, exc
+        return InFlight(spans, pending, error, start_ns)
+
+    def answer(self, batch: "InFlight") -> None:
+        error = batch.error
+        pooled = None
+        if error is None:
+            try:
+                pooled = batch.pending.result()
+            except Exception as exc:
+                error = exc
+        if error is not None:
+            print(f"pollen-worker[{self.cfg.index}]: batch failed: {error!r}", file=sys.stderr, flush=True)
         end_ns = time.monotonic_ns()
         row = 0
-        for job, a, b in spans:
+        for job, a, b in batch.spans:
             if job.first_start_ns == 0:
-                job.first_start_ns = start_ns
-            job.last_start_ns, job.last_end_ns = start_ns, end_ns
+                job.first_start_ns = batch.start_ns
+            job.last_start_ns, job.last_end_ns = batch.start_ns, end_ns
             if job.done_seqs < 0:
                 continue  # already answered with an error
             if error is not None:
-                self.write_error(job, error)
+                self.write_error(job, f"model failed on this batch: {error}")
                 job.done_seqs = -1  # answered; its later spans are dropped
                 continue
             if job.pooled is None:

@@ -1,17 +1,21 @@
-"""The interface every engine model implements (BERT now; Qwen3 and a CUDA path later)."""
+"""The interface every engine model implements (BERT, Qwen3), on the CPU and on CUDA."""
 
 from __future__ import annotations
 
 import torch
 
+from worker.models.packing import positions as packed_positions
+from worker.models.pooling import pool
 from worker.models.spec import ModelSpec
 
 
 class EmbeddingModel(torch.nn.Module):
     """A packed embedding model: many texts in one flat token row, no pad tokens.
 
-    forward(input_ids [T] int64/int32, cu_seqlens [B+1] int32 starting at 0, max_seqlen) returns
-    pooled float32 [B, spec.hidden_size], NOT normalized (normalizing is the caller's choice).
+    hidden_states(input_ids [T], positions [T], cu_seqlens [B+1] int32 from 0, max_seqlen) returns
+    the last layer's hidden states [T, spec.hidden_size] in the model's dtype. Pooling is not the
+    model's business: the engine pools over arbitrary token spans (whole texts, or the chunks of
+    one document), so the same forward serves every request kind and every CUDA graph bucket.
     max_seqlen is a Python int so that shape checks and kernels need no device-to-host sync.
     """
 
@@ -20,8 +24,15 @@ class EmbeddingModel(torch.nn.Module):
     # "bert.embeddings...". The loader picks the prefix under which the most names exist.
     hf_prefixes: tuple[str, ...] = ("",)
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                      max_seqlen: int) -> torch.Tensor:
         raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+        """Convenience for tests and tools: one pooled float32 vector per sequence, not normalized."""
+        pos = packed_positions(cu_seqlens, input_ids.shape[0])
+        hidden = self.hidden_states(input_ids, pos, cu_seqlens, max_seqlen)
+        return pool(hidden, cu_seqlens, self.spec.pooling)
 
     def hf_weight_map(self) -> dict[str, list[str]]:
         """Our parameter name -> checkpoint tensor names (without prefix).

@@ -11,8 +11,6 @@ from torch import nn
 
 from worker.models.attention import varlen_attention
 from worker.models.base import EmbeddingModel
-from worker.models.packing import positions
-from worker.models.pooling import pool
 from worker.models.spec import ModelSpec, position_offset
 
 
@@ -57,18 +55,18 @@ class BertEncoder(EmbeddingModel):
         self.position_offset = position_offset(config)
         self.max_positions = config["max_position_embeddings"] - self.position_offset
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                      max_seqlen: int) -> torch.Tensor:
         if max_seqlen > self.max_positions:
             # Checked on the host int: an out-of-range position is a device assert on CUDA.
             raise ValueError(f"sequence of {max_seqlen} tokens exceeds {self.max_positions} positions")
-        tokens = input_ids.shape[0]
-        pos = positions(cu_seqlens, tokens) + self.position_offset
+        pos = positions + self.position_offset
         # Every token has type 0 (single-text input); same summation order as HF.
         x = self.word(input_ids) + self.token_type.weight[0] + self.position(pos)
         x = self.emb_norm(x)
         for layer in self.layers:
             x = layer(x, cu_seqlens, max_seqlen)
-        return pool(x, cu_seqlens, self.spec.pooling)
+        return x
 
     def hf_weight_map(self) -> dict[str, list[str]]:
         m = {

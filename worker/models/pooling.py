@@ -1,4 +1,9 @@
-"""Pooling of packed hidden states into one vector per sequence, shared by all model families."""
+"""Pooling of packed hidden states into output rows, shared by all model families and engines.
+
+Two forms: `pool` over whole sequences (cu_seqlens), and `pool_rows` over arbitrary token spans
+described by worker/packed.py's index arrays. `pool_rows` has static shapes and no host sync, so
+it runs inside a CUDA graph with the rest of the forward.
+"""
 
 from __future__ import annotations
 
@@ -12,16 +17,24 @@ POOLING_MODES = ("mean", "cls", "last")
 def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, mode: str) -> torch.Tensor:
     """hidden [T, H] (any float dtype) -> float32 [B, H]; mode is "mean", "cls" or "last"."""
     cu = cu_seqlens.long()
+    lengths = cu[1:] - cu[:-1]
+    index = segment_ids(cu, hidden.shape[0])
+    return pool_rows(hidden, index, cu[:-1], cu[1:] - 1, lengths, mode)
+
+
+def pool_rows(hidden: torch.Tensor, pool_index: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
+              count: torch.Tensor, mode: str) -> torch.Tensor:
+    """hidden [T, H] -> float32 [R, H]; pool_index [T] names each token's row (R: none)."""
     if mode == "cls":
-        return hidden[cu[:-1]].float()
+        return hidden[first.long()].float()
     if mode == "last":
-        return hidden[cu[1:] - 1].float()
+        return hidden[last.long()].float()
     if mode == "mean":
-        batch = cu.shape[0] - 1
+        rows = first.shape[0]
         # Sum in float32 even for bf16 models: a 32K-token mean in bf16 loses most of its bits.
-        sums = torch.zeros(batch, hidden.shape[1], dtype=torch.float32, device=hidden.device)
-        sums.index_add_(0, segment_ids(cu, hidden.shape[0]), hidden.float())
-        # clamp: an empty (padding) sequence yields zeros instead of NaN.
-        lengths = (cu[1:] - cu[:-1]).clamp(min=1).unsqueeze(1)
-        return sums / lengths
+        # One extra row takes the tokens that belong to no row (padding, unpooled prefixes).
+        sums = torch.zeros(rows + 1, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        sums.index_add_(0, pool_index.long(), hidden.float())
+        # clamp: an empty (padding) row yields zeros instead of NaN.
+        return sums[:rows] / count.clamp(min=1).unsqueeze(1).to(torch.float32)
     raise ValueError(f"unknown pooling mode {mode!r}; expected one of {POOLING_MODES}")

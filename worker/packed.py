@@ -1,0 +1,64 @@
+"""One batch as the engine sees it: flat token ids plus the index arrays, all built on the CPU.
+
+The batcher hands over spans of sequences; `pack` lays them end to end (no padding) and says,
+for every output row, which tokens it pools. A row is usually a whole text, but a contextual-
+chunk request pools several rows out of one sequence, so rows and sequences are kept apart:
+
+    ids, positions, pool_index : [T]    token id, position inside its sequence, output row (R = none)
+    cu_seqlens                 : [B+1]  sequence bounds, int32 from 0 (what varlen attention takes)
+    pool_first, pool_last      : [R]    first and last token of each row's span (cls / last pooling)
+    pool_count                 : [R]    tokens in each row's span (mean pooling)
+
+Everything is int32 and built with numpy while the previous batch runs on the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class PackedBatch:
+    ids: np.ndarray
+    positions: np.ndarray
+    cu_seqlens: np.ndarray
+    max_seqlen: int
+    pool_index: np.ndarray
+    pool_first: np.ndarray
+    pool_last: np.ndarray
+    pool_count: np.ndarray
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
+
+    @property
+    def rows(self) -> int:
+        return len(self.pool_first)
+
+
+def pack(sequences: list[np.ndarray], row_spans: list[list[tuple[int, int]]] | None = None) -> PackedBatch:
+    """sequences: token ids of each text; row_spans[i]: the (start, stop) token spans of sequence i
+    that each become one output row, in order (None: every sequence is one row over all its tokens)."""
+    lengths = np.fromiter((len(s) for s in sequences), dtype=np.int32, count=len(sequences))
+    cu = np.zeros(len(sequences) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=cu[1:])
+    total = int(cu[-1])
+    ids = np.concatenate(sequences).astype(np.int32, copy=False) if sequences else np.empty(0, np.int32)
+    # Position inside each sequence: a global arange minus each token's sequence start.
+    positions = np.arange(total, dtype=np.int32) - np.repeat(cu[:-1], lengths)
+    if row_spans is None:
+        first, last, count = cu[:-1].copy(), cu[1:] - 1, lengths.copy()
+        pool_index = np.repeat(np.arange(len(sequences), dtype=np.int32), lengths)
+    else:
+        spans = [(int(cu[i]) + a, int(cu[i]) + b) for i, seq_spans in enumerate(row_spans) for a, b in seq_spans]
+        starts = np.fromiter((a for a, _ in spans), dtype=np.int32, count=len(spans))
+        stops = np.fromiter((b for _, b in spans), dtype=np.int32, count=len(spans))
+        if np.any(stops <= starts):
+            raise ValueError("every pooled span needs at least one token")
+        first, last, count = starts, stops - 1, stops - starts
+        pool_index = np.full(total, len(spans), dtype=np.int32)  # tokens in no span pool into a dropped row
+        for row, (a, b) in enumerate(spans):
+            pool_index[a:b] = row
+    return PackedBatch(ids, positions, cu, int(lengths.max(initial=0)), pool_index, first, last, count)
