@@ -44,6 +44,14 @@ class ModelSpec:
     vocab_size: int
     pooling: str  # "mean" | "cls" | "last"
     normalize_default: bool  # modules.json lists a Normalize module
+    # Added by the API issue (defaults keep other constructors working):
+    # int8 is the model's own round(127 * tanh(mean pool)) (pplx-embed), not a per-vector scale.
+    native_int8: bool = False
+    # sentence-transformers prompts (name -> prefix) and the name applied when a request names none.
+    prompts: tuple = ()  # ((name, text), ...): a tuple, so the frozen spec stays hashable
+    default_prompt_name: str = ""
+    # Matryoshka sizes the checkpoint declares; empty: any size from MIN_MATRYOSHKA_DIMS up.
+    matryoshka_dimensions: tuple = ()
 
 
 def read_model_spec(path: str) -> ModelSpec:
@@ -74,7 +82,7 @@ def read_model_spec(path: str) -> ModelSpec:
     if st.get("max_seq_length"):
         max_tokens = min(int(st["max_seq_length"]), positions)
 
-    return ModelSpec(
+    return with_api_fields(ModelSpec(
         path=path,
         name=_display_name(path),
         family="bert",
@@ -83,7 +91,38 @@ def read_model_spec(path: str) -> ModelSpec:
         vocab_size=int(config["vocab_size"]),
         pooling=pooling,
         normalize_default=normalize,
-    )
+    ), config)
+
+
+# The smallest Matryoshka prefix offered when a checkpoint declares no sizes of its own.
+MIN_MATRYOSHKA_DIMS = 32
+
+
+def with_api_fields(spec: ModelSpec, config: dict) -> ModelSpec:
+    """Fill the fields the request options need (int8 kind, prompts, Matryoshka sizes).
+
+    Read from config.json and config_sentence_transformers.json:
+    - native_int8: model_type "bidirectional_pplx_qwen3" (pplx-embed), or a config key
+      "pollen_native_int8": true (lets a test force the pplx int8 path on any checkpoint).
+    - prompts, default_prompt_name: sentence-transformers' "prompts" and "default_prompt_name".
+    - matryoshka_dimensions: a "matryoshka_dimensions" list in config.json or
+      config_sentence_transformers.json (sizes above hidden_size are dropped; the full size is
+      always allowed).
+    """
+    import dataclasses
+
+    st = _read_json(spec.path, "config_sentence_transformers.json") or {}
+    native = config.get("model_type") == "bidirectional_pplx_qwen3" or bool(config.get("pollen_native_int8"))
+    prompts = st.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
+        raise UnsupportedModel(f"{spec.path}: config_sentence_transformers.json 'prompts' must map names to strings")
+    default = st.get("default_prompt_name") or ""
+    if default and default not in prompts:
+        raise UnsupportedModel(f"{spec.path}: default_prompt_name {default!r} is not among the prompts {sorted(prompts)}")
+    declared = config.get("matryoshka_dimensions") or st.get("matryoshka_dimensions") or ()
+    sizes = sorted({int(d) for d in declared if 0 < int(d) <= spec.hidden_size} | ({spec.hidden_size} if declared else set()))
+    return dataclasses.replace(spec, native_int8=native, prompts=tuple(sorted(prompts.items())),
+                               default_prompt_name=default, matryoshka_dimensions=tuple(sizes))
 
 
 def read_config(path: str) -> dict:
