@@ -2,20 +2,45 @@
 
 Request ring (frontend -> worker), kind EMBED:
 
-    +---------+---------+---------+--------+----------+--------------+----------------------+------------------+
-    | req_id  | admit_ns| n_seqs  | dims   | flags    | encoding     | lengths: u32*n_seqs  | ids: i32*sum(len)|
-    | u64     | u64     | u32     | u32    | u32      | u32          |                      |                  |
-    +---------+---------+---------+--------+----------+--------------+----------------------+------------------+
+    +--------+----------+-------------+--------+--------+-------+------+-------+----------+----------+-----+
+    | req_id | admit_ns | deadline_ns | n_seqs | n_rows | n_out | dims | flags | encoding | priority | pad |
+    | u64    | u64      | u64         | u32    | u32    | u32   | u32  | u32   | u32      | u32      | u32 |
+    +--------+----------+-------------+--------+--------+-------+------+-------+----------+----------+-----+
+    | lengths: u32 * n_seqs                                                                              |
+    | only when flags & FLAG_ROWS:  row_seq u32*n_rows | row_start u32*n_rows | row_stop u32*n_rows      |
+    |                               row_out u32*n_rows | row_weight f32*n_rows                           |
+    | ids: i32 * sum(lengths)                                                                            |
+    +----------------------------------------------------------------------------------------------------+
 
-    admit_ns is CLOCK_MONOTONIC (system-wide on Linux), so the worker can report queue time.
-    flags bit 0: normalize. dims 0: the model's full size.
+    admit_ns and deadline_ns are CLOCK_MONOTONIC (system-wide on Linux), so the worker can report
+    queue time and drop a request whose deadline passed before it reached the model; deadline_ns
+    0 means none. flags bit 0: normalize; bit 1 (FLAG_ROWS): the row arrays follow. dims 0: the
+    model's full size. priority: 0 interactive, 1 bulk (the protobuf Priority values).
+
+    Rows are what the model pools; outputs are what the answer holds. Without FLAG_ROWS every
+    sequence is one row over all its tokens and one output (n_rows = n_out = n_seqs). With it,
+    row i pools tokens [row_start, row_stop) of sequence row_seq (rows in sequence order), and
+    output o is the row_weight-weighted mean of the rows whose row_out is o: contextual chunks
+    are many rows of one sequence, a CHUNK_MEAN text is several sequences (windows) whose rows
+    share one output.
+
+Request ring, kind CANCEL: req_id u64. The client left: forget the request if it has not reached
+the model yet (the worker answers it with status CANCELLED), else finish it as usual.
 
 Response ring (worker -> frontend), kind RESULT:
 
     +---------+---------+------+------+----------+----------+--------------+-----------------------------+
-    | req_id  | status  | rows | dims | encoding | queue_us | inference_us | embeddings, or a utf-8 error|
-    | u64     | u32     | u32  | u32  | u32      | u64      | u64          | message when status != 0    |
+    | req_id  | status  | rows | dims | encoding | queue_us | inference_us | body                        |
+    | u64     | u32     | u32  | u32  | u32      | u64      | u64          |                             |
     +---------+---------+------+------+----------+----------+--------------+-----------------------------+
+
+    status 0: the body is rows x dims values in `encoding`, and for ENCODING_INT8 then rows f32
+    scales. Otherwise a google.rpc.Code (4 DEADLINE_EXCEEDED and 1 CANCELLED: dropped before the
+    model; 13 INTERNAL: the model failed) and the body is a utf-8 message.
+
+Response ring, kind BATCH (one per batch the worker ran, for metrics and tests):
+
+    | tokens u32 | seqs u32 | rows u32 | n_reqs u32 | req_ids: u64 * n_reqs |
 
 Kind READY carries a utf-8 JSON object (the worker's pid and what it loaded); kind STOP (request
 ring) asks the worker to finish what it holds and exit.
@@ -27,23 +52,56 @@ from dataclasses import dataclass
 
 import numpy as np
 
-EMBED, STOP, RESULT, READY = 1, 2, 3, 4
+EMBED, STOP, RESULT, READY, CANCEL, BATCH = 1, 2, 3, 4, 5, 6
 
 FLAG_NORMALIZE = 1
+FLAG_ROWS = 2
 
-_REQUEST = struct.Struct("<QQIIII")
+# google.rpc.Code values the worker answers with.
+OK, CANCELLED, DEADLINE_EXCEEDED, INTERNAL = 0, 1, 4, 13
+
+_REQUEST = struct.Struct("<QQQIIIIIIII")
 _RESULT = struct.Struct("<QIIIIQQ")
+_CANCEL = struct.Struct("<Q")
+_BATCH = struct.Struct("<IIII")
 REQUEST_HEADER = _REQUEST.size
 RESULT_HEADER = _RESULT.size
+ROW_BYTES = 20  # the five row arrays, per row
+
+
+@dataclass(slots=True)
+class RowPlan:
+    """Which token spans the model pools (rows) and how rows combine into outputs."""
+
+    seq: np.ndarray     # u32 [n_rows], non-decreasing
+    start: np.ndarray   # u32 [n_rows]
+    stop: np.ndarray    # u32 [n_rows]
+    out: np.ndarray     # u32 [n_rows], the output each row feeds
+    weight: np.ndarray  # f32 [n_rows]
+
+    @property
+    def n_out(self) -> int:
+        return int(self.out.max()) + 1 if len(self.out) else 0
 
 
 def encode_request(req_id: int, admit_ns: int, seqs: list[np.ndarray], dims: int, normalize: bool,
-                   encoding: int) -> bytes:
+                   encoding: int, *, deadline_ns: int = 0, priority: int = 0,
+                   rows: RowPlan | None = None) -> bytes:
     """One request record's payload, built once and kept by the frontend for a resend."""
     lengths = np.fromiter((len(s) for s in seqs), dtype="<u4", count=len(seqs))
     ids = np.concatenate(seqs).astype("<i4", copy=False) if seqs else np.empty(0, "<i4")
-    head = _REQUEST.pack(req_id, admit_ns, len(seqs), dims, FLAG_NORMALIZE if normalize else 0, encoding)
-    return b"".join((head, lengths.tobytes(), ids.tobytes()))
+    flags = FLAG_NORMALIZE if normalize else 0
+    parts = [lengths.tobytes()]
+    n_rows = n_out = len(seqs)
+    if rows is not None:
+        flags |= FLAG_ROWS
+        n_rows, n_out = len(rows.seq), rows.n_out
+        parts += [np.asarray(a, dtype=t).tobytes() for a, t in
+                  ((rows.seq, "<u4"), (rows.start, "<u4"), (rows.stop, "<u4"), (rows.out, "<u4"),
+                   (rows.weight, "<f4"))]
+    head = _REQUEST.pack(req_id, admit_ns, deadline_ns, len(seqs), n_rows, n_out, dims, flags, encoding,
+                         priority, 0)
+    return b"".join((head, *parts, ids.tobytes()))
 
 
 @dataclass(slots=True)
@@ -55,13 +113,53 @@ class RequestRecord:
     encoding: int
     lengths: np.ndarray  # u32 [n_seqs]
     ids: np.ndarray      # i32 [sum(lengths)], a private copy: the ring's bytes are released after parsing
+    deadline_ns: int = 0
+    priority: int = 0
+    n_out: int = 0
+    rows: RowPlan | None = None  # None: one row (and one output) per sequence
 
 
 def decode_request(view: memoryview) -> RequestRecord:
-    req_id, admit_ns, n, dims, flags, encoding = _REQUEST.unpack_from(view, 0)
-    lengths = np.frombuffer(view, dtype="<u4", count=n, offset=REQUEST_HEADER).copy()
-    ids = np.frombuffer(view, dtype="<i4", count=int(lengths.sum()), offset=REQUEST_HEADER + 4 * n).copy()
-    return RequestRecord(req_id, admit_ns, dims, bool(flags & FLAG_NORMALIZE), encoding, lengths, ids)
+    (req_id, admit_ns, deadline_ns, n, n_rows, n_out, dims, flags, encoding, priority,
+     _) = _REQUEST.unpack_from(view, 0)
+    offset = REQUEST_HEADER
+    lengths = np.frombuffer(view, dtype="<u4", count=n, offset=offset).copy()
+    offset += 4 * n
+    rows = None
+    if flags & FLAG_ROWS:
+        arrays = []
+        for t in ("<u4", "<u4", "<u4", "<u4", "<f4"):
+            arrays.append(np.frombuffer(view, dtype=t, count=n_rows, offset=offset).copy())
+            offset += 4 * n_rows
+        rows = RowPlan(*arrays)
+    ids = np.frombuffer(view, dtype="<i4", count=int(lengths.sum()), offset=offset).copy()
+    return RequestRecord(req_id, admit_ns, dims, bool(flags & FLAG_NORMALIZE), encoding, lengths, ids,
+                         deadline_ns, priority, n_out, rows)
+
+
+def encode_cancel(req_id: int) -> bytes:
+    return _CANCEL.pack(req_id)
+
+
+def decode_cancel(view: memoryview) -> int:
+    return _CANCEL.unpack_from(view, 0)[0]
+
+
+def encode_batch(tokens: int, seqs: int, rows: int, req_ids: list[int]) -> bytes:
+    return _BATCH.pack(tokens, seqs, rows, len(req_ids)) + np.asarray(req_ids, dtype="<u8").tobytes()
+
+
+@dataclass(slots=True)
+class BatchReport:
+    tokens: int
+    seqs: int
+    rows: int
+    req_ids: np.ndarray  # u64: the requests with sequences in this batch
+
+
+def decode_batch(view: memoryview) -> BatchReport:
+    tokens, seqs, rows, n = _BATCH.unpack_from(view, 0)
+    return BatchReport(tokens, seqs, rows, np.frombuffer(view, dtype="<u8", count=n, offset=_BATCH.size).copy())
 
 
 def pack_result_header(buf: memoryview, req_id: int, status: int, rows: int, dims: int, encoding: int,
@@ -78,7 +176,7 @@ class ResultRecord:
     encoding: int
     queue_us: int
     inference_us: int
-    body: bytes  # embeddings, or the error message
+    body: bytes  # embeddings (then int8 scales), or the error message
 
 
 def decode_result(view: memoryview) -> ResultRecord:

@@ -1,8 +1,18 @@
-"""Token-budget batching over packed sequences: requests in, batches of sequence spans out.
+"""Token-budget batching over packed sequences, in two priority lanes: requests in, batches out.
 
-A batch is a list of (job, start, stop) spans: sequences start..stop-1 of one job. Jobs are
-served first come, first served; a request with many texts may be split across batches, and a
-batch may hold the tail of one request and the head of the next. No padding is ever added.
+A batch is a list of (job, start, stop) spans: sequences start..stop-1 of one job. Inside a lane
+jobs are served first come, first served; a request with many sequences may be split across
+batches, and a batch may hold the tail of one request and the head of the next. No padding.
+
+Priority rule (docs/architecture.md, "Priority lanes"): each batch is filled with interactive
+work first and bulk work after, and bulk work in one batch is capped at `bulk_batch_tokens`.
+Bulk is never starved: while bulk work waits, every batch keeps room for at least one bulk
+sequence (the interactive fill stops short of it), so bulk always advances. An interactive
+request arriving while the worker is busy therefore waits for at most the batch being run,
+whose bulk part the cap bounds.
+
+Requests that have not reached the model can leave the queue: `cancel` (the client left) and
+`expire` (the deadline passed). A request whose first sequence was batched is finished as usual.
 """
 from __future__ import annotations
 
@@ -13,14 +23,17 @@ import numpy as np
 
 from shared_mem.records import RequestRecord
 
+INTERACTIVE, BULK = 0, 1
+
 
 @dataclass(slots=True)
 class Job:
     """One request inside the worker, collecting its pooled rows as batches finish."""
 
     rec: RequestRecord
-    offsets: np.ndarray  # start of each sequence in rec.ids, plus the end: [n + 1]
-    pooled: np.ndarray | None = None  # [n, hidden] float32, allocated by the first batch
+    offsets: np.ndarray      # start of each sequence in rec.ids, plus the end: [n_seqs + 1]
+    row_offsets: np.ndarray  # first row of each sequence, plus the end: [n_seqs + 1]
+    pooled: np.ndarray | None = None  # [n_rows, hidden] float32, allocated by the first batch
     next_seq: int = 0                 # first sequence not yet handed to a batch
     done_seqs: int = 0
     first_start_ns: int = 0
@@ -29,53 +42,117 @@ class Job:
 
     @classmethod
     def of(cls, rec: RequestRecord) -> "Job":
-        offsets = np.zeros(len(rec.lengths) + 1, dtype=np.int64)
+        n = len(rec.lengths)
+        offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(rec.lengths, out=offsets[1:])
-        return cls(rec, offsets)
+        if rec.rows is None:
+            row_offsets = np.arange(n + 1, dtype=np.int64)
+        else:
+            row_offsets = np.searchsorted(rec.rows.seq, np.arange(n + 1), side="left").astype(np.int64)
+        return cls(rec, offsets, row_offsets)
 
     @property
     def n_seqs(self) -> int:
         return len(self.rec.lengths)
 
+    @property
+    def n_rows(self) -> int:
+        return int(self.row_offsets[-1])
+
     def tokens(self, start: int, stop: int) -> int:
         return int(self.offsets[stop] - self.offsets[start])
+
+    def row_spans(self, i: int) -> list[tuple[int, int]]:
+        """The (start, stop) token spans of sequence i that each become one pooled row."""
+        rows = self.rec.rows
+        if rows is None:
+            return [(0, int(self.rec.lengths[i]))]
+        a, b = self.row_offsets[i], self.row_offsets[i + 1]
+        return list(zip(rows.start[a:b].tolist(), rows.stop[a:b].tolist()))
 
 
 @dataclass(slots=True)
 class Batcher:
     max_batch_tokens: int
-    jobs: deque = field(default_factory=deque)
+    bulk_batch_tokens: int = 0  # 0: no cap beyond max_batch_tokens
+    lanes: tuple = field(default_factory=lambda: (deque(), deque()))
     queued_tokens: int = 0
+    with_deadline: int = 0  # queued jobs that carry a deadline: expire() scans only when some do
 
     def add(self, job: Job) -> None:
-        self.jobs.append(job)
+        self.lanes[BULK if job.rec.priority == BULK else INTERACTIVE].append(job)
         self.queued_tokens += job.tokens(0, job.n_seqs)
+        self.with_deadline += job.rec.deadline_ns != 0
 
     def __bool__(self) -> bool:
-        return bool(self.jobs)
+        return bool(self.lanes[0] or self.lanes[1])
+
+    def _remove(self, lane: deque, job: Job) -> None:
+        lane.remove(job)
+        self.queued_tokens -= job.tokens(0, job.n_seqs)
+        self.with_deadline -= job.rec.deadline_ns != 0
+
+    def cancel(self, req_id: int) -> Job | None:
+        """Take out a request that has not reached the model; None if it has (or is unknown)."""
+        for lane in self.lanes:
+            for job in lane:
+                if job.rec.req_id == req_id:
+                    if job.next_seq:
+                        return None
+                    self._remove(lane, job)
+                    return job
+        return None
+
+    def expire(self, now_ns: int) -> list[Job]:
+        """Take out the requests whose deadline passed before any of their sequences was batched."""
+        if not self.with_deadline:
+            return []
+        gone = [(lane, job) for lane in self.lanes for job in lane
+                if job.rec.deadline_ns and job.next_seq == 0 and job.rec.deadline_ns <= now_ns]
+        for lane, job in gone:
+            self._remove(lane, job)
+        return [job for _, job in gone]
 
     def next_batch(self) -> list[tuple[Job, int, int]]:
-        """Take sequences in arrival order until the next one would pass the token budget.
+        """Interactive sequences first, then bulk ones, in arrival order within each lane.
 
         A single sequence is never longer than the budget (the config guarantees the model's
-        limit fits), so every batch holds at least one sequence and the queue always drains.
+        limit fits), so every batch holds at least one sequence and the queues always drain.
         """
         spans: list[tuple[Job, int, int]] = []
-        budget = self.max_batch_tokens
-        while self.jobs:
-            job = self.jobs[0]
+        interactive, bulk = self.lanes
+        reserve = 0
+        if bulk:  # keep room for one bulk sequence: bulk is never starved
+            head = bulk[0]
+            reserve = int(head.rec.lengths[head.next_seq])
+        # left < reserve only when a lone interactive sequence overflowed the reserve (a tiny budget).
+        left = self._take(interactive, self.max_batch_tokens - reserve, spans) + reserve
+        cap = self.bulk_batch_tokens or self.max_batch_tokens
+        if bulk and left > 0:
+            self._take(bulk, min(left, cap), spans, at_least_one=left >= reserve)
+        return spans
+
+    def _take(self, lane: deque, budget: int, spans: list, at_least_one: bool = False) -> int:
+        """Move sequences of `lane` into `spans` while they fit `budget`; return the budget left
+        (negative when a first sequence that had to go in was larger than the budget)."""
+        first = True
+        while lane:
+            job = lane[0]
             start = stop = job.next_seq
             while stop < job.n_seqs:
                 need = int(job.rec.lengths[stop])
-                if need > budget and (spans or stop > start):
+                # The very first sequence of a batch always goes in (nothing else could take it).
+                if need > budget and not (first and (at_least_one or not spans)):
                     break
                 budget -= need
                 stop += 1
+                first = False
             if stop > start:
                 spans.append((job, start, stop))
                 self.queued_tokens -= job.tokens(start, stop)
                 job.next_seq = stop
             if job.next_seq < job.n_seqs:
                 break  # budget spent inside this job
-            self.jobs.popleft()
-        return spans
+            lane.popleft()
+            self.with_deadline -= job.rec.deadline_ns != 0
+        return budget

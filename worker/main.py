@@ -20,7 +20,7 @@ from shared_mem import records
 from shared_mem.ring import Ring
 from worker.batcher import Batcher, Job
 from worker.packed import pack
-from worker.postprocess import finish, row_bytes
+from worker.postprocess import combine, finish, row_bytes
 
 
 @dataclasses.dataclass(slots=True)
@@ -31,6 +31,12 @@ class InFlight:
     pending: object
     error: Exception | None
     start_ns: int
+    report: bytes  # the BATCH record: tokens, sequences, rows and request ids of this batch
+
+    @property
+    def computed(self) -> bool:
+        """True when the engine already holds the result (the CPU engine computes in submit)."""
+        return self.error is not None or type(self.pending).__name__ == "Done"
 
 
 @dataclasses.dataclass(slots=True)
@@ -45,6 +51,7 @@ class WorkerConfig:
     request_fds: tuple[int, int]   # (data_fd, space_fd)
     response_ring: str
     response_fds: tuple[int, int]
+    bulk_batch_tokens: int = 0  # cap on bulk tokens per batch; 0: max_batch_tokens
 
     def __post_init__(self) -> None:
         self.request_fds = tuple(self.request_fds)
@@ -83,7 +90,8 @@ class Worker:
         # few ms while it has requests out (server/workers.py, tick), so a laptop stays quiet.
         self.requests.WAIT_SLICE = 0.5
         self.responses = Ring.attach(cfg.response_ring, *cfg.response_fds)
-        self.batcher = Batcher(cfg.max_batch_tokens)
+        self.batcher = Batcher(cfg.max_batch_tokens, cfg.bulk_batch_tokens)
+        self.native_int8 = self.model.spec.native_int8
         self.stopping = False
 
     def run(self) -> None:
@@ -93,11 +101,17 @@ class Worker:
         in_flight: InFlight | None = None
         while True:
             self.drain_requests()
+            self.drop_expired()
             # Submit batch N+1 before waiting on batch N: its packing and launch overlap N's work.
             following = self.submit(self.batcher.next_batch()) if self.batcher else None
             if in_flight is not None:
                 self.answer(in_flight)
             in_flight = following
+            if in_flight is not None and in_flight.computed:
+                # A synchronous engine (the CPU) has finished already: answer now rather than
+                # after the next batch, which would add a whole batch to this one's latency.
+                self.answer(in_flight)
+                in_flight = None
             if in_flight is not None or self.batcher:
                 continue
             if self.stopping:
@@ -111,19 +125,39 @@ class Worker:
             kind, view = item
             if kind == records.EMBED:
                 self.batcher.add(Job.of(records.decode_request(view)))
+            elif kind == records.CANCEL:
+                job = self.batcher.cancel(records.decode_cancel(view))
+                if job is not None:
+                    self.write_error(job, "the client cancelled the request before it reached the model",
+                                     records.CANCELLED)
             elif kind == records.STOP:
                 self.stopping = True
             del view  # the ring may reuse these bytes after release()
         self.requests.release()
 
+    def drop_expired(self) -> None:
+        """Answer DEADLINE_EXCEEDED for requests whose deadline passed before they were batched."""
+        dropped = self.batcher.expire(time.monotonic_ns())
+        for job in dropped:
+            self.write_error(job, "the deadline passed before the request reached the model",
+                             records.DEADLINE_EXCEEDED)
+        if dropped:
+            self.responses.notify_consumer()
+
     def submit(self, spans: list[tuple[Job, int, int]]) -> "InFlight":
         start_ns = time.monotonic_ns()
         sequences = [job.rec.ids[job.offsets[i]:job.offsets[i + 1]] for job, a, b in spans for i in range(a, b)]
+        # Rows differ from sequences only for contextual chunks and CHUNK_MEAN windows.
+        plain = all(job.rec.rows is None for job, _, _ in spans)
+        row_spans = None if plain else [job.row_spans(i) for job, a, b in spans for i in range(a, b)]
         try:
-            pending, error = self.engine.submit(pack(sequences)), None
+            pending, error = self.engine.submit(pack(sequences, row_spans)), None
         except Exception as exc:  # a failed batch fails its requests, not the worker
             pending, error = None, exc
-        return InFlight(spans, pending, error, start_ns)
+        report = records.encode_batch(sum(len(s) for s in sequences), len(sequences),
+                                      sum(len(r) for r in row_spans) if row_spans else len(sequences),
+                                      [job.rec.req_id for job, _, _ in spans])
+        return InFlight(spans, pending, error, start_ns, report)
 
     def answer(self, batch: "InFlight") -> None:
         error = batch.error
@@ -148,32 +182,41 @@ class Worker:
                 job.done_seqs = -1  # answered; its later spans are dropped
                 continue
             if job.pooled is None:
-                job.pooled = np.empty((job.n_seqs, self.hidden), dtype=np.float32)
-            job.pooled[a:b] = pooled[row:row + (b - a)]
-            row += b - a
+                job.pooled = np.empty((job.n_rows, self.hidden), dtype=np.float32)
+            ra, rb = int(job.row_offsets[a]), int(job.row_offsets[b])
+            job.pooled[ra:rb] = pooled[row:row + (rb - ra)]
+            row += rb - ra
             job.done_seqs += b - a
             if job.done_seqs == job.n_seqs:
                 self.write_result(job)
+        buf = self.reserve(len(batch.report))
+        buf[:] = batch.report
+        del buf
+        self.responses.commit(records.BATCH, notify=False)
         # One wake-up per batch at most, and none if the frontend is busy reading.
         self.responses.notify_consumer()
 
     def write_result(self, job: Job) -> None:
         rec = job.rec
         dims = rec.dims or self.hidden
-        body = job.n_seqs * row_bytes(dims, rec.encoding)
+        vectors = job.pooled
+        if rec.rows is not None:  # contextual chunks (weights 1, one row each) or CHUNK_MEAN windows
+            vectors = combine(job.pooled, rec.rows.out.astype(np.int64), rec.rows.weight.astype(np.float64), rec.n_out)
+        rows = len(vectors)
+        body = rows * row_bytes(dims, rec.encoding)
         buf = self.reserve(records.RESULT_HEADER + body)
-        records.pack_result_header(buf, rec.req_id, 0, job.n_seqs, dims, rec.encoding,
+        records.pack_result_header(buf, rec.req_id, 0, rows, dims, rec.encoding,
                                    max(0, job.last_start_ns - rec.admit_ns) // 1000,
                                    (job.last_end_ns - job.first_start_ns) // 1000)
-        finish(job.pooled, rec.dims, rec.normalize, rec.encoding, buf[records.RESULT_HEADER:])
+        finish(vectors, rec.dims, rec.normalize, rec.encoding, buf[records.RESULT_HEADER:], self.native_int8)
         del buf
         self.responses.commit(records.RESULT, notify=False)
 
-    def write_error(self, job: Job, message: str) -> None:
+    def write_error(self, job: Job, message: str, status: int = records.INTERNAL) -> None:
         rec = job.rec
         text = message.encode()[:4096]
         buf = self.reserve(records.RESULT_HEADER + len(text))
-        records.pack_result_header(buf, rec.req_id, 13, 0, 0, rec.encoding, 0, 0)  # 13 = INTERNAL
+        records.pack_result_header(buf, rec.req_id, status, 0, 0, rec.encoding, 0, 0)
         buf[records.RESULT_HEADER:] = text
         del buf
         self.responses.commit(records.RESULT, notify=False)

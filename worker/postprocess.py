@@ -1,7 +1,17 @@
-"""The one place where pooled vectors are cut (Matryoshka), normalized and encoded.
+"""The one place where pooled rows are combined, cut (Matryoshka), normalized and encoded.
 
 Encoded rows are written straight into the caller's buffer (a slice of the response ring), so
 the embeddings leave the worker with no copy beyond this one.
+
+int8 comes in two kinds (docs/architecture.md, "Encodings"):
+- a model whose own output is int8 (pplx-embed, `spec.native_int8`): q = round(127 * tanh(x)),
+  x being the pooled vector cut to `dims` and never normalized (tanh of a unit vector would throw
+  the model's scale away; the model's int8 vectors are compared by cosine anyway). The scale
+  answered is 1/127, so q * scale approximates tanh(x).
+- any other model: a symmetric per-vector scale, scale = max|x| / 127 and q = round(x / scale),
+  x being the cut (and, if asked, normalized) vector; q * scale approximates x. A zero vector
+  gets scale 0 and q = 0.
+The body is rows x dims int8 values, then rows float32 scales.
 """
 from __future__ import annotations
 
@@ -9,9 +19,9 @@ import numpy as np
 
 from pollen.v1 import embedder_pb2 as pb
 
-# Encodings this build computes. INT8 needs a per-vector scale in the answer: it comes with the
-# API issue, and until then the frontend answers UNIMPLEMENTED for it.
-SUPPORTED = (pb.ENCODING_FLOAT32, pb.ENCODING_FLOAT16, pb.ENCODING_BFLOAT16, pb.ENCODING_UBINARY)
+# Encodings this build computes.
+SUPPORTED = (pb.ENCODING_FLOAT32, pb.ENCODING_FLOAT16, pb.ENCODING_BFLOAT16, pb.ENCODING_INT8,
+             pb.ENCODING_UBINARY)
 
 
 def row_bytes(dims: int, encoding: int) -> int:
@@ -20,15 +30,27 @@ def row_bytes(dims: int, encoding: int) -> int:
     if encoding in (pb.ENCODING_FLOAT16, pb.ENCODING_BFLOAT16):
         return 2 * dims
     if encoding == pb.ENCODING_INT8:
-        return dims
+        return dims + 4  # its values, and its share of the scales that follow all rows
     if encoding == pb.ENCODING_UBINARY:
         return (dims + 7) // 8
     raise ValueError(f"unknown encoding {encoding}")
 
 
-def finish(pooled: np.ndarray, dims: int, normalize: bool, encoding: int, out: memoryview) -> None:
+def combine(pooled: np.ndarray, out_index: np.ndarray, weights: np.ndarray, n_out: int) -> np.ndarray:
+    """Weighted mean of the pooled rows that share an output (CHUNK_MEAN windows of one text)."""
+    sums = np.zeros((n_out, pooled.shape[1]), dtype=np.float64)
+    np.add.at(sums, out_index, pooled * weights[:, None])
+    totals = np.bincount(out_index, weights=weights, minlength=n_out)
+    return (sums / totals[:, None]).astype(np.float32)
+
+
+def finish(pooled: np.ndarray, dims: int, normalize: bool, encoding: int, out: memoryview,
+           native_int8: bool = False) -> None:
     """Cut pooled [rows, hidden] float32 to its first `dims` values, normalize, encode into `out`."""
     x = pooled[:, :dims] if dims else pooled
+    if encoding == pb.ENCODING_INT8 and native_int8:
+        write_int8(np.round(127 * np.tanh(x.astype(np.float64))), np.full(len(x), 1 / 127), out)
+        return
     if normalize:
         norms = np.linalg.norm(x, axis=1, keepdims=True)
         # A zero vector stays zero rather than becoming NaN.
@@ -40,11 +62,21 @@ def finish(pooled: np.ndarray, dims: int, normalize: bool, encoding: int, out: m
         np.copyto(np.frombuffer(out, dtype="<f2").reshape(x.shape), x, casting="same_kind")
     elif encoding == pb.ENCODING_BFLOAT16:
         np.copyto(np.frombuffer(out, dtype="<u2").reshape(x.shape), to_bfloat16_bits(x))
+    elif encoding == pb.ENCODING_INT8:
+        scale = np.abs(x).max(axis=1, initial=0).astype(np.float64) / 127
+        q = np.round(x / np.where(scale > 0, scale, 1)[:, None])
+        write_int8(q, scale, out)
     elif encoding == pb.ENCODING_UBINARY:
         packed = np.packbits(x > 0, axis=1, bitorder="little")
         np.copyto(np.frombuffer(out, dtype=np.uint8).reshape(packed.shape), packed)
     else:
         raise ValueError(f"encoding {encoding} is not computed by this build")
+
+
+def write_int8(q: np.ndarray, scales: np.ndarray, out: memoryview) -> None:
+    n = q.size
+    np.copyto(np.frombuffer(out, dtype=np.int8, count=n).reshape(q.shape), np.clip(q, -127, 127), casting="unsafe")
+    np.copyto(np.frombuffer(out, dtype="<f4", count=len(scales), offset=n), scales, casting="same_kind")
 
 
 def to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
