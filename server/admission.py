@@ -1,6 +1,14 @@
 """Check an EmbedRequest against the model and the limits; turn it into token-id sequences.
 
 Every refusal names the field and the problem, so a client can fix its request from the message.
+The request options resolve here (docs/architecture.md, "Request options"):
+- prompt_name / prompt: prepended to every text before tokenization; the checkpoint's
+  default_prompt_name applies when a request names neither. Refused with token_ids (those are
+  the complete model input) and the default is not applied to them.
+- max_tokens: the limit per sequence, at most the model's.
+- long_input CHUNK_MEAN: texts over the limit become overlapping windows (server/tokenizer.py)
+  whose pooled vectors the worker averages, weighted by each window's tokens.
+- chunks: one document; one output row per chunk (server/tokenizer.py encode_document).
 """
 from __future__ import annotations
 
@@ -8,17 +16,18 @@ import asyncio
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 
 from pollen.v1 import embedder_pb2 as pb
-from server.errors import RequestError, invalid
+from server.errors import invalid
 from server.tokenizer import TextTokenizer
-from worker.models.spec import ModelSpec
-from worker.postprocess import SUPPORTED
+from shared_mem.records import RowPlan
+from worker.models.spec import MIN_MATRYOSHKA_DIMS, ModelSpec
 
 _ENCODINGS = set(pb.Encoding.values())
 _TRUNCATES = set(pb.Truncate.values())
+_LONG_INPUTS = set(pb.LongInput.values())
+_PRIORITIES = set(pb.Priority.values())
 
 
 @dataclass(slots=True)
@@ -27,6 +36,8 @@ class Admitted:
     dims: int          # 0 = full
     normalize: bool
     encoding: int
+    rows: RowPlan | None = None  # None: one output per sequence
+    priority: int = pb.PRIORITY_INTERACTIVE
 
     @property
     def tokens(self) -> int:
@@ -39,6 +50,7 @@ class Admission:
         self.tokenizer = tokenizer
         self.executor = executor
         self.max_texts = max_texts
+        self.prompts = dict(spec.prompts)
 
     def check_count(self, inputs: int) -> None:
         if inputs > self.max_texts:
@@ -48,41 +60,103 @@ class Admission:
         if truncate not in _TRUNCATES:
             raise invalid(f"truncate {truncate} is not a known Truncate value")
 
-    def check_options(self, texts: int, id_lists: int, dimensions: int, encoding: int, truncate: int) -> None:
-        if texts and id_lists:
-            raise invalid("set either texts or token_ids, not both")
-        if not texts and not id_lists:
-            raise invalid("the request has neither texts nor token_ids")
-        self.check_count(texts + id_lists)
-        if encoding not in _ENCODINGS:
-            raise invalid(f"encoding {encoding} is not a known Encoding value")
-        if encoding not in SUPPORTED:
-            raise RequestError(grpc.StatusCode.UNIMPLEMENTED,
-                               f"encoding {pb.Encoding.Name(encoding)} is not offered yet; "
-                               f"offered: {', '.join(pb.Encoding.Name(e) for e in SUPPORTED)}")
-        self.check_truncate(truncate)
-        if dimensions > self.spec.hidden_size:
-            raise invalid(f"dimensions {dimensions} is above the model's {self.spec.hidden_size}")
+    def allowed_dimensions(self) -> str:
+        if self.spec.matryoshka_dimensions:
+            return "one of " + ", ".join(map(str, self.spec.matryoshka_dimensions))
+        return f"from {MIN_MATRYOSHKA_DIMS} to {self.spec.hidden_size}"
+
+    def check_dimensions(self, dimensions: int) -> None:
+        if dimensions == 0 or dimensions == self.spec.hidden_size:
+            return
+        sizes = self.spec.matryoshka_dimensions
+        ok = dimensions in sizes if sizes else MIN_MATRYOSHKA_DIMS <= dimensions <= self.spec.hidden_size
+        if not ok:
+            raise invalid(f"dimensions {dimensions} is not offered by this model; allowed: 0 (full size) or "
+                          f"{self.allowed_dimensions()}")
+
+    def limit(self, max_tokens: int) -> int:
+        if max_tokens > self.spec.max_tokens:
+            raise invalid(f"max_tokens {max_tokens} is over the model's limit of {self.spec.max_tokens}")
+        if max_tokens and max_tokens <= self.tokenizer.special:
+            raise invalid(f"max_tokens {max_tokens} leaves no room for text beside the model's "
+                          f"{self.tokenizer.special} special tokens")
+        return max_tokens or self.spec.max_tokens
+
+    def prompt(self, prompt_name: str, prompt: str, explicit_only: bool = False) -> str:
+        if prompt_name and prompt:
+            raise invalid("set either prompt_name or prompt, not both")
+        if prompt:
+            return prompt
+        if not prompt_name and not explicit_only:
+            prompt_name = self.spec.default_prompt_name
+        if not prompt_name:
+            return ""
+        if prompt_name not in self.prompts:
+            known = ", ".join(sorted(self.prompts)) if self.prompts else "none (the model defines no prompts)"
+            raise invalid(f"prompt_name {prompt_name!r} is not one of the model's prompts; known: {known}")
+        return self.prompts[prompt_name]
+
+    def check_options(self, request: pb.EmbedRequest) -> None:
+        given = [name for name, n in (("texts", len(request.texts)), ("token_ids", len(request.token_ids)),
+                                      ("chunks", len(request.chunks))) if n]
+        if len(given) > 1:
+            raise invalid(f"set exactly one of texts, token_ids and chunks, not both {' and '.join(given)}")
+        if not given:
+            raise invalid("the request has neither texts nor token_ids nor chunks")
+        self.check_count(len(request.texts) + len(request.token_ids) + len(request.chunks))
+        if request.encoding not in _ENCODINGS:
+            raise invalid(f"encoding {request.encoding} is not a known Encoding value")
+        self.check_truncate(request.truncate)
+        if request.long_input not in _LONG_INPUTS:
+            raise invalid(f"long_input {request.long_input} is not a known LongInput value")
+        if request.priority not in _PRIORITIES:
+            raise invalid(f"priority {request.priority} is not a known Priority value")
+        self.check_dimensions(request.dimensions)
+        chunk_mean = request.long_input == pb.LONG_INPUT_CHUNK_MEAN
+        if request.token_ids:
+            if request.prompt_name or request.prompt:
+                raise invalid("prompt_name and prompt apply to texts and chunks, not to token_ids "
+                              "(token_ids are the complete model input; put the prompt's tokens in them)")
+            if chunk_mean:
+                raise invalid("long_input LONG_INPUT_CHUNK_MEAN applies to texts, not to token_ids")
+        if request.chunks and chunk_mean:
+            raise invalid("long_input LONG_INPUT_CHUNK_MEAN applies to texts, not to chunks "
+                          "(a contextual-chunk document must fit in one sequence)")
 
     async def admit(self, request: pb.EmbedRequest) -> Admitted:
-        self.check_options(len(request.texts), len(request.token_ids), request.dimensions,
-                           request.encoding, request.truncate)
-        if request.texts:
-            seqs = await self.tokenize(list(request.texts), request.truncate)
+        self.check_options(request)
+        limit = self.limit(request.max_tokens)
+        rows = None
+        if request.token_ids:
+            seqs = [self.check_ids(i, t.ids, request.truncate, limit) for i, t in enumerate(request.token_ids)]
         else:
-            seqs = [self.check_ids(i, t.ids, request.truncate) for i, t in enumerate(request.token_ids)]
-        return Admitted(seqs, request.dimensions, request.normalize, request.encoding)
+            prompt = self.prompt(request.prompt_name, request.prompt)
+            if request.chunks:
+                seq, spans = await self.run(self.tokenizer.encode_document, list(request.chunks), limit, prompt)
+                seqs = [seq]
+                n = len(spans)
+                rows = RowPlan(np.zeros(n, np.uint32), np.array([a for a, _ in spans], np.uint32),
+                               np.array([b for _, b in spans], np.uint32), np.arange(n, dtype=np.uint32),
+                               np.ones(n, np.float32))
+            elif request.long_input == pb.LONG_INPUT_CHUNK_MEAN:
+                windows = await self.run(self.tokenizer.encode_windows, list(request.texts), limit, prompt)
+                seqs, rows = window_plan(windows)
+            else:
+                seqs = await self.run(self.tokenizer.encode, list(request.texts), request.truncate, limit, prompt)
+        return Admitted(seqs, request.dimensions, request.normalize, request.encoding, rows, request.priority)
 
     async def admit_tokenize(self, request: pb.TokenizeRequest) -> list[np.ndarray]:
         self.check_count(len(request.texts))
         self.check_truncate(request.truncate)
-        return await self.tokenize(list(request.texts), request.truncate)
+        limit = self.limit(request.max_tokens)
+        prompt = self.prompt(request.prompt_name, request.prompt)
+        return await self.run(self.tokenizer.encode, list(request.texts), request.truncate, limit, prompt)
 
-    async def tokenize(self, texts: list[str], truncate: int) -> list[np.ndarray]:
+    async def run(self, fn, *args):
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self.tokenizer.encode, texts, truncate)
+        return await loop.run_in_executor(self.executor, fn, *args)
 
-    def check_ids(self, i: int, ids, truncate: int) -> np.ndarray:
+    def check_ids(self, i: int, ids, truncate: int, limit: int) -> np.ndarray:
         arr = np.asarray(ids, dtype=np.int64)
         if arr.size == 0:
             raise invalid(f"token_ids[{i}] is empty")
@@ -90,10 +164,22 @@ class Admission:
         if bad.any():
             raise invalid(f"token_ids[{i}] holds id {int(arr[bad][0])}, outside the vocabulary "
                           f"[0, {self.spec.vocab_size})")
-        limit = self.spec.max_tokens
         if arr.size > limit:
             if truncate == pb.TRUNCATE_NONE:
-                raise invalid(f"token_ids[{i}] has {arr.size} tokens, over the model's limit of {limit}; "
+                raise invalid(f"token_ids[{i}] has {arr.size} tokens, over {self.tokenizer.limit_name(limit)}; "
                               "shorten it or set truncate to TRUNCATE_END or TRUNCATE_START")
             arr = arr[:limit] if truncate == pb.TRUNCATE_END else arr[-limit:]
         return arr.astype(np.int32)
+
+
+def window_plan(windows: list[list[np.ndarray]]) -> tuple[list[np.ndarray], RowPlan | None]:
+    """CHUNK_MEAN: every window is a sequence pooled whole; a text's windows share its output,
+    weighted by their token counts (special tokens included: the tokens each mean pooled over)."""
+    seqs = [w for ws in windows for w in ws]
+    if len(seqs) == len(windows):
+        return seqs, None  # every text fitted: plain rows
+    n = len(seqs)
+    out = np.repeat(np.arange(len(windows), dtype=np.uint32), [len(ws) for ws in windows])
+    lengths = np.array([len(s) for s in seqs], dtype=np.uint32)
+    return seqs, RowPlan(np.arange(n, dtype=np.uint32), np.zeros(n, np.uint32), lengths, out,
+                         lengths.astype(np.float32))

@@ -23,6 +23,9 @@ class ServeConfig:
     workers: int = _flag(1, "worker processes (one per device; on the CPU they share the cores)")
     listen: str = _flag("127.0.0.1:50051", "gRPC address: host:port or unix:/path")
     max_batch_tokens: int = _flag(8192, "token budget of one model batch (sequences are packed, never padded)")
+    bulk_batch_tokens: int = _flag(0, "most tokens of PRIORITY_BULK work in one batch (0: --max-batch-tokens); "
+                                   "lower keeps interactive latency low under bulk load, higher gives bulk "
+                                   "throughput")
     max_queued_tokens: int = _flag(2_000_000, "tokens admitted but not yet answered, over all workers; "
                                    "beyond it requests get RESOURCE_EXHAUSTED")
     max_texts_per_request: int = _flag(512, "texts (or token-id lists) in one request")
@@ -43,6 +46,8 @@ class ServeConfig:
                      "max_request_bytes", "tokenizer_threads", "request_ring_bytes", "response_ring_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.bulk_batch_tokens < 0:
+            raise ValueError(f"--bulk-batch-tokens must be 0 (no cap) or more, got {self.bulk_batch_tokens}")
         if self.worker_threads < 0:
             raise ValueError(f"--worker-threads must be 0 (auto) or more, got {self.worker_threads}")
         if self.worker_threads == 0:

@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
+import numpy as np
 
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
 from server.admission import Admission
 from server.config import ServeConfig
+from server import metrics
 from server.errors import RequestError, invalid, status_number
 from server.workers import WorkerPool
 from worker.models.spec import ModelSpec
@@ -28,19 +31,35 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         self.admission = admission
         self.pool = pool
 
-    async def embed(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
-        job = await self.admission.admit(request)
-        result = await self.pool.embed(job.seqs, job.dims, job.normalize, job.encoding)
+    async def embed(self, request: pb.EmbedRequest, *, deadline_ns: int = 0) -> pb.EmbedResponse:
+        """deadline_ns: CLOCK_MONOTONIC ns by which the request must reach the model (0: none);
+        the request's own timeout_ms, counted from now, applies as well."""
+        if request.timeout_ms:
+            own = time.monotonic_ns() + request.timeout_ms * 1_000_000
+            deadline_ns = min(deadline_ns, own) if deadline_ns else own
+        try:
+            job = await self.admission.admit(request)
+        except asyncio.CancelledError:
+            metrics.DROPPED.labels(reason="cancelled").inc()  # the client left while we tokenized
+            raise
+        result = await self.pool.embed(job.seqs, job.dims, job.normalize, job.encoding, rows=job.rows,
+                                       priority=job.priority, deadline_ns=deadline_ns)
         if result.status:
             raise RequestError(_WORKER_STATUS.get(result.status, grpc.StatusCode.INTERNAL),
                                result.body.decode(errors="replace"))
+        body, scales = result.body, ()
+        if result.encoding == pb.ENCODING_INT8:  # rows x dims int8 values, then one f32 scale a row
+            split = result.rows * result.dims
+            body, scales = body[:split], np.frombuffer(body, "<f4", count=result.rows, offset=split).tolist()
         return pb.EmbedResponse(
-            id=request.id, embeddings=result.body, rows=result.rows, dims=result.dims,
+            id=request.id, embeddings=body, rows=result.rows, dims=result.dims,
             encoding=result.encoding, usage=pb.Usage(prompt_tokens=job.tokens),
-            timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us))
+            timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us), scales=scales)
 
     async def Embed(self, request, context):
-        return await unary(context, "Embed", self.embed(request))
+        remaining = context.time_remaining()
+        deadline_ns = time.monotonic_ns() + int(remaining * 1e9) if remaining is not None else 0
+        return await unary(context, "Embed", self.embed(request, deadline_ns=deadline_ns))
 
     async def EmbedStream(self, request_iterator, context):
         """Answer each message as soon as it is done; a bad message gets an error answer only."""
@@ -103,7 +122,8 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             pooling=_POOLING.get(self.spec.pooling, pb.POOLING_UNSPECIFIED), encodings=list(SUPPORTED),
             max_texts_per_request=self.cfg.max_texts_per_request, max_batch_tokens=self.cfg.max_batch_tokens,
             max_queued_tokens=self.cfg.max_queued_tokens, max_request_bytes=self.cfg.max_request_bytes,
-            vocab_size=self.spec.vocab_size, workers=self.cfg.workers, device=self.cfg.device)
+            vocab_size=self.spec.vocab_size, workers=self.cfg.workers, device=self.cfg.device,
+            prompts=dict(self.spec.prompts), matryoshka_dimensions=list(self.spec.matryoshka_dimensions))
 
 
 async def unary(context, method: str, work):

@@ -6,6 +6,12 @@ sends the unanswered requests again, in their original order: the client sees no
 request that was in flight in three crashes in a row is answered INTERNAL instead, so one
 poisonous input cannot crash-loop a worker forever.
 
+Drops (docs/architecture.md, "Deadlines and cancellation"): a request whose deadline passed or
+whose client left is dropped before it reaches the model, here while it waits in the backlog, or
+in the worker (the deadline travels in the record; a CANCEL record forgets a request not yet
+batched), which answers it DEADLINE_EXCEEDED or CANCELLED. Each drop is counted once in
+server.metrics.DROPPED: here for the backlog, on the worker's answer otherwise.
+
 Everything here runs on the event loop thread: answers arrive through loop.add_reader on the
 response ring's eventfd, deaths through a pidfd.
 """
@@ -24,6 +30,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from server import metrics
 from server.config import ServeConfig
 from server.errors import RequestError
 from shared_mem import records
@@ -35,12 +42,26 @@ log = logging.getLogger("pollen.workers")
 MAX_ATTEMPTS = 3
 
 
+_DROP_REASONS = {records.DEADLINE_EXCEEDED: "deadline", records.CANCELLED: "cancelled"}
+
+
 @dataclass(slots=True)
 class Pending:
     record: bytes  # the request record, kept for a resend
     tokens: int
     future: asyncio.Future
     attempts: int = 0
+    deadline_ns: int = 0  # CLOCK_MONOTONIC; 0: none
+    priority: int = 0     # the backlog lane: 0 interactive, 1 bulk
+    sent: bool = False    # in the ring (or the worker) rather than the backlog
+    drop_reason: str = ""  # set when the frontend asked the worker to forget it
+
+
+def dropped_error(reason: str) -> RequestError:
+    if reason == "deadline":
+        return RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            "the deadline passed before the request reached the model")
+    return RequestError(grpc.StatusCode.CANCELLED, "the request was cancelled before it reached the model")
 
 
 class WorkerHandle:
@@ -49,7 +70,9 @@ class WorkerHandle:
         self.cfg = cfg
         self.loop = asyncio.get_running_loop()
         self.inflight: dict[int, Pending] = {}
-        self.backlog: deque[int] = deque()  # request ids admitted but not yet in the ring
+        # Request ids admitted but not yet in the ring, one FIFO lane per priority: the ring takes
+        # interactive requests first, so bulk ones never hold them back here either.
+        self.backlog: tuple[deque[int], deque[int]] = (deque(), deque())
         self.queued_tokens = 0
         self.proc: subprocess.Popen | None = None
         self.requests: Ring | None = None
@@ -62,6 +85,8 @@ class WorkerHandle:
         self.early_deaths = 0  # deaths before READY in a row, for the restart back-off
         self.info: dict = {}
         self.generation = 0  # bumped at each spawn, so timers of a dead worker stop
+        # Called with (worker index, BatchReport) for every batch a worker ran (tests, tools).
+        self.batch_listener = None
 
     # ---- life cycle ----
 
@@ -71,7 +96,8 @@ class WorkerHandle:
         self.responses = Ring.create(cfg.response_ring_bytes)
         wcfg = WorkerConfig(
             index=self.index, model=cfg.model, device=cfg.device, threads=cfg.worker_threads,
-            max_batch_tokens=cfg.max_batch_tokens, parent_pid=os.getpid(),
+            max_batch_tokens=cfg.max_batch_tokens, bulk_batch_tokens=cfg.bulk_batch_tokens,
+            parent_pid=os.getpid(),
             request_ring=self.requests.name, request_fds=(self.requests.data_fd, self.requests.space_fd),
             response_ring=self.responses.name, response_fds=(self.responses.data_fd, self.responses.space_fd))
         fds = [*wcfg.request_fds, *wcfg.response_fds]
@@ -137,16 +163,23 @@ class WorkerHandle:
             return
         self.close_rings()
         self.restarts += 1
+        metrics.WORKER_RESTARTS.inc()
         self.early_deaths = 0 if was_ready else self.early_deaths + 1
         log.error("worker %d died (code %s) with %d requests unanswered; restart #%d",
                   self.index, code, len(self.inflight), self.restarts)
         for req_id, p in list(self.inflight.items()):
+            if p.drop_reason:  # its client left: nobody wants it any more
+                self.drop(req_id, p.drop_reason)
+                continue
             p.attempts += 1
+            p.sent = False
             if p.attempts >= MAX_ATTEMPTS:
                 self.fail(req_id, RequestError(grpc.StatusCode.INTERNAL,
                           f"the worker died {p.attempts} times while holding this request"))
         # Everything unanswered goes again, in the order it was first admitted.
-        self.backlog = deque(sorted(self.inflight))
+        self.backlog = (deque(), deque())
+        for req_id in sorted(self.inflight):
+            self.backlog[self.inflight[req_id].priority].append(req_id)
         delay = 0.0 if was_ready else min(30.0, 0.5 * 2 ** self.early_deaths)
         self.loop.call_later(delay, self.respawn)
 
@@ -157,6 +190,7 @@ class WorkerHandle:
             return  # this worker is gone; its successor runs its own tick
         if self.inflight:
             self.read_answers()
+            self.expire_backlog()
             self.flush()
             # The worker's wake-up can be lost the same way; it sleeps in long slices and
             # relies on this nudge while it holds unread requests.
@@ -175,27 +209,66 @@ class WorkerHandle:
 
     # ---- requests ----
 
-    def submit(self, req_id: int, record: bytes, tokens: int) -> asyncio.Future:
+    def submit(self, req_id: int, record: bytes, tokens: int, deadline_ns: int = 0,
+               priority: int = 0) -> asyncio.Future:
         future = self.loop.create_future()
-        self.inflight[req_id] = Pending(record, tokens, future)
+        self.inflight[req_id] = Pending(record, tokens, future, deadline_ns=deadline_ns, priority=priority)
         self.queued_tokens += tokens
-        self.backlog.append(req_id)
+        self.backlog[priority].append(req_id)
         self.flush()
         return future
 
+    def cancel(self, req_id: int, reason: str) -> None:
+        """The client left (or its deadline passed): drop the request if it has not reached the model."""
+        pending = self.inflight.get(req_id)
+        if pending is None or pending.drop_reason:
+            return
+        if not pending.sent:
+            self.backlog[pending.priority].remove(req_id)
+            self.drop(req_id, reason)
+            return
+        # In the ring or the worker: the worker answers CANCELLED if it had not batched it yet,
+        # else the answer comes as usual and is thrown away (the future is already done).
+        pending.drop_reason = reason
+        if self.requests is not None:
+            self.requests.try_write(records.CANCEL, records.encode_cancel(req_id))
+
+    def drop(self, req_id: int, reason: str) -> None:
+        metrics.DROPPED.labels(reason=reason).inc()
+        self.fail(req_id, dropped_error(reason))
+
+    def expire_backlog(self) -> None:
+        """Drop backlogged requests whose deadline passed (the ring may be full for a while)."""
+        now = time.monotonic_ns()
+        for lane in self.backlog:
+            expired = [r for r in lane if r in self.inflight and 0 < self.inflight[r].deadline_ns <= now]
+            for req_id in expired:
+                lane.remove(req_id)
+                self.drop(req_id, "deadline")
+
     def flush(self) -> None:
-        """Move backlogged requests into the ring while it has room (FIFO, nothing overtakes)."""
+        """Move backlogged requests into the ring while it has room: interactive ones first,
+        FIFO within a lane; one whose deadline passed is dropped instead."""
         ring = self.requests
         if ring is None or not self.ready.is_set():
             return
         Ring.drain_signal(ring.space_fd)
         for first_try in (True, False):
-            while self.backlog:
-                pending = self.inflight.get(self.backlog[0])
-                if pending is not None and not ring.try_write(records.EMBED, pending.record):
-                    break
-                self.backlog.popleft()
-            if not self.backlog:
+            now = time.monotonic_ns()
+            for lane in self.backlog:
+                while lane:
+                    pending = self.inflight.get(lane[0])
+                    if pending is not None:
+                        if 0 < pending.deadline_ns <= now:
+                            self.drop(lane.popleft(), "deadline")
+                            continue
+                        if not ring.try_write(records.EMBED, pending.record):
+                            break
+                        pending.sent = True
+                    lane.popleft()
+                if lane:
+                    break  # the ring is full; bulk must not pass interactive work
+            if not any(self.backlog):
                 ring.set_producer_sleeping(False)
                 return
             if first_try:
@@ -212,6 +285,8 @@ class WorkerHandle:
                 kind, view = item
                 if kind == records.RESULT:
                     self.answer(records.decode_result(view))
+                elif kind == records.BATCH:
+                    self.on_batch(records.decode_batch(view))
                 elif kind == records.READY:
                     self.on_ready(json.loads(bytes(view)))
                 del view
@@ -227,11 +302,22 @@ class WorkerHandle:
         log.info("worker %d ready: %s", self.index, info)
         self.flush()
 
+    def on_batch(self, report: records.BatchReport) -> None:
+        metrics.BATCH_TOKENS.observe(report.tokens)
+        if self.batch_listener is not None:
+            self.batch_listener(self.index, report)
+
     def answer(self, result: records.ResultRecord) -> None:
         pending = self.inflight.pop(result.req_id, None)
         if pending is None:
             return
         self.queued_tokens -= pending.tokens
+        reason = _DROP_REASONS.get(result.status)
+        if reason:  # the worker dropped it before the model; count it once, here
+            metrics.DROPPED.labels(reason=pending.drop_reason or reason).inc()
+        elif result.status == records.OK:
+            metrics.QUEUE_SECONDS.observe(result.queue_us / 1e6)
+            metrics.INFERENCE_SECONDS.observe(result.inference_us / 1e6)
         if not pending.future.done():
             pending.future.set_result(result)
 
@@ -249,6 +335,12 @@ class WorkerPool:
         self.cfg = cfg
         self.handles = [WorkerHandle(i, cfg) for i in range(cfg.workers)]
         self.ids = itertools.count(1)
+        self.max_record = Ring.max_record_for(cfg.request_ring_bytes)
+        metrics.QUEUED_TOKENS.set_function(lambda: self.queued_tokens)
+
+    def set_batch_listener(self, listener) -> None:
+        for h in self.handles:
+            h.batch_listener = listener
 
     @property
     def queued_tokens(self) -> int:
@@ -264,13 +356,29 @@ class WorkerPool:
     async def stop(self) -> None:
         await asyncio.gather(*(h.stop() for h in self.handles))
 
-    async def embed(self, seqs, dims: int, normalize: bool, encoding: int) -> records.ResultRecord:
+    async def embed(self, seqs, dims: int, normalize: bool, encoding: int, *, rows: records.RowPlan | None = None,
+                    priority: int = 0, deadline_ns: int = 0) -> records.ResultRecord:
         tokens = sum(len(s) for s in seqs)
         if self.queued_tokens + tokens > self.cfg.max_queued_tokens:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"the server holds {self.queued_tokens} queued tokens and this request adds "
                                f"{tokens}, over --max-queued-tokens {self.cfg.max_queued_tokens}; retry later")
+        now = time.monotonic_ns()
+        if deadline_ns and deadline_ns <= now:
+            metrics.DROPPED.labels(reason="deadline").inc()
+            raise dropped_error("deadline")
         handle = min(self.handles, key=lambda h: (not h.ready.is_set(), h.queued_tokens))
         req_id = next(self.ids)
-        record = records.encode_request(req_id, time.monotonic_ns(), seqs, dims, normalize, encoding)
-        return await handle.submit(req_id, record, tokens)
+        record = records.encode_request(req_id, now, seqs, dims, normalize, encoding, deadline_ns=deadline_ns,
+                                        priority=priority, rows=rows)
+        if len(record) > self.max_record:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"the request holds {tokens} tokens in {len(seqs)} sequences, more than one "
+                               f"request record can carry ({self.max_record} bytes); split it")
+        try:
+            return await handle.submit(req_id, record, tokens, deadline_ns, priority)
+        except asyncio.CancelledError:
+            # The client left (a unary call cancelled or past its gRPC deadline, a stream closed).
+            late = deadline_ns and time.monotonic_ns() >= deadline_ns
+            handle.cancel(req_id, "deadline" if late else "cancelled")
+            raise
