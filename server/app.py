@@ -56,7 +56,9 @@ def check_platform() -> None:
                            f"{platform.machine()!r}, where they would need fences Python cannot issue")
 
 
-async def serve(cfg: ServeConfig) -> None:
+async def serve(cfg: ServeConfig, stop: asyncio.Event | None = None, serving=None) -> None:
+    """Serve until SIGTERM/SIGINT (or until `stop` is set, for in-process use such as tests);
+    `serving(pool)` is called once the workers are ready."""
     check_platform()
     removed = cleanup_stale_segments()
     if removed:
@@ -86,10 +88,11 @@ async def serve(cfg: ServeConfig) -> None:
     if server.add_insecure_port(cfg.listen) == 0 and not cfg.listen.startswith("unix:"):
         raise OSError(f"cannot listen on {cfg.listen}")
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
 
     await server.start()
     try:
@@ -102,6 +105,8 @@ async def serve(cfg: ServeConfig) -> None:
             for name in ("", SERVICE_NAME):
                 await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
             log.info("serving %s on %s", spec.name, cfg.listen)
+            if serving is not None:
+                serving(pool)
             await stop.wait()
         else:
             starting.cancel()

@@ -11,9 +11,19 @@ from tests.conftest import vectors
 LONG = "word " * 400  # ~400 tokens, over all-MiniLM-L6-v2's 256
 
 BAD = {
-    "neither texts nor token_ids": (pb.EmbedRequest(id="b1"), "neither texts nor token_ids"),
+    "neither texts nor token_ids": (pb.EmbedRequest(id="b1"), "neither texts nor token_ids nor chunks"),
     "both texts and token_ids": (
-        pb.EmbedRequest(id="b2", texts=["x"], token_ids=[pb.TokenIds(ids=[101, 102])]), "not both"),
+        pb.EmbedRequest(id="b2", texts=["x"], token_ids=[pb.TokenIds(ids=[101, 102])]), "not both texts and token_ids"),
+    "texts and chunks": (pb.EmbedRequest(id="b12", texts=["x"], chunks=["y"]), "not both texts and chunks"),
+    "dimensions below 32": (pb.EmbedRequest(id="b13", texts=["x"], dimensions=16), "from 32 to 384"),
+    "unknown prompt_name": (pb.EmbedRequest(id="b14", texts=["x"], prompt_name="query"), "defines no prompts"),
+    "max_tokens over the model's": (pb.EmbedRequest(id="b15", texts=["x"], max_tokens=257), "max_tokens 257"),
+    "unknown priority": (pb.EmbedRequest(id="b16", texts=["x"], priority=5), "priority 5 is not a known"),
+    "unknown long_input": (pb.EmbedRequest(id="b17", texts=["x"], long_input=3), "long_input 3 is not a known"),
+    "CHUNK_MEAN with token_ids": (pb.EmbedRequest(id="b18", token_ids=[pb.TokenIds(ids=[101, 102])],
+                                                  long_input=pb.LONG_INPUT_CHUNK_MEAN), "not to token_ids"),
+    "empty chunk": (pb.EmbedRequest(id="b19", chunks=["fine", ""]), "chunks[1] is empty"),
+    "document over the limit": (pb.EmbedRequest(id="b20", chunks=[LONG]), "the document has"),
     "empty string": (pb.EmbedRequest(id="b3", texts=["fine", ""]), "texts[1] is empty"),
     "too long with truncate NONE": (pb.EmbedRequest(id="b4", texts=[LONG]), "over the model's limit of 256"),
     "token id over the vocabulary": (
@@ -38,11 +48,9 @@ def test_unary_bad_input_is_invalid_argument(stub, server, case):
     assert server.healthy()
 
 
-def test_int8_answers_unimplemented_until_the_encodings_issue(stub):
-    with pytest.raises(grpc.RpcError) as err:
-        stub.Embed(pb.EmbedRequest(texts=["x"], encoding=pb.ENCODING_INT8), timeout=30)
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "ENCODING_INT8" in err.value.details()
+def test_int8_is_offered_with_one_scale_per_row(stub):
+    reply = stub.Embed(pb.EmbedRequest(texts=["x", "y"], encoding=pb.ENCODING_INT8), timeout=30)
+    assert (reply.rows, reply.dims, len(reply.embeddings), len(reply.scales)) == (2, 384, 768, 2)
 
 
 def test_message_over_the_size_limit_is_refused_by_grpc(stub, server):

@@ -36,6 +36,14 @@ def test_encodings_equal_numpy_transforms(stub, normalize, dims):
     ref = torch.tensor(want).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     np.testing.assert_array_equal(bits, ref)
 
+    i8 = embed(stub, dimensions=dims, normalize=normalize, encoding=pb.ENCODING_INT8)
+    q = np.frombuffer(i8.embeddings, np.int8).reshape(want.shape).astype(np.float64)
+    scale = np.abs(want).max(axis=1) / 127
+    np.testing.assert_allclose(i8.scales, scale, rtol=1e-6)
+    assert np.abs(q - np.round(want / scale[:, None])).max() <= 1
+    assert np.abs(q).max() == 127  # the largest value takes the whole range
+    assert np.abs(q * np.asarray(i8.scales)[:, None] - want).max() <= scale.max()
+
     ub = embed(stub, dimensions=dims, normalize=normalize, encoding=pb.ENCODING_UBINARY)
     packed = np.frombuffer(ub.embeddings, np.uint8).reshape(3, (want.shape[1] + 7) // 8)
     np.testing.assert_array_equal(np.unpackbits(packed, axis=1, bitorder="little")[:, :want.shape[1]], want > 0)
