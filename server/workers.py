@@ -40,6 +40,7 @@ from worker.main import WorkerConfig
 log = logging.getLogger("pollen.workers")
 
 MAX_ATTEMPTS = 3
+DEADLINE_SLACK_NS = 50_000_000
 
 
 _DROP_REASONS = {records.DEADLINE_EXCEEDED: "deadline", records.CANCELLED: "cancelled"}
@@ -379,6 +380,9 @@ class WorkerPool:
             return await handle.submit(req_id, record, tokens, deadline_ns, priority)
         except asyncio.CancelledError:
             # The client left (a unary call cancelled or past its gRPC deadline, a stream closed).
-            late = deadline_ns and time.monotonic_ns() >= deadline_ns
+            # gRPC core's deadline timer can fire a little before our copy of the deadline (taken
+            # from time_remaining() when the handler started), so a cancel this close counts as
+            # the deadline's.
+            late = deadline_ns and time.monotonic_ns() >= deadline_ns - DEADLINE_SLACK_NS
             handle.cancel(req_id, "deadline" if late else "cancelled")
             raise

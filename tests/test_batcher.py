@@ -69,3 +69,89 @@ def test_pack_lays_sequences_end_to_end_and_pools_spans():
     assert mean.tolist() == [[2, 3], [6, 7], [11, 12], [14, 15]]
     assert pool_rows(hidden, *args, "last").tolist() == [[4, 5], [6, 7], [12, 13], [14, 15]]
     assert pool_rows(hidden, *args, "cls").tolist() == [[0, 1], [6, 7], [10, 11], [14, 15]]
+
+
+def lane_job(req_id: int, lengths: list[int], priority: int = 0, deadline_ns: int = 0) -> Job:
+    seqs = [np.full(n, req_id, dtype=np.int32) for n in lengths]
+    record = records.encode_request(req_id, 0, seqs, 0, False, 0, priority=priority, deadline_ns=deadline_ns)
+    return Job.of(records.decode_request(memoryview(record)))
+
+
+def shape(batch):
+    return [(j.rec.req_id, s, e) for j, s, e in batch]
+
+
+def test_interactive_goes_first_and_bulk_fills_the_rest():
+    b = Batcher(max_batch_tokens=30)
+    b.add(lane_job(1, [10, 10, 10], priority=1))
+    b.add(lane_job(2, [5, 5]))
+    assert shape(b.next_batch()) == [(2, 0, 2), (1, 0, 2)]
+    assert shape(b.next_batch()) == [(1, 2, 3)]
+    assert not b and b.queued_tokens == 0
+
+
+def test_bulk_is_capped_but_never_starved():
+    b = Batcher(max_batch_tokens=30, bulk_batch_tokens=10)
+    b.add(lane_job(1, [10, 10], priority=1))
+    b.add(lane_job(2, [10] * 6))
+    # Interactive work would fill every batch; one bulk sequence still goes into each.
+    assert shape(b.next_batch()) == [(2, 0, 2), (1, 0, 1)]
+    assert shape(b.next_batch()) == [(2, 2, 4), (1, 1, 2)]
+    assert shape(b.next_batch()) == [(2, 4, 6)]
+    # The cap holds bulk work to one 10-token sequence per batch even with the budget free.
+    b.add(lane_job(3, [10, 10, 10], priority=1))
+    assert [shape(b.next_batch()) for _ in range(3)] == [[(3, 0, 1)], [(3, 1, 2)], [(3, 2, 3)]]
+    # A bulk sequence longer than the cap still goes (alone): the cap never blocks the lane.
+    b.add(lane_job(4, [25], priority=1))
+    assert shape(b.next_batch()) == [(4, 0, 1)]
+
+
+def test_cancel_and_expire_take_out_only_requests_not_yet_batched():
+    b = Batcher(max_batch_tokens=10)
+    b.add(lane_job(1, [6, 6]))
+    b.add(lane_job(2, [3], deadline_ns=100))
+    b.add(lane_job(3, [3], priority=1, deadline_ns=500))
+    b.add(lane_job(4, [3], priority=1))
+    # Interactive first (request 2 does not fit beside request 1), then one bulk sequence.
+    assert shape(b.next_batch()) == [(1, 0, 1), (3, 0, 1)]
+    assert b.cancel(1) is None  # started: it finishes as usual
+    assert b.cancel(3) is None  # batched whole: already at the model
+    assert [j.rec.req_id for j in b.expire(now_ns=200)] == [2]
+    assert b.cancel(4).rec.req_id == 4
+    assert b.cancel(99) is None
+    assert b.expire(now_ns=10**12) == []
+    assert shape(b.next_batch()) == [(1, 1, 2)]
+    assert not b and b.queued_tokens == 0 and b.with_deadline == 0
+
+
+def test_records_carry_rows_priority_and_deadline():
+    rows = records.RowPlan(np.array([0, 0, 1], np.uint32), np.array([1, 3, 0], np.uint32),
+                           np.array([3, 5, 4], np.uint32), np.array([0, 1, 1], np.uint32),
+                           np.array([1, 1, 2.5], np.float32))
+    seqs = [np.arange(6, dtype=np.int32), np.arange(4, dtype=np.int32)]
+    rec = records.decode_request(memoryview(records.encode_request(9, 1, seqs, 0, False, 3, deadline_ns=77,
+                                                                   priority=1, rows=rows)))
+    assert (rec.deadline_ns, rec.priority, rec.n_out, rec.encoding) == (77, 1, 2, 3)
+    for name in ("seq", "start", "stop", "out", "weight"):
+        np.testing.assert_array_equal(getattr(rec.rows, name), getattr(rows, name))
+    assert rec.ids.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]
+    job = Job.of(rec)
+    assert job.n_rows == 3 and job.row_spans(0) == [(1, 3), (3, 5)] and job.row_spans(1) == [(0, 4)]
+    assert records.decode_cancel(memoryview(records.encode_cancel(9))) == 9
+    report = records.decode_batch(memoryview(records.encode_batch(100, 3, 4, [9, 10])))
+    assert (report.tokens, report.seqs, report.rows, report.req_ids.tolist()) == (100, 3, 4, [9, 10])
+
+
+def test_combine_is_the_weighted_mean_and_int8_scales_round_trip():
+    from pollen.v1 import embedder_pb2 as pb
+    from worker.postprocess import combine, finish, row_bytes
+
+    pooled = np.array([[1, 2], [3, 4], [5, -6]], np.float32)
+    got = combine(pooled, np.array([0, 0, 1]), np.array([1.0, 3.0, 2.0]), 2)
+    np.testing.assert_allclose(got, [[2.5, 3.5], [5, -6]])
+    out = bytearray(2 * row_bytes(2, pb.ENCODING_INT8))
+    finish(got, 0, False, pb.ENCODING_INT8, memoryview(out))
+    q = np.frombuffer(bytes(out[:4]), np.int8).reshape(2, 2)
+    scales = np.frombuffer(bytes(out[4:]), "<f4")
+    np.testing.assert_allclose(scales, [3.5 / 127, 6 / 127], rtol=1e-6)
+    assert q.tolist() == [[91, 127], [106, -127]]
