@@ -4,12 +4,12 @@ A batch is a list of (job, start, stop) spans: sequences start..stop-1 of one jo
 jobs are served first come, first served; a request with many sequences may be split across
 batches, and a batch may hold the tail of one request and the head of the next. No padding.
 
-Priority rule (docs/architecture.md, "Priority lanes"): each batch is filled with interactive
-work first and bulk work after, and bulk work in one batch is capped at `bulk_batch_tokens`.
-Bulk is never starved: while bulk work waits, every batch keeps room for at least one bulk
-sequence (the interactive fill stops short of it), so bulk always advances. An interactive
-request arriving while the worker is busy therefore waits for at most the batch being run,
-whose bulk part the cap bounds.
+Priority rule (docs/architecture.md, "Priority lanes"): interactive work goes first. A batch
+holding interactive work takes exactly one bulk sequence beside it (when bulk waits), so bulk
+is never starved: the interactive fill stops short of that sequence. A batch without
+interactive work takes bulk work up to `bulk_batch_tokens` (0: the whole budget). An interactive
+request arriving while the worker is busy therefore waits for at most the bulk batch being run
+(the cap bounds it) and then runs with one bulk sequence at most beside it.
 
 Requests that have not reached the model can leave the queue: `cancel` (the client left) and
 `expire` (the deadline passed). A request whose first sequence was batched is finished as usual.
@@ -127,9 +127,11 @@ class Batcher:
             reserve = int(head.rec.lengths[head.next_seq])
         # left < reserve only when a lone interactive sequence overflowed the reserve (a tiny budget).
         left = self._take(interactive, self.max_batch_tokens - reserve, spans) + reserve
-        cap = self.bulk_batch_tokens or self.max_batch_tokens
         if bulk and left > 0:
-            self._take(bulk, min(left, cap), spans, at_least_one=left >= reserve)
+            # Beside interactive work, bulk gets its one sequence only: the interactive requests'
+            # latency is then this batch, not this batch plus a bulk batch's worth of tokens.
+            budget = 0 if spans else min(left, self.bulk_batch_tokens or self.max_batch_tokens)
+            self._take(bulk, budget, spans, at_least_one=left >= reserve)
         return spans
 
     def _take(self, lane: deque, budget: int, spans: list, at_least_one: bool = False) -> int:
