@@ -31,6 +31,33 @@ def dropped(reason: str) -> float:
     return metrics.REGISTRY.get_sample_value("pollen_dropped_total", {"reason": reason}) or 0.0
 
 
+def sample(name: str) -> float:
+    return metrics.REGISTRY.get_sample_value(name) or 0.0
+
+
+def run_server(cfg: ServeConfig, scenario_fn):
+    """Serve `cfg` in this process while `scenario_fn(pool, reports)` runs; return its result."""
+    reports: list = []
+
+    async def main():
+        stop = asyncio.Event()
+        ready = asyncio.get_running_loop().create_future()
+
+        def serving(pool):
+            pool.set_batch_listener(lambda index, report: reports.append(report))
+            ready.set_result(pool)
+
+        server = asyncio.ensure_future(serve(cfg, stop, serving))
+        pool = await asyncio.wait_for(asyncio.shield(ready), 120)
+        try:
+            return await scenario_fn(pool, reports)
+        finally:
+            stop.set()
+            await server
+
+    return asyncio.run(main()), reports
+
+
 async def scenario(listen: str, reports: list) -> dict:
     async with grpc.aio.insecure_channel(listen) as channel:
         stub = pb_grpc.EmbedderStub(channel)
@@ -83,26 +110,11 @@ async def _collect(call) -> dict:
 
 def test_expired_and_cancelled_requests_never_reach_the_model():
     cfg = ServeConfig(listen=f"127.0.0.1:{free_port()}", max_batch_tokens=2048, max_texts_per_request=64)
-    reports: list = []
     before = {r: dropped(r) for r in ("deadline", "cancelled")}
+    answered_before = sample("pollen_queue_seconds_count")
+    batches_before = sample("pollen_batch_tokens_count")
 
-    async def main():
-        stop = asyncio.Event()
-        ready = asyncio.get_running_loop().create_future()
-
-        def serving(pool):
-            pool.set_batch_listener(lambda index, report: reports.append(report))
-            ready.set_result(pool)
-
-        server = asyncio.ensure_future(serve(cfg, stop, serving))
-        await asyncio.wait_for(asyncio.shield(ready), 120)
-        try:
-            return await scenario(cfg.listen, reports)
-        finally:
-            stop.set()
-            await server
-
-    got = asyncio.run(main())
+    got, reports = run_server(cfg, lambda pool, reports: scenario(cfg.listen, reports))
     assert got["outcomes"] == {"expiring": ["DEADLINE_EXCEEDED"] * 4, "deadlined": ["DEADLINE_EXCEEDED"] * 3,
                                "cancelled": ["CANCELLED"] * 5}
     stream = got["stream"]
@@ -123,3 +135,50 @@ def test_expired_and_cancelled_requests_never_reach_the_model():
     # Interactive work overtook the bulk backlog.
     assert got["bulk_done_early"] < BACKLOG_REQUESTS
     assert np.all([r.tokens <= 2048 for r in reports])
+    # Every answered request observed its queue and inference times, every batch its tokens.
+    assert sample("pollen_queue_seconds_count") - answered_before == BACKLOG_REQUESTS + 2
+    assert sample("pollen_inference_seconds_count") >= sample("pollen_queue_seconds_count")
+    assert sample("pollen_batch_tokens_count") - batches_before == len(reports)
+    assert sample("pollen_queued_tokens") == 0
+
+
+def test_requests_expire_in_the_frontend_backlog_when_the_ring_is_full():
+    # A small request ring: while the worker runs one long batch, most requests wait in the
+    # frontend's backlog, where their deadline passes.
+    cfg = ServeConfig(listen=f"127.0.0.1:{free_port()}", max_batch_tokens=8192, max_texts_per_request=8,
+                      request_ring_bytes=64 << 10)
+    before = dropped("deadline")
+    seen_backlog = []
+
+    async def scenario_fn(pool, reports):
+        handle = pool.handles[0]
+
+        def backlogged() -> int:
+            return sum(len(lane) for lane in handle.backlog)
+
+        async with grpc.aio.insecure_channel(cfg.listen) as channel:
+            stub = pb_grpc.EmbedderStub(channel)
+            first = [asyncio.ensure_future(stub.Embed(pb.EmbedRequest(token_ids=[ids(256, 1000 + i)] * 8)))
+                     for i in range(4)]  # 8192 tokens: long batches ahead of everything else
+            while len(handle.inflight) < 4 or backlogged():
+                await asyncio.sleep(0.001)
+            late = [asyncio.ensure_future(stub.Embed(pb.EmbedRequest(token_ids=[ids(256, 2000 + i)] * 8,
+                                                                     timeout_ms=50))) for i in range(40)]
+            while not all(call.done() for call in late):
+                seen_backlog.append(backlogged())
+                await asyncio.sleep(0.001)
+            codes = []
+            for call in late:
+                try:
+                    await call
+                    codes.append("OK")
+                except grpc.RpcError as exc:
+                    codes.append(exc.code().name)
+            await asyncio.gather(*first)
+            return codes
+
+    codes, reports = run_server(cfg, scenario_fn)
+    assert max(seen_backlog) > 20  # most waited in the frontend's backlog: the ring was full
+    assert codes == ["DEADLINE_EXCEEDED"] * 40
+    assert sum(r.seqs for r in reports) == 32  # only the first four requests reached the model
+    assert dropped("deadline") - before == 40
