@@ -1,14 +1,38 @@
-"""Attention over packed sequences: q, k, v are [T, heads, head_dim], bounded by cu_seqlens."""
+"""Attention over packed sequences: q [T, heads, D], k and v [T, kv_heads, D], bounded by cu_seqlens.
+
+Grouped-query attention (kv_heads dividing heads) is handled by every path. On CUDA the packed
+tokens go through one varlen flash-attention kernel: flash_attn's `flash_attn_varlen_func` when
+that package is importable (an optional extra), else torch's own `varlen_attn` (torch >= 2.10).
+Both take int32 cu_seqlens and fp16/bf16 tensors, never sync with the host, and capture into
+CUDA graphs. On the CPU, one SDPA call per sequence: simple and exact.
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 
-try:  # torch >= 2.10 ships a flash-attention varlen kernel (CUDA only).
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+try:
+    from torch.nn.attention.varlen import varlen_attn as _torch_varlen
 except ImportError:  # pragma: no cover - older torch
-    _varlen_attn = None
+    _torch_varlen = None
+
+try:  # pragma: no cover - optional extra, absent in CI
+    from flash_attn import flash_attn_varlen_func as _flash_varlen
+except ImportError:
+    _flash_varlen = None
+
+
+def backend(device_is_cuda: bool) -> str:
+    """Which kernel attention uses on this device: "flash_attn", "torch_varlen" or "sdpa_loop"."""
+    if device_is_cuda:
+        if _flash_varlen is not None and os.environ.get("POLLEN_FLASH_ATTN", "1") != "0":
+            return "flash_attn"
+        if _torch_varlen is not None:
+            return "torch_varlen"
+    return "sdpa_loop"
 
 
 def varlen_attention(
@@ -19,21 +43,21 @@ def varlen_attention(
     max_seqlen: int,
     causal: bool,
 ) -> torch.Tensor:
-    """Each sequence attends only to itself; returns [T, heads, head_dim]."""
-    if q.is_cuda and _varlen_attn is not None:
-        # CUDA seam (the GPU issue owns it): one kernel over all packed tokens, no host sync,
-        # capturable in a CUDA graph. Needs int32 cu_seqlens and fp16/bf16 q, k, v.
-        window = (-1, 0) if causal else (-1, -1)
-        return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=window)
+    """Each sequence attends only to itself; returns [T, heads, D]."""
+    kind = backend(q.is_cuda)
+    if kind == "flash_attn":
+        return _flash_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=causal)
+    if kind == "torch_varlen":
+        return _torch_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                             window_size=(-1, 0) if causal else (-1, -1))
 
-    # CPU (and fallback): one SDPA call per sequence. Simple and exact; the host sync from
-    # tolist() costs nothing on CPU.
     out = torch.empty_like(q)
-    bounds = cu_seqlens.tolist()
+    gqa = k.shape[1] != q.shape[1]
+    bounds = cu_seqlens.tolist()  # the host sync costs nothing on the CPU
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end == start:
             continue
-        # SDPA wants [heads, L, head_dim].
+        # SDPA wants [heads, L, D].
         qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))
-        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal).transpose(0, 1)
+        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, enable_gqa=gqa).transpose(0, 1)
     return out
