@@ -14,10 +14,16 @@ import os
 import torch
 import torch.nn.functional as F
 
+import inspect
+
 try:
     from torch.nn.attention.varlen import varlen_attn as _torch_varlen
+
+    # The signature moved between torch releases: window_size replaced is_causal, and enable_gqa
+    # arrived later. Look once, call whichever this torch has.
+    _VARLEN_PARAMS = set(inspect.signature(_torch_varlen).parameters)
 except ImportError:  # pragma: no cover - older torch
-    _torch_varlen = None
+    _torch_varlen, _VARLEN_PARAMS = None, set()
 
 try:  # pragma: no cover - optional extra, absent in CI
     from flash_attn import flash_attn_varlen_func as _flash_varlen
@@ -25,9 +31,12 @@ except ImportError:
     _flash_varlen = None
 
 
-def backend(device_is_cuda: bool) -> str:
-    """Which kernel attention uses on this device: "flash_attn", "torch_varlen" or "sdpa_loop"."""
-    if device_is_cuda:
+def backend(device_is_cuda: bool, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Which kernel attention uses: "flash_attn", "torch_varlen" or "sdpa_loop".
+
+    The flash kernels take fp16/bf16 only; float32 on CUDA (a debugging mode) takes the loop.
+    """
+    if device_is_cuda and dtype in (torch.float16, torch.bfloat16):
         if _flash_varlen is not None and os.environ.get("POLLEN_FLASH_ATTN", "1") != "0":
             return "flash_attn"
         if _torch_varlen is not None:
@@ -44,12 +53,12 @@ def varlen_attention(
     causal: bool,
 ) -> torch.Tensor:
     """Each sequence attends only to itself; returns [T, heads, D]."""
-    kind = backend(q.is_cuda)
+    kind = backend(q.is_cuda, q.dtype)
     if kind == "flash_attn":
         return _flash_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=causal)
     if kind == "torch_varlen":
         return _torch_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                             window_size=(-1, 0) if causal else (-1, -1))
+                             **_torch_varlen_options(causal, k.shape[1] != q.shape[1]))
 
     out = torch.empty_like(q)
     gqa = k.shape[1] != q.shape[1]
@@ -61,3 +70,15 @@ def varlen_attention(
         qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))
         out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, enable_gqa=gqa).transpose(0, 1)
     return out
+
+
+def _torch_varlen_options(causal: bool, gqa: bool) -> dict:
+    options = {}
+    if "window_size" in _VARLEN_PARAMS:
+        options["window_size"] = (-1, 0) if causal else (-1, -1)
+    else:
+        options["is_causal"] = causal
+    if gqa and "enable_gqa" in _VARLEN_PARAMS:
+        options["enable_gqa"] = True
+    # Without enable_gqa, the flash kernel underneath still takes fewer kv heads (it always has).
+    return options

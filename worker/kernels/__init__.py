@@ -1,0 +1,36 @@
+"""Fused Triton kernels for the CUDA engine, used when Triton is importable.
+
+`available()` says whether they can run; worker/models/ops.py holds the plain-torch references
+they must equal, and tests/test_kernels.py checks that on a GPU. Importing this package never
+fails: without Triton, `available()` is False and the references run instead.
+"""
+from __future__ import annotations
+
+import functools
+
+
+@functools.cache
+def available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def add_rms_norm(x, residual, weight, eps):
+    from worker.kernels.norms import add_rms_norm as impl
+
+    return impl(x, residual, weight, eps)
+
+
+def qk_norm_rope(qkv, q_weight, k_weight, cache, positions, heads, kv_heads, eps):
+    from worker.kernels.rope import qk_norm_rope as impl
+
+    return impl(qkv, q_weight, k_weight, cache, positions, heads, kv_heads, eps)
+
+
+def silu_mul(gate_up):
+    from worker.kernels.activations import silu_mul as impl
+
+    return impl(gate_up)
