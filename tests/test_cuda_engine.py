@@ -105,3 +105,32 @@ def test_graphs_pool_spans_and_buckets(tmp_path):
         assert got.shape == (batch.rows, 64)
         assert cos(got, cpu.submit(batch).result()) >= 0.999
     assert all(shape[0] <= 128 for shape in engine.graphs)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_short_attention_equals_flash(causal):
+    pytest.importorskip("triton")
+    from worker.kernels.norms import embed_rms_norm
+    from worker.kernels.short_attention import short_attention
+    from worker.models.attention import _torch_varlen, _torch_varlen_options
+
+    torch.manual_seed(1)
+    cu = torch.tensor([0, 5, 5, 21, 22, 86], dtype=torch.int32, device="cuda")  # an empty and a 64-long one
+    for heads, kv, d in ((16, 8, 128), (12, 12, 64)):
+        q = torch.randn(86, heads, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(86, kv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        ref = _torch_varlen(q, k, v, cu, cu, 64, 64, **_torch_varlen_options(causal, kv != heads))
+        torch.testing.assert_close(short_attention(q, k, v, cu, 64, causal), ref, rtol=2e-2, atol=2e-2)
+    # BERT's q, k, v are strided views of one fused projection.
+    q, k, v = torch.randn(86, 3, 12, 64, device="cuda", dtype=torch.bfloat16).unbind(1)
+    ref = _torch_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, 64, 64,
+                        **_torch_varlen_options(causal, False))
+    torch.testing.assert_close(short_attention(q, k, v, cu, 64, causal), ref, rtol=2e-2, atol=2e-2)
+
+    ids = torch.randint(0, 1000, (40,), device="cuda", dtype=torch.int32)
+    table = torch.randn(1000, 1024, device="cuda", dtype=torch.bfloat16)
+    w = (1 + 0.3 * torch.randn(1024, device="cuda")).to(torch.bfloat16)
+    y, rows = embed_rms_norm(ids, table, w, 1e-6)
+    y0, rows0 = ops.embed_rms_norm(ids.long(), table, w, 1e-6)
+    assert torch.equal(rows, rows0)
+    torch.testing.assert_close(y, y0, rtol=1e-2, atol=1e-2)

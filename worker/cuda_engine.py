@@ -3,7 +3,8 @@
 One batch's life (batch N+1 is submitted before batch N's result is awaited):
 
     CPU   pack ids/positions/index arrays into a pinned host slot (numpy, compact layout)
-    copy  stream: one H2D copy of that slot into a device staging slot, then an event
+    copy  stream: one H2D copy of that slot into a device staging slot, then an event (inputs of
+          a few hundred bytes, i.e. queries, skip this hop and go straight to the compute stream)
     GPU   compute stream waits on the event, copies staging -> the graph's static inputs (one D2D),
           replays the graph captured for the batch's bucket (or runs eagerly above the largest),
           pools on the device, copies the pooled rows D2H into a pinned host slot, records an event
@@ -57,6 +58,7 @@ class Pending:
 
 class CudaEngine:
     SLOTS = 2  # double buffering: batch N+1 fills one slot while batch N's copies use the other
+    COPY_STREAM_MIN = 4096  # int32 values; smaller inputs skip the copy stream (see _submit)
 
     def __init__(self, model: EmbeddingModel, device: str, max_batch_tokens: int = 16384,
                  cuda_graphs: bool = True, graph_max_tokens: int | None = None):
@@ -137,9 +139,10 @@ class CudaEngine:
         hidden = self.model.hidden_states(ids, pos, cu, longest)
         return pool_rows(hidden, index, first, last, count, self.pooling)
 
-    def graph_for(self, shape, inputs):
+    def graph_for(self, shape):
         graph = self.graphs.get(shape)
         if graph is None:
+            inputs, _ = self.views(self.static_in, shape[0], shape[1], shape[1])
             start = time.perf_counter()
             with torch.cuda.stream(self.stream):
                 self.forward(inputs, shape[2])  # warm-up outside the graph: lazy inits, autotuning
@@ -151,31 +154,40 @@ class CudaEngine:
             self.capture_seconds += time.perf_counter() - start
         return graph
 
-    @torch.inference_mode()
     def submit(self, batch: PackedBatch) -> Pending:
+        with torch.inference_mode():
+            return self._submit(batch)
+
+    def _submit(self, batch: PackedBatch) -> Pending:
         slot = self.slot
         self.slot = (slot + 1) % self.SLOTS
         shape = self.bucket(batch)
         self.staged[slot].synchronize()  # the copy that last read this pinned slot is done
         used = self.fill(self.host_in[slot], batch, shape)
-        with torch.cuda.stream(self.copy_stream):
-            self.staging[slot][:used].copy_(self.host_in[slot][:used], non_blocking=True)
-            self.staged[slot].record(self.copy_stream)
-        with torch.cuda.stream(self.stream):
+        torch.cuda.set_stream(self.stream)  # the worker's one thread works on our stream
+        if used > self.COPY_STREAM_MIN:
+            # A sizeable input goes up on the copy stream, beside whatever the GPU still runs; the
+            # compute stream then takes it with one device-to-device copy.
+            with torch.cuda.stream(self.copy_stream):
+                self.staging[slot][:used].copy_(self.host_in[slot][:used], non_blocking=True)
+                self.staged[slot].record(self.copy_stream)
             self.stream.wait_event(self.staged[slot])
             self.static_in[:used].copy_(self.staging[slot][:used], non_blocking=True)
-            if shape is None:
-                inputs, _ = self.views(self.static_in, batch.tokens, len(batch.cu_seqlens) - 1, batch.rows)
-                out = self.forward(inputs, batch.max_seqlen)
-            else:
-                inputs, _ = self.views(self.static_in, shape[0], shape[1], shape[1])
-                graph, out = self.graph_for(shape, inputs)
-                graph.replay()
-            rows = batch.rows
-            host = self.host_out[slot][:out.shape[0]]
-            host[:rows].copy_(out[:rows], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
+        else:
+            # A query's few hundred bytes: one copy on the compute stream costs less than a stream hop.
+            self.static_in[:used].copy_(self.host_in[slot][:used], non_blocking=True)
+            self.staged[slot].record(self.stream)
+        if shape is None:
+            inputs, _ = self.views(self.static_in, batch.tokens, len(batch.cu_seqlens) - 1, batch.rows)
+            out = self.forward(inputs, batch.max_seqlen)
+        else:
+            graph, out = self.graph_for(shape)
+            graph.replay()
+        rows = batch.rows
+        host = self.host_out[slot]
+        host[:rows].copy_(out[:rows], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(self.stream)
         return Pending(rows, LazyTensor(host, done))
 
     def warm_up(self) -> None:
@@ -185,8 +197,3 @@ class CudaEngine:
             self.submit(pack([np.array([1, 2], np.int32), np.array([3, 4], np.int32)])).result()
         finally:
             self.graphs_on = graphs
-
-    def graph_memory(self) -> int:
-        """Bytes the graphs' shared pool holds (reserved by the caching allocator for it)."""
-        stats = torch.cuda.memory_stats(self.device)
-        return int(stats.get("reserved_bytes.all.current", 0))

@@ -24,6 +24,12 @@ def add_rms_norm(x, residual, weight, eps):
     return impl(x, residual, weight, eps)
 
 
+def embed_rms_norm(ids, table, weight, eps):
+    from worker.kernels.norms import embed_rms_norm as impl
+
+    return impl(ids, table, weight, eps)
+
+
 def qk_norm_rope(qkv, q_weight, k_weight, cache, positions, heads, kv_heads, eps):
     from worker.kernels.rope import qk_norm_rope as impl
 

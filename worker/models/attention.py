@@ -31,6 +31,15 @@ except ImportError:
     _flash_varlen = None
 
 
+SHORT_MAX_LEN = 64  # worker/kernels/short_attention.py's MAX_LEN (not imported: it needs Triton)
+
+
+def _short_kernels(q: torch.Tensor) -> bool:
+    from worker.models import ops
+
+    return ops.use_triton(q) and os.environ.get("POLLEN_SHORT_ATTENTION", "1") != "0"
+
+
 def backend(device_is_cuda: bool, dtype: torch.dtype = torch.bfloat16) -> str:
     """Which kernel attention uses: "flash_attn", "torch_varlen" or "sdpa_loop".
 
@@ -54,6 +63,11 @@ def varlen_attention(
 ) -> torch.Tensor:
     """Each sequence attends only to itself; returns [T, heads, D]."""
     kind = backend(q.is_cuda, q.dtype)
+    if kind != "sdpa_loop" and max_seqlen <= SHORT_MAX_LEN and _short_kernels(q):
+        # Queries: a register-resident Triton kernel beats a flash launch sized for long inputs.
+        from worker.kernels.short_attention import short_attention
+
+        return short_attention(q, k, v, cu_seqlens, max_seqlen, causal)
     if kind == "flash_attn":
         return _flash_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=causal)
     if kind == "torch_varlen":

@@ -27,6 +27,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return rms_norm(summed, weight, eps), summed
 
 
+def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(table[ids]), table[ids]): embedding lookup and the first layer's input norm."""
+    return add_rms_norm(F.embedding(ids, table), None, weight, eps)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate then up, as the fused projection lays them out) -> silu(gate) * up, [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)

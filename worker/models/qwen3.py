@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from worker import kernels
 from worker.models import ops
 from worker.models.attention import varlen_attention
 from worker.models.base import EmbeddingModel
@@ -71,16 +72,12 @@ class Qwen3Encoder(EmbeddingModel):
         if max_seqlen > self.max_positions:
             # Checked on the host int: an out-of-range position is a device assert on CUDA.
             raise ValueError(f"sequence of {max_seqlen} tokens exceeds {self.max_positions} positions")
-        fused = ops.use_triton(input_ids)
-        if fused:
-            from worker import kernels
-            add_rms_norm, qk_norm_rope, silu_mul = kernels.add_rms_norm, kernels.qk_norm_rope, kernels.silu_mul
-        else:
-            add_rms_norm, qk_norm_rope, silu_mul = ops.add_rms_norm, ops.qk_norm_rope, ops.silu_mul
+        impl = kernels if ops.use_triton(input_ids) else ops  # fused Triton kernels or torch references
+        add_rms_norm, qk_norm_rope, silu_mul = impl.add_rms_norm, impl.qk_norm_rope, impl.silu_mul
         cache = self.rope(input_ids.device)
         tokens = input_ids.shape[0]
         norms = [layer.attn_norm.weight for layer in self.layers[1:]] + [self.norm.weight]
-        x, residual = add_rms_norm(self.embed(input_ids), None, self.layers[0].attn_norm.weight, self.eps)
+        x, residual = impl.embed_rms_norm(input_ids, self.embed.weight, self.layers[0].attn_norm.weight, self.eps)
         for layer, next_norm in zip(self.layers, norms):
             q, k, v = qk_norm_rope(layer.qkv(x), layer.q_norm.weight, layer.k_norm.weight, cache, positions,
                                    layer.heads, layer.kv_heads, self.eps)
