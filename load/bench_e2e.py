@@ -101,7 +101,9 @@ def main():
     args = p.parse_args()
     path = make_checkpoint(args.shape, args.root)
     vocab = SHAPES[args.shape]["vocab_size"]
-    budget = BUDGET[args.shape]
+    # The server wants a budget that holds the model's longest text (32,768 tokens for Qwen3);
+    # the engine-alone figure uses the same budget.
+    budget = max(BUDGET[args.shape], SHAPES[args.shape]["max_position_embeddings"])
     hi = 512 if SHAPES[args.shape]["kind"] == "bert" else 2048
     d = docs(int(DOCS[args.shape] * args.docs_scale), vocab, hi)
     tokens = sum(len(s) for s in d)

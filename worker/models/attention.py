@@ -63,7 +63,8 @@ def varlen_attention(
 ) -> torch.Tensor:
     """Each sequence attends only to itself; returns [T, heads, D]."""
     kind = backend(q.is_cuda, q.dtype)
-    if kind != "sdpa_loop" and max_seqlen <= SHORT_MAX_LEN and _short_kernels(q):
+    if kind != "sdpa_loop" and max_seqlen <= SHORT_MAX_LEN and q.shape[2] in (16, 32, 64, 128, 256) \
+            and _short_kernels(q):
         # Queries: a register-resident Triton kernel beats a flash launch sized for long inputs.
         from worker.kernels.short_attention import short_attention
 
