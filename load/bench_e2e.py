@@ -111,6 +111,7 @@ def main():
     print("engine", res, flush=True)
     server = ServerProcess("--model", path, "--device", "cuda", "--max-batch-tokens", str(budget),
                            "--max-request-bytes", str(64 << 20), "--max-queued-tokens", str(64 << 20),
+                           "--max-texts-per-request", "32",
                            env={"PYTHONUNBUFFERED": "1"}).start(timeout=300)
     try:
         res["server_start_s"] = server.started_in_s

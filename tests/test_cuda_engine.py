@@ -134,3 +134,26 @@ def test_short_attention_equals_flash(causal):
     y0, rows0 = ops.embed_rms_norm(ids.long(), table, w, 1e-6)
     assert torch.equal(rows, rows0)
     torch.testing.assert_close(y, y0, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_short_qk_rope_attention_equals_the_separate_kernels(causal):
+    pytest.importorskip("triton")
+    from worker.kernels.short_attention import short_qk_rope_attention
+    from worker.models.attention import varlen_attention
+
+    torch.manual_seed(2)
+    heads, kv, d = 16, 8, 128
+    cu = torch.tensor([0, 5, 5, 21, 22, 86], dtype=torch.int32, device="cuda")
+    pos = torch.cat([torch.arange(n) for n in (5, 16, 1, 64)]).to("cuda", torch.int32)
+    qkv = torch.randn(86, (heads + 2 * kv) * d, device="cuda", dtype=torch.bfloat16)
+    qw, kw = ((1 + 0.3 * torch.randn(d, device="cuda")).to(torch.bfloat16) for _ in range(2))
+    cache = ops.rope_cache(1e6, d, 4096, "cuda")
+    q, k, v = ops.qk_norm_rope(qkv, qw, kw, cache, pos, heads, kv, 1e-6)
+    os.environ["POLLEN_SHORT_ATTENTION"] = "0"  # the reference: flash attention
+    try:
+        ref = varlen_attention(q, k, v, cu, 64, causal)
+    finally:
+        del os.environ["POLLEN_SHORT_ATTENTION"]
+    got = short_qk_rope_attention(qkv, qw, kw, cache, pos, heads, kv, 1e-6, cu, 64, causal)
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)

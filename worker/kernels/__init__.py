@@ -36,6 +36,23 @@ def qk_norm_rope(qkv, q_weight, k_weight, cache, positions, heads, kv_heads, eps
     return impl(qkv, q_weight, k_weight, cache, positions, heads, kv_heads, eps)
 
 
+SHORT_MAX_LEN = 64  # sequences the short-attention kernels hold in registers
+
+
+def short_attention_fits(max_seqlen: int, head_dim: int) -> bool:
+    import os
+
+    return (max_seqlen <= SHORT_MAX_LEN and head_dim in (16, 32, 64, 128, 256)
+            and os.environ.get("POLLEN_SHORT_ATTENTION", "1") != "0")
+
+
+def short_qk_rope_attention(qkv, q_weight, k_weight, cache, positions, heads, kv_heads, eps, cu_seqlens,
+                            max_seqlen, causal):
+    from worker.kernels.short_attention import short_qk_rope_attention as impl
+
+    return impl(qkv, q_weight, k_weight, cache, positions, heads, kv_heads, eps, cu_seqlens, max_seqlen, causal)
+
+
 def silu_mul(gate_up):
     from worker.kernels.activations import silu_mul as impl
 

@@ -31,13 +31,11 @@ except ImportError:
     _flash_varlen = None
 
 
-SHORT_MAX_LEN = 64  # worker/kernels/short_attention.py's MAX_LEN (not imported: it needs Triton)
-
-
-def _short_kernels(q: torch.Tensor) -> bool:
+def _short_kernels(q: torch.Tensor, max_seqlen: int) -> bool:
+    from worker import kernels
     from worker.models import ops
 
-    return ops.use_triton(q) and os.environ.get("POLLEN_SHORT_ATTENTION", "1") != "0"
+    return ops.use_triton(q) and kernels.short_attention_fits(max_seqlen, q.shape[2])
 
 
 def backend(device_is_cuda: bool, dtype: torch.dtype = torch.bfloat16) -> str:
@@ -63,8 +61,7 @@ def varlen_attention(
 ) -> torch.Tensor:
     """Each sequence attends only to itself; returns [T, heads, D]."""
     kind = backend(q.is_cuda, q.dtype)
-    if kind != "sdpa_loop" and max_seqlen <= SHORT_MAX_LEN and q.shape[2] in (16, 32, 64, 128, 256) \
-            and _short_kernels(q):
+    if kind != "sdpa_loop" and _short_kernels(q, max_seqlen):
         # Queries: a register-resident Triton kernel beats a flash launch sized for long inputs.
         from worker.kernels.short_attention import short_attention
 

@@ -78,10 +78,17 @@ class Qwen3Encoder(EmbeddingModel):
         tokens = input_ids.shape[0]
         norms = [layer.attn_norm.weight for layer in self.layers[1:]] + [self.norm.weight]
         x, residual = impl.embed_rms_norm(input_ids, self.embed.weight, self.layers[0].attn_norm.weight, self.eps)
+        # Queries: QK-norm, RoPE and attention in one kernel per layer (launches are their cost).
+        short = impl is kernels and kernels.short_attention_fits(max_seqlen, self.layers[0].head_dim)
         for layer, next_norm in zip(self.layers, norms):
-            q, k, v = qk_norm_rope(layer.qkv(x), layer.q_norm.weight, layer.k_norm.weight, cache, positions,
-                                   layer.heads, layer.kv_heads, self.eps)
-            attn = varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=self.causal)
+            if short:
+                attn = kernels.short_qk_rope_attention(
+                    layer.qkv(x), layer.q_norm.weight, layer.k_norm.weight, cache, positions, layer.heads,
+                    layer.kv_heads, self.eps, cu_seqlens, max_seqlen, self.causal)
+            else:
+                q, k, v = qk_norm_rope(layer.qkv(x), layer.q_norm.weight, layer.k_norm.weight, cache, positions,
+                                       layer.heads, layer.kv_heads, self.eps)
+                attn = varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=self.causal)
             x, residual = add_rms_norm(layer.o(attn.reshape(tokens, -1)), residual, layer.mlp_norm.weight, self.eps)
             # The next layer's input norm (or the final norm) takes this layer's residual add.
             x, residual = add_rms_norm(layer.down(silu_mul(layer.gate_up(x))), residual, next_norm, self.eps)
