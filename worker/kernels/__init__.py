@@ -39,10 +39,13 @@ def qk_norm_rope(qkv, q_weight, k_weight, cache, positions, heads, kv_heads, eps
 SHORT_MAX_LEN = 64  # sequences the short-attention kernels hold in registers
 
 
-def short_attention_fits(max_seqlen: int, head_dim: int) -> bool:
+def short_attention_fits(max_seqlen: int, head_dim: int, rope: bool = False) -> bool:
+    """Whether the short-attention kernels take this batch. Their matrix products need 16 or more
+    along the reduced axis: head_dim itself, or head_dim / 2 when RoPE works on halves."""
     import os
 
-    return (max_seqlen <= SHORT_MAX_LEN and head_dim in (16, 32, 64, 128, 256)
+    dims = (32, 64, 128, 256) if rope else (16, 32, 64, 128, 256)
+    return (max_seqlen <= SHORT_MAX_LEN and head_dim in dims
             and os.environ.get("POLLEN_SHORT_ATTENTION", "1") != "0")
 
 

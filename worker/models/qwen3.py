@@ -79,7 +79,7 @@ class Qwen3Encoder(EmbeddingModel):
         norms = [layer.attn_norm.weight for layer in self.layers[1:]] + [self.norm.weight]
         x, residual = impl.embed_rms_norm(input_ids, self.embed.weight, self.layers[0].attn_norm.weight, self.eps)
         # Queries: QK-norm, RoPE and attention in one kernel per layer (launches are their cost).
-        short = impl is kernels and kernels.short_attention_fits(max_seqlen, self.layers[0].head_dim)
+        short = impl is kernels and kernels.short_attention_fits(max_seqlen, self.layers[0].head_dim, rope=True)
         for layer, next_norm in zip(self.layers, norms):
             if short:
                 attn = kernels.short_qk_rope_attention(
