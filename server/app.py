@@ -63,7 +63,7 @@ async def serve(cfg: ServeConfig, stop: asyncio.Event | None = None, serving=Non
     removed = cleanup_stale_segments()
     if removed:
         log.info("removed %d shared-memory segments left by a dead server", len(removed))
-    spec = read_model_spec(cfg.model)
+    spec = read_model_spec(cfg.model, pooling=cfg.pooling, attention=cfg.attention)
     check_limits(cfg, spec)
     executor = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="pollen-tokenize")
     admission = Admission(spec, TextTokenizer(cfg.model, spec.max_tokens), executor, cfg.max_texts_per_request)

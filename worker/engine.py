@@ -53,6 +53,7 @@ class EagerEngine:
 
 
 def make_engine(model: EmbeddingModel, device: str, **options) -> EagerEngine:
+    """options (max_batch_tokens, cuda_graphs, graph_max_tokens) matter to the CUDA engine only."""
     if device.startswith("cuda"):
         from worker.cuda_engine import CudaEngine
 

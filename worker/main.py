@@ -51,6 +51,13 @@ class WorkerConfig:
     request_fds: tuple[int, int]   # (data_fd, space_fd)
     response_ring: str
     response_fds: tuple[int, int]
+    gpu: int = -1                 # cuda: the physical GPU index this worker owns; -1 on the cpu
+    cpu_cores: list = dataclasses.field(default_factory=list)  # affinity; empty: leave as is
+    dtype: str = "float32"
+    cuda_graphs: bool = True
+    graph_max_tokens: int = 0
+    pooling: str | None = None
+    attention: str | None = None
     bulk_batch_tokens: int = 0  # cap on bulk tokens per batch; 0: max_batch_tokens
 
     def __post_init__(self) -> None:
@@ -81,9 +88,13 @@ class Worker:
 
         self.cfg = cfg
         torch.set_num_threads(cfg.threads)
-        self.model = load_model(cfg.model, device=cfg.device)
+        # cuda: main() narrowed CUDA_VISIBLE_DEVICES to our one GPU, so it is always cuda:0 here.
+        device = "cuda:0" if cfg.device == "cuda" else "cpu"
+        self.model = load_model(cfg.model, device=device, dtype=getattr(torch, cfg.dtype),
+                                pooling=cfg.pooling, attention=cfg.attention)
         self.hidden = self.model.spec.hidden_size
-        self.engine = make_engine(self.model, cfg.device)
+        self.engine = make_engine(self.model, device, max_batch_tokens=cfg.max_batch_tokens,
+                                  cuda_graphs=cfg.cuda_graphs, graph_max_tokens=cfg.graph_max_tokens or None)
         self.engine.warm_up()  # pay first-call costs before READY, not on a client
         self.requests = Ring.attach(cfg.request_ring, *cfg.request_fds)
         # An idle worker sleeps in long slices: the frontend re-signals a lost wake-up every
@@ -95,7 +106,8 @@ class Worker:
         self.stopping = False
 
     def run(self) -> None:
-        ready = {"pid": os.getpid(), "index": self.cfg.index, "device": self.cfg.device,
+        ready = {"pid": os.getpid(), "index": self.cfg.index, "device": self.cfg.device, "gpu": self.cfg.gpu,
+                 "dtype": self.cfg.dtype,
                  "threads": self.cfg.threads, "model": self.model.spec.name}
         self.responses.write(records.READY, json.dumps(ready).encode())
         in_flight: InFlight | None = None
@@ -235,13 +247,19 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg = WorkerConfig(**json.loads(argv[0]))
     die_with_parent()
+    if cfg.gpu >= 0:
+        # Before torch initializes CUDA: this process sees, allocates on and names one GPU.
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(cfg.gpu)
+    if cfg.cpu_cores:
+        os.sched_setaffinity(0, cfg.cpu_cores)  # our share of the cores, next to our GPU's feeders
     # SIGTERM/SIGINT go to the frontend, which stops us with a STOP record after its work is done.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         import setproctitle
 
-        setproctitle.setproctitle(f"pollen-worker[{cfg.index}] {cfg.device} {os.path.basename(cfg.model)}")
+        where = f"cuda:{cfg.gpu}" if cfg.gpu >= 0 else "cpu"
+        setproctitle.setproctitle(f"pollen-worker[{cfg.index}] {where} {os.path.basename(cfg.model)}")
     except ImportError:
         pass
     Worker(cfg).run()

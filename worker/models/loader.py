@@ -12,13 +12,15 @@ from safetensors import safe_open
 
 from worker.models.base import EmbeddingModel
 from worker.models.bert import BertEncoder
+from worker.models.qwen3 import Qwen3Encoder
 from worker.models.spec import UnsupportedModel, read_config, read_model_spec
 
-FAMILIES: dict[str, type[EmbeddingModel]] = {"bert": BertEncoder}
+FAMILIES: dict[str, type[EmbeddingModel]] = {"bert": BertEncoder, "qwen3": Qwen3Encoder}
 
 
-def load_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> EmbeddingModel:
-    spec = read_model_spec(path)
+def load_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               pooling: str | None = None, attention: str | None = None) -> EmbeddingModel:
+    spec = read_model_spec(path, pooling=pooling, attention=attention)
     config = read_config(spec.path)
     # Build on the meta device: no random init of weights we overwrite anyway (matters for 4B models).
     with torch.device("meta"):

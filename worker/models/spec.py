@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 # One encoder serves all three; RoBERTa-style models only number positions differently.
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
+# Qwen3 decoders: Qwen3-Embedding (causal) and pplx-embed-v1 (bidirectional attention).
+QWEN3_TYPES = ("qwen3", "bidirectional_pplx_qwen3")
+ATTENTION_MODES = ("causal", "bidirectional")
 SUPPORTED_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
 # sentence-transformers pooling names (new "pooling_mode" form) -> ours.
 _POOLING_NAMES = {"mean": "mean", "cls": "cls", "lasttoken": "last"}
@@ -38,12 +41,13 @@ class UnsupportedModel(ValueError):
 class ModelSpec:
     path: str  # model directory (absolute)
     name: str  # human-readable, for logs and Info answers
-    family: str  # engine family: "bert" (BERT, RoBERTa, XLM-R encoders)
+    family: str  # engine family: "bert" (BERT, RoBERTa, XLM-R encoders) or "qwen3"
     hidden_size: int  # dimension of pooled vectors
     max_tokens: int  # limit per text, special tokens included
     vocab_size: int
     pooling: str  # "mean" | "cls" | "last"
     normalize_default: bool  # modules.json lists a Normalize module
+    causal: bool = False  # attention mode: causal (Qwen3-Embedding) or bidirectional
     # Added by the API issue (defaults keep other constructors working):
     # int8 is the model's own round(127 * tanh(mean pool)) (pplx-embed), not a per-vector scale.
     native_int8: bool = False
@@ -54,7 +58,9 @@ class ModelSpec:
     matryoshka_dimensions: tuple = ()
 
 
-def read_model_spec(path: str) -> ModelSpec:
+def read_model_spec(path: str, pooling: str | None = None, attention: str | None = None) -> ModelSpec:
+    """pooling ("mean", "cls", "last") and attention ("causal", "bidirectional") override what the
+    checkpoint's files say; None keeps the checkpoint's choice."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise UnsupportedModel(f"{path}: not a directory")
@@ -63,16 +69,34 @@ def read_model_spec(path: str) -> ModelSpec:
         raise UnsupportedModel(f"{path}: no config.json (expected a Hugging Face model directory)")
 
     model_type = config.get("model_type")
-    if model_type not in ENCODER_TYPES:
+    if model_type in ENCODER_TYPES:
+        family, causal, default_pooling = "bert", False, "mean"
+        _check_encoder_config(path, config)
+    elif model_type in QWEN3_TYPES:
+        # pplx-embed-v1 reads bidirectionally and mean-pools; Qwen3-Embedding reads causally and
+        # takes the last token (its tokenizer appends <|endoftext|> for that purpose).
+        family, causal = "qwen3", model_type == "qwen3"
+        default_pooling = "last" if causal else "mean"
+        _check_qwen3_config(path, config)
+    else:
         raise UnsupportedModel(
-            f"{path}: model_type {model_type!r} is not supported; supported: {ENCODER_TYPES}"
+            f"{path}: model_type {model_type!r} is not supported; supported: {ENCODER_TYPES + QWEN3_TYPES}"
         )
-    _check_encoder_config(path, config)
     _check_weights(path)
 
     modules = _read_json(path, "modules.json") or []
     _check_modules(path, modules)
-    pooling = _read_pooling(path, modules, default="mean")
+    chosen_pooling = _read_pooling(path, modules, default=default_pooling)
+    if pooling is not None:
+        if pooling not in _POOLING_NAMES.values():
+            raise UnsupportedModel(f"pooling {pooling!r} is not one of {sorted(set(_POOLING_NAMES.values()))}")
+        chosen_pooling = pooling
+    if attention is not None:
+        if attention not in ATTENTION_MODES:
+            raise UnsupportedModel(f"attention {attention!r} is not one of {ATTENTION_MODES}")
+        if family == "bert" and attention == "causal":
+            raise UnsupportedModel(f"{path}: BERT-family encoders are bidirectional; causal attention is not offered")
+        causal = attention == "causal"
     normalize = any(_module_kind(m) == "Normalize" for m in modules)
 
     # Usable positions: RoBERTa-style models reserve the first pad_token_id + 1 rows.
@@ -85,12 +109,13 @@ def read_model_spec(path: str) -> ModelSpec:
     return with_api_fields(ModelSpec(
         path=path,
         name=_display_name(path),
-        family="bert",
+        family=family,
         hidden_size=int(config["hidden_size"]),
         max_tokens=max_tokens,
         vocab_size=int(config["vocab_size"]),
-        pooling=pooling,
+        pooling=chosen_pooling,
         normalize_default=normalize,
+        causal=causal,
     ), config)
 
 
@@ -170,6 +195,25 @@ def _check_encoder_config(path: str, config: dict) -> None:
             raise UnsupportedModel(f"{path}: config.json lacks {key!r}")
     if config["hidden_size"] % config["num_attention_heads"]:
         raise UnsupportedModel(f"{path}: hidden_size is not a multiple of num_attention_heads")
+
+
+def _check_qwen3_config(path: str, config: dict) -> None:
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "vocab_size", "max_position_embeddings"):
+        if key not in config:
+            raise UnsupportedModel(f"{path}: config.json lacks {key!r}")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModel(f"{path}: hidden_act {act!r} is not supported for Qwen3 (only 'silu')")
+    if config.get("use_sliding_window"):
+        raise UnsupportedModel(f"{path}: sliding-window attention is not supported")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise UnsupportedModel(f"{path}: RoPE type {kind!r} is not supported (only the default)")
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    if heads % kv_heads:
+        raise UnsupportedModel(f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
 
 
 def _check_weights(path: str) -> None:

@@ -1,0 +1,144 @@
+"""The GPU engine's workloads end to end: `pollen serve --device cuda` over gRPC on loopback, client
+and server on the same machine, against the engine alone in the same run.
+
+    python load/bench_e2e.py --shape qwen3-0.6b --out load/results/gpu-e2e-DATE
+
+queries: one pre-tokenized text of 8..32 tokens per unary Embed, sequentially (p50 / p99).
+docs:    the bench_engine docs workload as token ids, 16 texts a message, over 4 streams that each
+         keep 32 messages in flight (tokens/s), next to the engine's own tokens/s on the same texts.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+
+import grpc
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from load.bench_engine import BUDGET, DOCS, docs, ours_throughput, queries, versions  # noqa: E402
+from load.gpu_models import SHAPES, make_checkpoint  # noqa: E402
+from pollen.v1 import embedder_pb2 as pb  # noqa: E402
+from pollen.v1 import embedder_pb2_grpc as pb_grpc  # noqa: E402
+from tests.conftest import ServerProcess  # noqa: E402
+
+
+def engine_docs(path, seqs, budget):
+    from worker.cuda_engine import CudaEngine
+    from worker.models.loader import load_model
+
+    engine = CudaEngine(load_model(path, device="cuda", dtype=torch.bfloat16), "cuda", max_batch_tokens=budget)
+    engine.warm_up()
+    ours_throughput(engine, seqs[:2000], budget)
+    secs = ours_throughput(engine, seqs, budget)
+    del engine
+    torch.cuda.empty_cache()
+    return sum(len(s) for s in seqs) / secs
+
+
+def query_latency(target, seqs):
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.EmbedderStub(channel)
+        reqs = [pb.EmbedRequest(token_ids=[pb.TokenIds(ids=s.tolist())], normalize=True) for s in seqs]
+        for r in reqs[:30]:
+            stub.Embed(r)
+        times = []
+        for r in reqs[30:]:
+            t = time.perf_counter()
+            stub.Embed(r)
+            times.append(time.perf_counter() - t)
+    ms = np.array(times) * 1e3
+    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)), "n": len(ms)}
+
+
+async def stream_docs(target, seqs, streams=4, per_message=16, window=32):
+    messages = [pb.EmbedRequest(id=str(i), token_ids=[pb.TokenIds(ids=s.tolist()) for s in seqs[j:j + per_message]],
+                                normalize=True)
+                for i, j in enumerate(range(0, len(seqs), per_message))]
+    parts = [messages[i::streams] for i in range(streams)]
+
+    async def one(part, stub):
+        call = stub.EmbedStream()
+        sem = asyncio.Semaphore(window)
+        answered = 0
+
+        async def write():
+            for m in part:
+                await sem.acquire()
+                await call.write(m)
+            await call.done_writing()
+
+        writer = asyncio.create_task(write())
+        async for answer in call:
+            if answer.HasField("error"):
+                raise RuntimeError(answer.error.message)
+            answered += 1
+            sem.release()
+        await writer
+        assert answered == len(part)
+
+    async with grpc.aio.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20),
+                                                          ("grpc.max_receive_message_length", 64 << 20)]) as ch:
+        stub = pb_grpc.EmbedderStub(ch)
+        await one(messages[:20], stub)  # warm-up: captures the common graph buckets
+        t = time.perf_counter()
+        await asyncio.gather(*(one(p, stub) for p in parts))
+        return time.perf_counter() - t
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--root", default="/tmp/pollen-ckpt")
+    p.add_argument("--out", required=True)
+    p.add_argument("--docs-scale", type=float, default=1.0)
+    args = p.parse_args()
+    path = make_checkpoint(args.shape, args.root)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    # The server wants a budget that holds the model's longest text (32,768 tokens for Qwen3);
+    # the engine-alone figure uses the same budget.
+    budget = max(BUDGET[args.shape], SHAPES[args.shape]["max_position_embeddings"])
+    hi = 512 if SHAPES[args.shape]["kind"] == "bert" else 2048
+    d = docs(int(DOCS[args.shape] * args.docs_scale), vocab, hi)
+    tokens = sum(len(s) for s in d)
+    res = {"meta": versions(), "shape": args.shape, "engine_docs_tokens_per_s": engine_docs(path, d, budget)}
+    print("engine", res, flush=True)
+    server = ServerProcess("--model", path, "--device", "cuda", "--max-batch-tokens", str(budget),
+                           "--max-request-bytes", str(64 << 20), "--max-queued-tokens", str(64 << 20),
+                           "--max-texts-per-request", "32",
+                           env={"PYTHONUNBUFFERED": "1"}).start(timeout=300)
+    try:
+        res["server_start_s"] = server.started_in_s
+        res["queries"] = query_latency(server.listen, queries(330, vocab))
+        print("queries", res["queries"], flush=True)
+        secs = asyncio.run(stream_docs(server.listen, d))
+        res["docs"] = {"tokens_per_s": tokens / secs, "seconds": secs, "tokens": tokens,
+                       "share_of_engine": tokens / secs / res["engine_docs_tokens_per_s"]}
+        print("docs", res["docs"], flush=True)
+        res["sigterm_exit_code"] = server.terminate()  # drains and exits 0, GPU worker included
+    finally:
+        server.kill()
+    with open(args.out + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    m = res["meta"]
+    md = (f"# End to end through `pollen serve --device cuda`, {m['date']}\n\n"
+          f"{m['gpu']}, driver {m['driver']}, torch {m['torch']}; client and server on the same machine, "
+          f"gRPC on loopback, pre-tokenized input. Command: `python load/bench_e2e.py --shape {args.shape}`.\n\n"
+          f"| shape | queries p50 / p99 (ms) | docs tokens/s | engine alone, same texts | share |\n"
+          f"| --- | --- | --- | --- | --- |\n"
+          f"| {args.shape} | {res['queries']['p50_ms']:.2f} / {res['queries']['p99_ms']:.2f} | "
+          f"{res['docs']['tokens_per_s']:,.0f} | {res['engine_docs_tokens_per_s']:,.0f} | "
+          f"{res['docs']['share_of_engine']:.0%} |\n")
+    with open(args.out + ".md", "w") as f:
+        f.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The CUDA engine on a real GPU: fused kernels vs their torch references, graphs vs eager, and
+tiny Qwen3 / BERT checkpoints vs HF transformers. Skipped cleanly where no GPU is visible (CI);
+run on the GPU machine (load/device_gpu_tests.sh)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")]
+
+from worker.engine import EagerEngine  # noqa: E402
+from worker.models import ops  # noqa: E402
+from worker.models.loader import load_model  # noqa: E402
+from worker.packed import pack  # noqa: E402
+
+
+def cos(a, b):
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return torch.nn.functional.cosine_similarity(a, b, dim=1).min().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernels_equal_references(dtype):
+    pytest.importorskip("triton")
+    from worker import kernels
+
+    torch.manual_seed(0)
+    t, h, heads, kv, d, inter = 333, 1024, 16, 8, 128, 3072
+    x, r = (torch.randn(t, h, device="cuda", dtype=dtype) for _ in range(2))
+    w = (1 + 0.3 * torch.randn(h, device="cuda")).to(dtype)
+    for res in (r, None):
+        y, s = kernels.add_rms_norm(x, res, w, 1e-6)
+        y0, s0 = ops.add_rms_norm(x, res, w, 1e-6)
+        torch.testing.assert_close(s, s0, rtol=0, atol=0)
+        torch.testing.assert_close(y, y0, rtol=1e-2, atol=1e-2)  # one bf16 rounding step apart at most
+    qkv = torch.randn(t, (heads + 2 * kv) * d, device="cuda", dtype=dtype)
+    qw, kw = ((1 + 0.3 * torch.randn(d, device="cuda")).to(dtype) for _ in range(2))
+    cache = ops.rope_cache(1e6, d, 4096, "cuda")
+    pos = torch.randint(0, 4096, (t,), device="cuda", dtype=torch.int32)
+    for a, b in zip(kernels.qk_norm_rope(qkv, qw, kw, cache, pos, heads, kv, 1e-6),
+                    ops.qk_norm_rope(qkv, qw, kw, cache, pos, heads, kv, 1e-6)):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=2e-2)
+    gu = torch.randn(t, 2 * inter, device="cuda", dtype=dtype)
+    torch.testing.assert_close(kernels.silu_mul(gu), ops.silu_mul(gu), rtol=1e-2, atol=1e-2)
+
+
+def tiny(tmp_path, kind):
+    if kind == "bert":
+        from tests.test_model_bert import make_tiny
+
+        make_tiny(tmp_path / "m")
+    else:
+        from tests.test_model_qwen3 import make_tiny_qwen3
+
+        make_tiny_qwen3(tmp_path / "m", kind)
+    return str(tmp_path / "m")
+
+
+def seqs(lengths, vocab=1000, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n, dtype=np.int32) for n in lengths]
+
+
+@pytest.mark.parametrize("kind", ["causal", "bidirectional", "bert"])
+def test_cuda_engine_matches_cpu_reference(tmp_path, kind):
+    from worker.cuda_engine import CudaEngine
+
+    path = tiny(tmp_path, kind)
+    batch = pack(seqs([1, 9, 2, 40, 64, 13, 3]))
+    ref = EagerEngine(load_model(path)).submit(batch).result()
+    fp32 = CudaEngine(load_model(path, "cuda", torch.float32), "cuda", max_batch_tokens=512)
+    assert cos(fp32.submit(batch).result(), ref) >= 0.99999
+    for graphs in (False, True):
+        engine = CudaEngine(load_model(path, "cuda", torch.bfloat16), "cuda", max_batch_tokens=512,
+                            cuda_graphs=graphs)
+        engine.warm_up()
+        first = engine.submit(batch)
+        second = engine.submit(batch)  # submitted before the first is read: the overlap path
+        a, b = first.result().copy(), second.result().copy()
+        assert cos(a, ref) >= 0.999 and cos(b, ref) >= 0.999
+        np.testing.assert_array_equal(a, b)
+        if graphs:
+            assert len(engine.graphs) == 1  # the same bucket replayed
+
+
+def test_graphs_pool_spans_and_buckets(tmp_path):
+    """Contextual-chunk spans and odd sizes through graphs equal the CPU reference; batches above
+    the largest graph bucket run eagerly."""
+    from worker.cuda_engine import CudaEngine
+
+    path = tiny(tmp_path, "bidirectional")
+    cpu = EagerEngine(load_model(path))
+    engine = CudaEngine(load_model(path, "cuda", torch.bfloat16), "cuda", max_batch_tokens=512,
+                        graph_max_tokens=128)
+    engine.warm_up()
+    docs = seqs([50, 7, 30], seed=3)
+    spans = [[(0, 10), (10, 50)], [(0, 7)], [(2, 5), (5, 6), (6, 30)]]
+    for batch in (pack(docs, spans), pack(seqs([5] * 17 + [60], seed=4)), pack(seqs([64] * 6, seed=5))):
+        got = engine.submit(batch).result()
+        assert got.shape == (batch.rows, 64)
+        assert cos(got, cpu.submit(batch).result()) >= 0.999
+    assert all(shape[0] <= 128 for shape in engine.graphs)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_short_attention_equals_flash(causal):
+    pytest.importorskip("triton")
+    from worker.kernels.norms import embed_rms_norm
+    from worker.kernels.short_attention import short_attention
+    from worker.models.attention import _torch_varlen, _torch_varlen_options
+
+    torch.manual_seed(1)
+    cu = torch.tensor([0, 5, 5, 21, 22, 86], dtype=torch.int32, device="cuda")  # an empty and a 64-long one
+    for heads, kv, d in ((16, 8, 128), (12, 12, 64)):
+        q = torch.randn(86, heads, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(86, kv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        ref = _torch_varlen(q, k, v, cu, cu, 64, 64, **_torch_varlen_options(causal, kv != heads))
+        torch.testing.assert_close(short_attention(q, k, v, cu, 64, causal), ref, rtol=2e-2, atol=2e-2)
+    # BERT's q, k, v are strided views of one fused projection.
+    q, k, v = torch.randn(86, 3, 12, 64, device="cuda", dtype=torch.bfloat16).unbind(1)
+    ref = _torch_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, 64, 64,
+                        **_torch_varlen_options(causal, False))
+    torch.testing.assert_close(short_attention(q, k, v, cu, 64, causal), ref, rtol=2e-2, atol=2e-2)
+
+    ids = torch.randint(0, 1000, (40,), device="cuda", dtype=torch.int32)
+    table = torch.randn(1000, 1024, device="cuda", dtype=torch.bfloat16)
+    w = (1 + 0.3 * torch.randn(1024, device="cuda")).to(torch.bfloat16)
+    y, rows = embed_rms_norm(ids, table, w, 1e-6)
+    y0, rows0 = ops.embed_rms_norm(ids.long(), table, w, 1e-6)
+    assert torch.equal(rows, rows0)
+    torch.testing.assert_close(y, y0, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_short_qk_rope_attention_equals_the_separate_kernels(causal):
+    pytest.importorskip("triton")
+    from worker.kernels.short_attention import short_qk_rope_attention
+    from worker.models.attention import varlen_attention
+
+    torch.manual_seed(2)
+    heads, kv, d = 16, 8, 128
+    cu = torch.tensor([0, 5, 5, 21, 22, 86], dtype=torch.int32, device="cuda")
+    pos = torch.cat([torch.arange(n) for n in (5, 16, 1, 64)]).to("cuda", torch.int32)
+    qkv = torch.randn(86, (heads + 2 * kv) * d, device="cuda", dtype=torch.bfloat16)
+    qw, kw = ((1 + 0.3 * torch.randn(d, device="cuda")).to(torch.bfloat16) for _ in range(2))
+    cache = ops.rope_cache(1e6, d, 4096, "cuda")
+    q, k, v = ops.qk_norm_rope(qkv, qw, kw, cache, pos, heads, kv, 1e-6)
+    os.environ["POLLEN_SHORT_ATTENTION"] = "0"  # the reference: flash attention
+    try:
+        ref = varlen_attention(q, k, v, cu, 64, causal)
+    finally:
+        del os.environ["POLLEN_SHORT_ATTENTION"]
+    got = short_qk_rope_attention(qkv, qw, kw, cache, pos, heads, kv, 1e-6, cu, 64, causal)
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,74 @@
+"""The element-wise pieces of the transformer layers, in one place so a device can swap them.
+
+Each function here is the plain-torch reference. On CUDA, when Triton is importable (and
+POLLEN_TRITON is not "0"), `worker/kernels/` replaces the Qwen3 ones with fused kernels: one
+launch for residual-add + RMSNorm, one for QK-norm + RoPE, one for SiLU-gate. A short query is
+bound by kernel launches, so every launch saved is latency saved (see docs/gpu-notes.md).
+The references compute in float32 and round once, like the kernels, so both agree to rounding.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    # HF Qwen3RMSNorm rounds the normalized value to the input dtype, then scales by the weight.
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual): the pre-norm block's two outputs (no add if None)."""
+    summed = x if residual is None else x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(table[ids]), table[ids]): embedding lookup and the first layer's input norm."""
+    return add_rms_norm(F.embedding(ids, table), None, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate then up, as the fused projection lays them out) -> silu(gate) * up, [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_cache(theta: float, head_dim: int, max_positions: int, device) -> torch.Tensor:
+    """[max_positions, head_dim] float32: cos of each frequency in the first half, sin in the second."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=device), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cache: torch.Tensor,
+                 positions: torch.Tensor, heads: int, kv_heads: int, eps: float):
+    """Split the fused projection, RMS-normalize each q and k head, rotate both (RoPE, halves form).
+
+    qkv [T, (heads + 2 * kv_heads) * D] -> q [T, heads, D], k [T, kv_heads, D], v [T, kv_heads, D].
+    """
+    tokens = qkv.shape[0]
+    head_dim = q_weight.shape[0]
+    q, k, v = qkv.view(tokens, heads + 2 * kv_heads, head_dim).split([heads, kv_heads, kv_heads], dim=1)
+    cos_sin = cache[positions.long()]  # [T, D]
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def rotate(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x = rms_norm(x, weight, eps).float()
+        a, b = x.chunk(2, dim=-1)
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(qkv.dtype)
+
+    return rotate(q, q_weight), rotate(k, k_weight), v
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    if not x.is_cuda or os.environ.get("POLLEN_TRITON", "1") == "0":
+        return False
+    from worker import kernels
+
+    return kernels.available()

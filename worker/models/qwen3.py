@@ -1,0 +1,118 @@
+"""Packed Qwen3 decoder as an embedding model: Qwen3-Embedding (causal, last-token pooling) and
+pplx-embed-v1 (`bidirectional_pplx_qwen3`: the same layers with bidirectional attention, mean pooling).
+
+Pre-norm layers: RMSNorm -> fused QKV projection -> per-head RMSNorm of q and k (QK-norm) -> RoPE
+-> grouped-query varlen attention -> output projection, then RMSNorm -> fused gate/up projection
+-> SiLU(gate) * up -> down projection. The residual add is fused into the next RMSNorm.
+Checkpoint layout follows HF Qwen3Model; loader.py fills our parameters through hf_weight_map().
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker import kernels
+from worker.models import ops
+from worker.models.attention import varlen_attention
+from worker.models.base import EmbeddingModel
+from worker.models.spec import ModelSpec
+
+
+class RMSNormWeight(nn.Module):
+    def __init__(self, size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+
+
+class Qwen3Layer(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float,
+                 bias: bool):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
+        self.attn_norm = RMSNormWeight(hidden)
+        self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=bias)
+        self.q_norm = RMSNormWeight(head_dim)
+        self.k_norm = RMSNormWeight(head_dim)
+        self.o = nn.Linear(heads * head_dim, hidden, bias=bias)
+        self.mlp_norm = RMSNormWeight(hidden)
+        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+
+
+class Qwen3Encoder(EmbeddingModel):
+    hf_prefixes = ("", "model.")
+
+    def __init__(self, spec: ModelSpec, config: dict):
+        super().__init__()
+        self.spec = spec
+        self.causal = spec.causal
+        hidden = config["hidden_size"]
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or hidden // heads
+        self.eps = float(config.get("rms_norm_eps", 1e-6))
+        self.theta = float(rope_theta(config))
+        self.max_positions = int(config["max_position_embeddings"])
+        self.embed = nn.Embedding(config["vocab_size"], hidden)
+        self.layers = nn.ModuleList(
+            Qwen3Layer(hidden, heads, config.get("num_key_value_heads") or heads, head_dim,
+                       config["intermediate_size"], self.eps, bool(config.get("attention_bias", False)))
+            for _ in range(config["num_hidden_layers"])
+        )
+        self.norm = RMSNormWeight(hidden)
+        self._rope: torch.Tensor | None = None  # built on first use, on the weights' device
+
+    def rope(self, device) -> torch.Tensor:
+        if self._rope is None or self._rope.device != device:
+            self._rope = ops.rope_cache(self.theta, self.layers[0].head_dim, self.max_positions, device)
+        return self._rope
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                      max_seqlen: int) -> torch.Tensor:
+        if max_seqlen > self.max_positions:
+            # Checked on the host int: an out-of-range position is a device assert on CUDA.
+            raise ValueError(f"sequence of {max_seqlen} tokens exceeds {self.max_positions} positions")
+        impl = kernels if ops.use_triton(input_ids) else ops  # fused Triton kernels or torch references
+        add_rms_norm, qk_norm_rope, silu_mul = impl.add_rms_norm, impl.qk_norm_rope, impl.silu_mul
+        cache = self.rope(input_ids.device)
+        tokens = input_ids.shape[0]
+        norms = [layer.attn_norm.weight for layer in self.layers[1:]] + [self.norm.weight]
+        x, residual = impl.embed_rms_norm(input_ids, self.embed.weight, self.layers[0].attn_norm.weight, self.eps)
+        # Queries: QK-norm, RoPE and attention in one kernel per layer (launches are their cost).
+        short = impl is kernels and kernels.short_attention_fits(max_seqlen, self.layers[0].head_dim, rope=True)
+        for layer, next_norm in zip(self.layers, norms):
+            if short:
+                attn = kernels.short_qk_rope_attention(
+                    layer.qkv(x), layer.q_norm.weight, layer.k_norm.weight, cache, positions, layer.heads,
+                    layer.kv_heads, self.eps, cu_seqlens, max_seqlen, self.causal)
+            else:
+                q, k, v = qk_norm_rope(layer.qkv(x), layer.q_norm.weight, layer.k_norm.weight, cache, positions,
+                                       layer.heads, layer.kv_heads, self.eps)
+                attn = varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=self.causal)
+            x, residual = add_rms_norm(layer.o(attn.reshape(tokens, -1)), residual, layer.mlp_norm.weight, self.eps)
+            # The next layer's input norm (or the final norm) takes this layer's residual add.
+            x, residual = add_rms_norm(layer.down(silu_mul(layer.gate_up(x))), residual, next_norm, self.eps)
+        return x
+
+    def hf_weight_map(self) -> dict[str, list[str]]:
+        m = {"embed.weight": ["embed_tokens.weight"], "norm.weight": ["norm.weight"]}
+        for i, layer in enumerate(self.layers):
+            ours, hf = f"layers.{i}.", f"layers.{i}."
+            m[ours + "attn_norm.weight"] = [hf + "input_layernorm.weight"]
+            m[ours + "mlp_norm.weight"] = [hf + "post_attention_layernorm.weight"]
+            m[ours + "q_norm.weight"] = [hf + "self_attn.q_norm.weight"]
+            m[ours + "k_norm.weight"] = [hf + "self_attn.k_norm.weight"]
+            m[ours + "qkv.weight"] = [hf + f"self_attn.{n}_proj.weight" for n in "qkv"]
+            m[ours + "o.weight"] = [hf + "self_attn.o_proj.weight"]
+            if layer.qkv.bias is not None:
+                m[ours + "qkv.bias"] = [hf + f"self_attn.{n}_proj.bias" for n in "qkv"]
+                m[ours + "o.bias"] = [hf + "self_attn.o_proj.bias"]
+            m[ours + "gate_up.weight"] = [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"]
+            m[ours + "down.weight"] = [hf + "mlp.down_proj.weight"]
+        return m
+
+
+def rope_theta(config: dict) -> float:
+    """transformers 5 keeps RoPE settings in `rope_parameters`; older configs at the top level."""
+    params = config.get("rope_parameters") or {}
+    return params.get("rope_theta", config.get("rope_theta", 10000.0))
