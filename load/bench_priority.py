@@ -102,6 +102,9 @@ def main() -> int:
     parser.add_argument("--caps", default="0,2048,512", help="--bulk-batch-tokens values to run")
     parser.add_argument("--max-batch-tokens", type=int, default=8192)
     parser.add_argument("--load-seconds", type=float, default=12.0)
+    # One torch thread by default: on a small shared machine a busy neighbour process stalls
+    # two OpenMP threads at every barrier, and the figures then swing by tens of times.
+    parser.add_argument("--worker-threads", type=int, default=1)
     parser.add_argument("--out", default=str(REPO / "load" / "results"))
     args = parser.parse_args()
 
@@ -110,8 +113,8 @@ def main() -> int:
     queries = sorted({a.split(".")[0] for a, _, _ in stsb_pairs()})[:200]
     runs = []
     for cap in (int(c) for c in args.caps.split(",")):
-        srv = ServerProcess("--log-level", "WARNING", "--bulk-batch-tokens", str(cap),
-                            "--max-batch-tokens", str(args.max_batch_tokens)).start(timeout=60)
+        srv = ServerProcess("--log-level", "WARNING", "--bulk-batch-tokens", str(cap), "--worker-threads",
+                            str(args.worker_threads), "--max-batch-tokens", str(args.max_batch_tokens)).start(timeout=60)
         try:
             runs.append(asyncio.run(measure(srv.listen, cap, args.max_batch_tokens, queries, args.load_seconds)))
         finally:
@@ -122,7 +125,8 @@ def main() -> int:
     result = {"date": datetime.date.today().isoformat(), "device": machine(),
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "grpcio": grpc.__version__, "pollen": rev},
-              "model": "all-MiniLM-L6-v2", "max_batch_tokens": args.max_batch_tokens, "runs": runs}
+              "model": "all-MiniLM-L6-v2", "max_batch_tokens": args.max_batch_tokens,
+              "worker_threads": args.worker_threads, "runs": runs}
     lines = ["| --bulk-batch-tokens | one bulk batch | idle p50 / p99 | under bulk load p50 / p99 | "
              "idle p50 + one batch | bulk tokens/s |", "| --- | --- | --- | --- | --- | --- |"]
     for r in runs:
@@ -133,7 +137,7 @@ def main() -> int:
     table = "\n".join(lines)
     header = (f"# Priority lanes on the CPU, {result['date']}\n\n{result['device']}; python "
               f"{result['versions']['python']}, torch {torch.__version__}, grpcio {grpc.__version__}, pollen {rev}; "
-              f"model {result['model']}, --max-batch-tokens {args.max_batch_tokens}.\n"
+              f"model {result['model']}, --max-batch-tokens {args.max_batch_tokens}, --worker-threads {args.worker_threads}.\n"
               "Command: `python load/bench_priority.py` (client and server on the same machine). Bulk: 24 senders "
               f"of 4 x {SEQ_TOKENS}-token requests; interactive: one short STS-B sentence every 0.25 s.\n\n")
     print(table)
