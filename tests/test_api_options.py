@@ -138,3 +138,4 @@ def test_max_tokens_truncates_texts_ids_and_tokenize(opts_stub):
         opts_stub.Embed(pb.EmbedRequest(texts=[long], max_tokens=8))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "over the request's max_tokens 8" in err.value.details()
+

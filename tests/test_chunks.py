@@ -30,22 +30,28 @@ def hidden(model, ids: list[int]) -> np.ndarray:
         return model(input_ids=torch.tensor([ids])).last_hidden_state[0].numpy()
 
 
-def test_contextual_chunks_pool_each_span_of_one_forward(stub, hf):
+def chunk_reference(hf, chunks: list[str], prompt: str = "") -> tuple[np.ndarray, int]:
+    """[CLS] prompt chunk1 ... chunkN [SEP] in one HF forward; each chunk's tokens mean-pooled."""
     tok, model = hf
-    pieces = [tok(c, add_special_tokens=False)["input_ids"] for c in CHUNKS]
-    ids = [tok.cls_token_id] + [i for p in pieces for i in p] + [tok.sep_token_id]
+    head = tok(prompt, add_special_tokens=False)["input_ids"] if prompt else []
+    pieces = [tok(c, add_special_tokens=False)["input_ids"] for c in chunks]
+    ids = [tok.cls_token_id] + head + [i for p in pieces for i in p] + [tok.sep_token_id]
     states = hidden(model, ids)
-    want, at = [], 1
+    want, at = [], 1 + len(head)
     for p in pieces:
         want.append(states[at:at + len(p)].mean(axis=0))
         at += len(p)
-    want = np.stack(want)
+    return np.stack(want), len(ids)
+
+
+def test_contextual_chunks_pool_each_span_of_one_forward(stub, hf):
+    want, n_ids = chunk_reference(hf, CHUNKS)
 
     reply = stub.Embed(pb.EmbedRequest(chunks=CHUNKS), timeout=60)
     got = vectors(reply)
     assert got.shape == (len(CHUNKS), 384)
     np.testing.assert_allclose(got, want, atol=2e-5)
-    assert reply.usage.prompt_tokens == len(ids)
+    assert reply.usage.prompt_tokens == n_ids
     # Context matters: a chunk embedded alone differs from the same chunk read in its document.
     alone = vectors(stub.Embed(pb.EmbedRequest(chunks=CHUNKS[1:2]), timeout=60))
     assert np.abs(alone[0] - got[1]).max() > 1e-3
@@ -53,6 +59,13 @@ def test_contextual_chunks_pool_each_span_of_one_forward(stub, hf):
     # Encodings and Matryoshka apply per chunk row as for texts.
     cut = vectors(stub.Embed(pb.EmbedRequest(chunks=CHUNKS, dimensions=64, normalize=True), timeout=60))
     np.testing.assert_allclose(cut, want[:, :64] / np.linalg.norm(want[:, :64], axis=1, keepdims=True), atol=2e-5)
+
+
+def test_a_prompt_precedes_the_chunks_and_pools_into_none(stub, hf):
+    want, n_ids = chunk_reference(hf, CHUNKS, prompt="passage: ")
+    reply = stub.Embed(pb.EmbedRequest(chunks=CHUNKS, prompt="passage: "), timeout=60)
+    np.testing.assert_allclose(vectors(reply), want, atol=2e-5)
+    assert reply.usage.prompt_tokens == n_ids
 
 
 def test_chunk_mean_is_the_token_weighted_mean_of_windows(stub, hf):
