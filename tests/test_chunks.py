@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+import grpc
+
 from pollen.v1 import embedder_pb2 as pb
-from tests.conftest import vectors
+from pollen.v1 import embedder_pb2_grpc as pb_grpc
+from tests.conftest import ServerProcess, vectors
 from worker.models.spec import default_model_path
 
 CHUNKS = ["Marie Curie was born in Warsaw in 1867.",
@@ -30,8 +33,9 @@ def hidden(model, ids: list[int]) -> np.ndarray:
         return model(input_ids=torch.tensor([ids])).last_hidden_state[0].numpy()
 
 
-def chunk_reference(hf, chunks: list[str], prompt: str = "") -> tuple[np.ndarray, int]:
-    """[CLS] prompt chunk1 ... chunkN [SEP] in one HF forward; each chunk's tokens mean-pooled."""
+def chunk_reference(hf, chunks: list[str], prompt: str = "", mode: str = "mean") -> tuple[np.ndarray, int]:
+    """[CLS] prompt chunk1 ... chunkN [SEP] in one HF forward; each chunk's tokens pooled: their
+    mean, or the chunk's first token (cls models) or last token (last-token models)."""
     tok, model = hf
     head = tok(prompt, add_special_tokens=False)["input_ids"] if prompt else []
     pieces = [tok(c, add_special_tokens=False)["input_ids"] for c in chunks]
@@ -39,7 +43,8 @@ def chunk_reference(hf, chunks: list[str], prompt: str = "") -> tuple[np.ndarray
     states = hidden(model, ids)
     want, at = [], 1 + len(head)
     for p in pieces:
-        want.append(states[at:at + len(p)].mean(axis=0))
+        span = states[at:at + len(p)]
+        want.append({"mean": span.mean(axis=0), "cls": span[0], "last": span[-1]}[mode])
         at += len(p)
     return np.stack(want), len(ids)
 
@@ -59,6 +64,18 @@ def test_contextual_chunks_pool_each_span_of_one_forward(stub, hf):
     # Encodings and Matryoshka apply per chunk row as for texts.
     cut = vectors(stub.Embed(pb.EmbedRequest(chunks=CHUNKS, dimensions=64, normalize=True), timeout=60))
     np.testing.assert_allclose(cut, want[:, :64] / np.linalg.norm(want[:, :64], axis=1, keepdims=True), atol=2e-5)
+
+
+@pytest.mark.parametrize("mode", ["cls", "last"])
+def test_chunks_of_cls_and_last_token_models_pool_the_chunks_first_and_last_token(hf, mode):
+    want, _ = chunk_reference(hf, CHUNKS, mode=mode)
+    srv = ServerProcess("--pooling", mode, "--log-level", "WARNING").start()
+    try:
+        with grpc.insecure_channel(srv.listen) as channel:
+            reply = pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(chunks=CHUNKS), timeout=60)
+    finally:
+        assert srv.terminate() == 0
+    np.testing.assert_allclose(vectors(reply), want, atol=2e-5)
 
 
 def test_a_prompt_precedes_the_chunks_and_pools_into_none(stub, hf):
