@@ -5,7 +5,8 @@ Against a running `pollen serve` (gRPC on 50051, HTTP on 8080), one command, hea
     locust -f load/locustfile.py --headless -u 20 -r 5 -t 60s --only-summary \
         --host http://127.0.0.1:8080 --grpc-target 127.0.0.1:50051
 
-Each user mixes short queries (one text a request) and documents (4 passages a request); the
+Users come 2 : 2 : 1 (unary, HTTP, stream). Each mixes short queries (one text a request) and
+documents (4 passages a request); the
 texts come from load/corpus.py, made with fixed seeds. gRPC calls are reported to locust as
 request events (type "grpc") named after the call, so the stats table shows each beside HTTP's.
 An answer only counts as a success when it holds one vector of the model's size per text.
@@ -31,7 +32,7 @@ from pollen.v1 import embedder_pb2_grpc as pb_grpc  # noqa: E402
 
 QUERIES, DOCUMENTS = queries(), documents()
 DOCS_PER_REQUEST = 4
-MESSAGES_PER_STREAM = 16
+MESSAGES_PER_STREAM = 8
 TIMEOUT_S = 120
 
 
@@ -84,6 +85,8 @@ class GrpcUser(User):
 class GrpcUnaryUser(GrpcUser):
     """One Embed call at a time."""
 
+    weight = 2
+
     def embed(self, kind: str) -> None:
         texts = pick(self.rng, kind)
         started, length, failure = time.perf_counter(), 0, None
@@ -105,8 +108,10 @@ class GrpcUnaryUser(GrpcUser):
 
 
 class GrpcStreamUser(GrpcUser):
-    """One EmbedStream of 16 messages (queries and documents alternating), all sent at once;
-    each message is reported when its answer arrives."""
+    """One EmbedStream of 8 messages (documents and queries alternating), all sent at once;
+    each message is reported when its answer arrives. The bulk of the load: 20 users hold 4 of these."""
+
+    weight = 1
 
     @task
     def stream(self) -> None:
@@ -136,6 +141,8 @@ class GrpcStreamUser(GrpcUser):
 
 class HttpEmbeddingsUser(FastHttpUser):
     """POST /v1/embeddings as an OpenAI client would (float JSON)."""
+
+    weight = 2
 
     wait_time = between(0.2, 1.0)
 

@@ -122,34 +122,56 @@ class HttpServer:
                 await writer.wait_closed()
 
     async def _requests(self, reader, writer, task) -> None:
-        while not self._stopping:
-            try:
-                async with asyncio.timeout(self.idle_timeout):
-                    # Wait for the first byte of the next request without counting it as busy.
-                    first = await reader.read(1)
-                if not first:
-                    return  # clean close by the client between requests
-                self._connections[task] = True
-                async with asyncio.timeout(self.read_timeout):
-                    request, keep_alive = await self._read_request(first, reader, writer)
-            except TimeoutError:
-                if self._connections[task]:  # stalled mid-request: say so; idle ones just close
-                    await self._fail(writer, reader, ProtocolError(408, "the request did not arrive in time"))
-                return
-            except ProtocolError as exc:
-                await self._fail(writer, reader, exc)
-                return
-            try:
-                response = await self.handler(request)
-            except Exception:
-                log.exception("HTTP handler failed on %s %s", request.method, request.path)
-                response = self.error_response(500, "internal error (logged by the server)")
-            keep_alive = keep_alive and not self._stopping
-            writer.write(_encode(response, keep_alive))
-            await writer.drain()
-            self._connections[task] = False
-            if not keep_alive:
-                return
+        # While a request is handled we keep reading one byte ahead: EOF there means the client
+        # left, and its request is cancelled rather than computed for nobody; a byte is the start
+        # of a pipelined request, kept for the next turn.
+        next_byte: asyncio.Future | None = None
+        try:
+            while not self._stopping:
+                try:
+                    if next_byte is None:
+                        next_byte = asyncio.ensure_future(reader.read(1))
+                    # Waiting for the first byte of the next request does not count as busy.
+                    first = await asyncio.wait_for(next_byte, self.idle_timeout)
+                    next_byte = None
+                    if not first:
+                        return  # clean close by the client between requests
+                    self._connections[task] = True
+                    async with asyncio.timeout(self.read_timeout):
+                        request, keep_alive = await self._read_request(first, reader, writer)
+                except TimeoutError:
+                    if self._connections[task]:  # stalled mid-request: say so; idle ones just close
+                        await self._fail(writer, reader, ProtocolError(408, "the request did not arrive in time"))
+                    return
+                except ProtocolError as exc:
+                    await self._fail(writer, reader, exc)
+                    return
+                next_byte = asyncio.ensure_future(reader.read(1))
+                response = await self._handle(request, next_byte)
+                if response is None:
+                    return  # the client closed the connection: nobody to answer
+                keep_alive = keep_alive and not self._stopping
+                writer.write(_encode(response, keep_alive))
+                await writer.drain()
+                self._connections[task] = False
+                if not keep_alive:
+                    return
+        finally:
+            if next_byte is not None:
+                next_byte.cancel()
+
+    async def _handle(self, request: Request, next_byte: asyncio.Future) -> Response | None:
+        handling = asyncio.ensure_future(self.handler(request))
+        try:
+            await asyncio.wait({handling, next_byte}, return_when=asyncio.FIRST_COMPLETED)
+            if not handling.done() and (next_byte.exception() is not None or next_byte.result() == b""):
+                return None
+            return await handling
+        except Exception:
+            log.exception("HTTP handler failed on %s %s", request.method, request.path)
+            return self.error_response(500, "internal error (logged by the server)")
+        finally:
+            handling.cancel()  # no-op once done; stops the work when the client left or we stop
 
     async def _read_request(self, first: bytes, reader, writer) -> tuple[Request, bool]:
         try:

@@ -47,6 +47,9 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         except RequestError as exc:
             count_request(door, exc.code.name)
             raise
+        except asyncio.CancelledError:  # the client left (or we stop): counted, not answered
+            count_request(door, grpc.StatusCode.CANCELLED.name)
+            raise
         except Exception:
             count_request(door, grpc.StatusCode.INTERNAL.name)
             raise

@@ -67,3 +67,22 @@ def test_counters_move_by_the_traffic(server, stub):
     # The other families are exposed (filled by the worker pool), so dashboards can rely on them.
     names = {name for name, _ in after}
     assert {"pollen_queued_tokens", "pollen_worker_restarts_total", "pollen_queue_seconds_count"} <= names
+
+
+def test_http_client_leaving_cancels_its_request(server):
+    import socket
+    import time
+
+    before = scrape(server)
+    body = json.dumps({"input": ["a text long enough to keep the worker busy " * 20] * 64, "truncate": "end"}).encode()
+    with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
+        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    # The socket is closed before any answer: the door sees EOF and cancels the request.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        after = scrape(server)
+        if delta(before, after, "pollen_requests_total", door="http", outcome="CANCELLED") == 1:
+            break
+        time.sleep(0.2)
+    assert delta(before, after, "pollen_requests_total", door="http", outcome="CANCELLED") == 1
+    assert delta(before, after, "pollen_requests_total", door="http", outcome="ok") == 0
