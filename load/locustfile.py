@@ -61,8 +61,7 @@ _STUBS: dict[str, pb_grpc.EmbedderStub] = {}
 
 def shared_stub(target: str) -> pb_grpc.EmbedderStub:
     """One channel for every gRPC user of this locust process, as one client process would hold
-    (its calls multiplexed on one HTTP/2 connection). Under gevent, a channel per user also made
-    concurrent calls stall for seconds."""
+    (its calls multiplexed on one HTTP/2 connection)."""
     if target not in _STUBS:
         _STUBS[target] = pb_grpc.EmbedderStub(grpc.insecure_channel(target))
     return _STUBS[target]
