@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import queue
-import time
 from collections.abc import Iterable, Iterator, Sequence
 
 import grpc

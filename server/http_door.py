@@ -18,8 +18,7 @@ import base64
 import logging
 import re
 import time
-import typing
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args, get_origin
 
 import grpc
 import msgspec
@@ -61,8 +60,8 @@ class EmbeddingsBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _DECODER = msgspec.json.Decoder(EmbeddingsBody)
-_CHOICES = {f.name: typing.get_args(f.type) for f in msgspec.structs.fields(EmbeddingsBody)
-            if typing.get_origin(f.type) is Literal}
+_CHOICES = {f.name: get_args(f.type) for f in msgspec.structs.fields(EmbeddingsBody)
+            if get_origin(f.type) is Literal}
 _ENCODER = msgspec.json.Encoder()
 _ENCODINGS = {"float32": pb.ENCODING_FLOAT32, "float16": pb.ENCODING_FLOAT16, "bfloat16": pb.ENCODING_BFLOAT16,
               "int8": pb.ENCODING_INT8, "ubinary": pb.ENCODING_UBINARY}
