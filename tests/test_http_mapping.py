@@ -59,3 +59,13 @@ def test_refusals_name_the_field(body, param):
     with pytest.raises(Rejected) as caught:
         to_embed_request(http(body))
     assert caught.value.param == param
+
+
+def test_http_listen_flag_and_variable():
+    from server.config import ServeConfig
+
+    assert ServeConfig.from_args([], environ={}).http_listen == "127.0.0.1:8080"
+    assert ServeConfig.from_args(["--http-listen", ""], environ={}).http_listen == ""  # no HTTP door
+    assert ServeConfig.from_args([], environ={"POLLEN_HTTP_LISTEN": "0.0.0.0:9000"}).http_listen == "0.0.0.0:9000"
+    with pytest.raises(ValueError, match="--http-listen must be host:port"):
+        ServeConfig.from_args(["--http-listen", "8080"], environ={})
