@@ -24,8 +24,8 @@ class ServeConfig:
     dtype: str = _flag("auto", "weights and activations: auto (bfloat16 on cuda, float32 on cpu), bfloat16, "
                        "float16 or float32")
     cuda_graphs: str = _flag("on", "replay whole-model CUDA graphs captured per token bucket: on or off")
-    graph_max_tokens: int = _flag(0, "largest token bucket captured as a CUDA graph; bigger batches run "
-                                  "eagerly (0: --max-batch-tokens)")
+    graph_max_tokens: int = _flag(8192, "largest token bucket captured as a CUDA graph; bigger batches run "
+                                  "eagerly, where the GPU, not the launches, sets the pace (0: --max-batch-tokens)")
     pooling: str | None = _flag(None, "override the checkpoint's pooling: mean, cls or last")
     attention: str | None = _flag(None, "override the checkpoint's attention: causal or bidirectional")
     workers: int = _flag(1, "CPU worker processes (they share the cores); with cuda, one per GPU")
