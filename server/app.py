@@ -1,8 +1,8 @@
-"""The frontend process: check the model, start the workers, serve gRPC until SIGTERM.
+"""The frontend process: check the model, start the workers, serve gRPC and HTTP until SIGTERM.
 
-Shutdown order on SIGTERM or SIGINT: health says NOT_SERVING, gRPC stops taking new calls and
-waits (up to --shutdown-grace) for the calls in flight, then each worker finishes what it holds
-and exits, and the shared-memory segments are removed.
+Shutdown order on SIGTERM or SIGINT: health says NOT_SERVING (gRPC and HTTP), both doors stop
+taking new calls and wait (up to --shutdown-grace) for the calls in flight, then each worker
+finishes what it holds and exits, and the shared-memory segments are removed.
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
 from server.admission import Admission
 from server.config import ServeConfig
+from server.http11 import HttpServer
+from server.http_door import HttpDoor, error_response
 from server.service import EmbedderService
 from server.tokenizer import TextTokenizer
 from server.workers import WorkerPool
@@ -78,7 +80,8 @@ async def serve(cfg: ServeConfig, stop: asyncio.Event | None = None, serving=Non
         ("grpc.server.max_pending_requests", 1 << 16),
         ("grpc.server.max_pending_requests_hard_limit", 1 << 17),
     ])
-    pb_grpc.add_EmbedderServicer_to_server(EmbedderService(cfg, spec, admission, pool), server)
+    service = EmbedderService(cfg, spec, admission, pool)
+    pb_grpc.add_EmbedderServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -95,7 +98,13 @@ async def serve(cfg: ServeConfig, stop: asyncio.Event | None = None, serving=Non
             loop.add_signal_handler(sig, stop.set)
 
     await server.start()
+    door, http = None, None
     try:
+        if cfg.http_listen:
+            door = HttpDoor(service)
+            http = HttpServer(door.handle, error_response, max_body_bytes=cfg.max_request_bytes)
+            host, _, port = cfg.http_listen.rpartition(":")
+            await http.start(host, int(port))
         log.info("loading %s on %d %s worker(s)", spec.name, cfg.workers, cfg.device)
         starting = asyncio.ensure_future(pool.start())
         stopped = asyncio.ensure_future(stop.wait())
@@ -104,7 +113,10 @@ async def serve(cfg: ServeConfig, stop: asyncio.Event | None = None, serving=Non
             starting.result()  # raises if a worker could not start
             for name in ("", SERVICE_NAME):
                 await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-            log.info("serving %s on %s", spec.name, cfg.listen)
+            if door:
+                door.serving = True
+            log.info("serving %s on %s (gRPC)%s", spec.name, cfg.listen,
+                     f" and {cfg.http_listen} (HTTP)" if http else "")
             if serving is not None:
                 serving(pool)
             await stop.wait()
@@ -112,8 +124,13 @@ async def serve(cfg: ServeConfig, stop: asyncio.Event | None = None, serving=Non
             starting.cancel()
         log.info("stopping: finishing the work in flight (up to %.0f s)", cfg.shutdown_grace)
         await health_servicer.enter_graceful_shutdown()
-        await server.stop(cfg.shutdown_grace)
+        if door:
+            door.serving = False
+        await asyncio.gather(server.stop(cfg.shutdown_grace),
+                             http.stop(cfg.shutdown_grace) if http else asyncio.sleep(0))
     finally:
+        if http:
+            await http.stop(0)
         await pool.stop()
         executor.shutdown(wait=False, cancel_futures=True)
         log.info("stopped")

@@ -4,7 +4,8 @@ from __future__ import annotations
 import logging
 import sys
 
-USAGE = """usage: pollen serve [flags]    serve embeddings over gRPC (pollen serve --help)"""
+USAGE = """usage: pollen serve [flags]            serve embeddings over gRPC and HTTP (pollen serve --help)
+       pollen embed TEXT... [flags]    embed texts with a running server (pollen embed --help)"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -12,6 +13,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] == "embed":
+        from pollen_client.command import main as embed  # the client side only: no torch, no server
+
+        return embed(argv[1:])
     if argv[0] != "serve":
         print(f"pollen: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
         return 2

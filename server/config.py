@@ -24,12 +24,14 @@ class ServeConfig:
     dtype: str = _flag("auto", "weights and activations: auto (bfloat16 on cuda, float32 on cpu), bfloat16, "
                        "float16 or float32")
     cuda_graphs: str = _flag("on", "replay whole-model CUDA graphs captured per token bucket: on or off")
-    graph_max_tokens: int = _flag(0, "largest token bucket captured as a CUDA graph; bigger batches run "
-                                  "eagerly (0: --max-batch-tokens)")
+    graph_max_tokens: int = _flag(8192, "largest token bucket captured as a CUDA graph; bigger batches run "
+                                  "eagerly, where the GPU, not the launches, sets the pace (0: --max-batch-tokens)")
     pooling: str | None = _flag(None, "override the checkpoint's pooling: mean, cls or last")
     attention: str | None = _flag(None, "override the checkpoint's attention: causal or bidirectional")
     workers: int = _flag(1, "CPU worker processes (they share the cores); with cuda, one per GPU")
     listen: str = _flag("127.0.0.1:50051", "gRPC address: host:port or unix:/path")
+    http_listen: str = _flag("127.0.0.1:8080", "HTTP address (OpenAI-compatible /v1/embeddings, /health, /metrics): "
+                             "host:port, or an empty string for no HTTP door")
     max_batch_tokens: int = _flag(8192, "token budget of one model batch (sequences are packed, never padded)")
     bulk_batch_tokens: int = _flag(0, "most tokens of PRIORITY_BULK work in one batch (0: --max-batch-tokens); "
                                    "lower keeps interactive latency low under bulk load, higher gives bulk "
@@ -37,7 +39,8 @@ class ServeConfig:
     max_queued_tokens: int = _flag(2_000_000, "tokens admitted but not yet answered, over all workers; "
                                    "beyond it requests get RESOURCE_EXHAUSTED")
     max_texts_per_request: int = _flag(512, "texts (or token-id lists) in one request")
-    max_request_bytes: int = _flag(8 << 20, "largest gRPC message accepted; larger ones are refused by gRPC")
+    max_request_bytes: int = _flag(8 << 20, "largest gRPC message or HTTP body accepted; larger ones are refused "
+                                   "(gRPC: RESOURCE_EXHAUSTED, HTTP: 413)")
     worker_threads: int = _flag(0, "torch threads per CPU worker (0: the machine's cores divided among the workers)")
     tokenizer_threads: int = _flag(2, "threads that tokenize off the event loop")
     shutdown_grace: float = _flag(30.0, "seconds SIGTERM waits for in-flight work before cancelling it")
@@ -70,6 +73,10 @@ class ServeConfig:
             self.worker_threads = max(1, (os.cpu_count() or 1) // self.workers)
         if self.max_queued_tokens < self.max_batch_tokens:
             raise ValueError("--max-queued-tokens must be at least --max-batch-tokens")
+        if self.http_listen:
+            host, _, port = self.http_listen.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"--http-listen must be host:port or empty, got {self.http_listen!r}")
         if self.shutdown_grace < 0:
             raise ValueError("--shutdown-grace must be 0 or more")
 

@@ -32,3 +32,12 @@ BATCH_TOKENS = Histogram("pollen_batch_tokens", "Tokens in each batch a worker r
 QUEUED_TOKENS = Gauge("pollen_queued_tokens", "Tokens admitted and not yet answered, over all workers.",
                       registry=REGISTRY)
 WORKER_RESTARTS = Counter("pollen_worker_restarts", "Worker processes restarted after dying.", registry=REGISTRY)
+
+
+def count_request(door: str, outcome: str, texts: int = 0, tokens: int = 0) -> None:
+    """One embedding request answered by a door: outcome "ok" or the gRPC status name."""
+    REQUESTS.labels(door, outcome).inc()
+    if texts:
+        TEXTS.labels(door).inc(texts)
+    if tokens:
+        TOKENS.labels(door).inc(tokens)

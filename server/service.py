@@ -14,6 +14,7 @@ from server.admission import Admission
 from server.config import ServeConfig
 from server import metrics
 from server.errors import RequestError, invalid, status_number
+from server.metrics import count_request
 from server.workers import WorkerPool
 from worker.models.spec import ModelSpec
 from worker.postprocess import SUPPORTED
@@ -56,10 +57,26 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             encoding=result.encoding, usage=pb.Usage(prompt_tokens=job.tokens),
             timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us), scales=scales)
 
+    async def counted_embed(self, request: pb.EmbedRequest, door: str, **kwargs) -> pb.EmbedResponse:
+        """embed(), counted in the door's request, text and token metrics."""
+        try:
+            response = await self.embed(request, **kwargs)
+        except RequestError as exc:
+            count_request(door, exc.code.name)
+            raise
+        except asyncio.CancelledError:  # the client left (or we stop): counted, not answered
+            count_request(door, grpc.StatusCode.CANCELLED.name)
+            raise
+        except Exception:
+            count_request(door, grpc.StatusCode.INTERNAL.name)
+            raise
+        count_request(door, "ok", response.rows, response.usage.prompt_tokens)
+        return response
+
     async def Embed(self, request, context):
         remaining = context.time_remaining()
         deadline_ns = time.monotonic_ns() + int(remaining * 1e9) if remaining is not None else 0
-        return await unary(context, "Embed", self.embed(request, deadline_ns=deadline_ns))
+        return await unary(context, "Embed", self.counted_embed(request, "grpc", deadline_ns=deadline_ns))
 
     async def EmbedStream(self, request_iterator, context):
         """Answer each message as soon as it is done; a bad message gets an error answer only."""
@@ -69,7 +86,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
 
         async def answer(request: pb.EmbedRequest) -> None:
             try:
-                response = await self.embed(request)
+                response = await self.counted_embed(request, "grpc")
             except RequestError as exc:
                 response = error_response(request.id, exc)
             except Exception as exc:  # a bug must still answer the message, and say so
@@ -83,8 +100,10 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             try:
                 async for request in request_iterator:
                     if not request.id:
+                        count_request("grpc", grpc.StatusCode.INVALID_ARGUMENT.name)
                         answers.put_nowait(error_response("", invalid("id is required on EmbedStream messages")))
                     elif request.id in in_flight:
+                        count_request("grpc", grpc.StatusCode.INVALID_ARGUMENT.name)
                         answers.put_nowait(error_response(request.id, invalid(
                             f"id {request.id!r} is still in flight on this stream; ids must be unique "
                             "until answered")))

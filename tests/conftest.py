@@ -36,9 +36,12 @@ def free_port() -> int:
 class ServerProcess:
     """`pollen serve` in its own process, as a user would start it."""
 
-    def __init__(self, *args: str, env: dict | None = None, listen: str | None = None):
+    def __init__(self, *args: str, env: dict | None = None, listen: str | None = None,
+                 http_listen: str | None = None):
         self.listen = listen or f"127.0.0.1:{free_port()}"
-        self.args = ["serve", "--listen", self.listen, *args]
+        # Always a free port of its own: the default (8080) would collide between servers.
+        self.http_listen = http_listen or f"127.0.0.1:{free_port()}"
+        self.args = ["serve", "--listen", self.listen, "--http-listen", self.http_listen, *args]
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.started_in_s = None
@@ -63,6 +66,10 @@ class ServerProcess:
         channel.close()
         self.kill()
         raise TimeoutError(f"pollen serve did not report SERVING within {timeout} s")
+
+    @property
+    def http_port(self) -> int:
+        return int(self.http_listen.rpartition(":")[2])
 
     @property
     def pid(self) -> int:

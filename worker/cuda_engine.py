@@ -80,6 +80,7 @@ class CudaEngine:
         self.host_in = [torch.empty(cap, dtype=torch.int32, pin_memory=True) for _ in range(self.SLOTS)]
         self.staging = [torch.empty(cap, dtype=torch.int32, device=self.device) for _ in range(self.SLOTS)]
         self.staged = [torch.cuda.Event() for _ in range(self.SLOTS)]
+        self.done = [torch.cuda.Event() for _ in range(self.SLOTS)]
         self.static_in = torch.zeros(cap, dtype=torch.int32, device=self.device)
         self.host_out = [torch.empty(max_batch_tokens + 1, self.hidden, dtype=torch.float32, pin_memory=True)
                          for _ in range(self.SLOTS)]
@@ -186,7 +187,7 @@ class CudaEngine:
         rows = batch.rows
         host = self.host_out[slot]
         host[:rows].copy_(out[:rows], non_blocking=True)
-        done = torch.cuda.Event()
+        done = self.done[slot]  # reusable: this slot's previous result was read before we got here
         done.record(self.stream)
         return Pending(rows, LazyTensor(host, done))
 

@@ -55,7 +55,7 @@ class WorkerConfig:
     cpu_cores: list = dataclasses.field(default_factory=list)  # affinity; empty: leave as is
     dtype: str = "float32"
     cuda_graphs: bool = True
-    graph_max_tokens: int = 0
+    graph_max_tokens: int = 8192
     pooling: str | None = None
     attention: str | None = None
     bulk_batch_tokens: int = 0  # cap on bulk tokens per batch; 0: max_batch_tokens

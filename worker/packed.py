@@ -41,6 +41,8 @@ class PackedBatch:
 def pack(sequences: list[np.ndarray], row_spans: list[list[tuple[int, int]]] | None = None) -> PackedBatch:
     """sequences: token ids of each text; row_spans[i]: the (start, stop) token spans of sequence i
     that each become one output row, in order (None: every sequence is one row over all its tokens)."""
+    if len(sequences) == 1 and row_spans is None:
+        return _pack_one(sequences[0])  # a query: the common latency-bound case, kept cheap
     lengths = np.fromiter((len(s) for s in sequences), dtype=np.int32, count=len(sequences))
     cu = np.zeros(len(sequences) + 1, dtype=np.int32)
     np.cumsum(lengths, out=cu[1:])
@@ -62,3 +64,11 @@ def pack(sequences: list[np.ndarray], row_spans: list[list[tuple[int, int]]] | N
         for row, (a, b) in enumerate(spans):
             pool_index[a:b] = row
     return PackedBatch(ids, positions, cu, int(lengths.max(initial=0)), pool_index, first, last, count)
+
+
+def _pack_one(seq: np.ndarray) -> PackedBatch:
+    n = len(seq)
+    return PackedBatch(np.asarray(seq, dtype=np.int32), np.arange(n, dtype=np.int32),
+                       np.array([0, n], dtype=np.int32), n, np.zeros(n, dtype=np.int32),
+                       np.zeros(1, dtype=np.int32), np.array([n - 1], dtype=np.int32),
+                       np.array([n], dtype=np.int32))

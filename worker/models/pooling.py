@@ -25,10 +25,11 @@ def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, mode: str) -> torch.Ten
 def pool_rows(hidden: torch.Tensor, pool_index: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
               count: torch.Tensor, mode: str) -> torch.Tensor:
     """hidden [T, H] -> float32 [R, H]; pool_index [T] names each token's row (R: none)."""
+    # index_select takes the int32 indices as they are (no conversion kernel in the graph).
     if mode == "cls":
-        return hidden[first.long()].float()
+        return hidden.index_select(0, first).float()
     if mode == "last":
-        return hidden[last.long()].float()
+        return hidden.index_select(0, last).float()
     if mode == "mean":
         rows = first.shape[0]
         # Sum in float32 even for bf16 models: a 32K-token mean in bf16 loses most of its bits.

@@ -1,0 +1,116 @@
+"""The asyncio client: the same calls as Client, awaited."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
+
+import grpc
+import numpy as np
+
+from pollen.v1 import embedder_pb2 as pb
+from pollen.v1 import embedder_pb2_grpc as pb_grpc
+from pollen_client.client import CHANNEL_OPTIONS
+from pollen_client.messages import EmbedError, build_request, concatenate, decode, split
+from pollen_client.ordering import StreamOrder
+
+
+class AsyncClient:
+    """`async with AsyncClient("host:port") as client: await client.embed([...])`."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = 300.0,
+                 channel_options: Sequence[tuple] = ()):
+        self.target = target
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(target, options=[*CHANNEL_OPTIONS, *channel_options])
+        self._stub = pb_grpc.EmbedderStub(self._channel)
+        self._info: pb.InfoResponse | None = None
+
+    async def info(self) -> pb.InfoResponse:
+        if self._info is None:
+            try:
+                self._info = await self._stub.Info(pb.InfoRequest(), timeout=self.timeout, wait_for_ready=True)
+            except grpc.RpcError as exc:
+                raise EmbedError.from_rpc(exc) from None
+        return self._info
+
+    async def embed(self, texts: str | Sequence[str], **options) -> np.ndarray:
+        """As Client.embed; the pieces over max_texts_per_request are sent concurrently."""
+        pieces = split(texts, (await self.info()).max_texts_per_request)
+        try:
+            replies = await asyncio.gather(*(self._stub.Embed(build_request(p, **options), timeout=self.timeout)
+                                             for p in pieces))
+        except grpc.RpcError as exc:
+            raise EmbedError.from_rpc(exc) from None
+        return concatenate([decode(r) for r in replies])
+
+    async def embed_stream(self, inputs: Iterable | AsyncIterable, *, in_flight: int = 16,
+                           reconnect_within: float = 60.0, **options) -> AsyncIterator[np.ndarray]:
+        """As Client.embed_stream; `inputs` may be a plain or an async iterable."""
+        order = StreamOrder(options, in_flight)
+        source = _aiter(inputs)
+        while not order.finished:
+            call = self._stub.EmbedStream(wait_for_ready=True)
+            try:
+                for message in order.resend():
+                    await call.write(message)
+                while not order.finished:
+                    while order.room > 0:
+                        try:
+                            await call.write(order.add(await anext(source)))
+                        except StopAsyncIteration:
+                            order.inputs_done = True
+                            await call.done_writing()
+                    for rows in order.ready():
+                        yield rows
+                    if order.unanswered:
+                        response = await call.read()
+                        if response is grpc.aio.EOF:  # the server closed the stream early
+                            raise _Lost()
+                        order.accept(response)
+            except (grpc.RpcError, asyncio.InvalidStateError, _Lost) as exc:
+                code = await _status(call, exc)
+                if code != grpc.StatusCode.UNAVAILABLE:
+                    raise EmbedError(code, exc.details() if isinstance(exc, grpc.RpcError) else str(exc)) from None
+                await self._wait_for_server(reconnect_within)
+            finally:
+                call.cancel()
+
+    async def _wait_for_server(self, within: float) -> None:
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), within)
+        except TimeoutError:
+            raise EmbedError(grpc.StatusCode.UNAVAILABLE,
+                             f"no connection to {self.target} within {within} s; stream abandoned") from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+async def _status(call, exc: Exception) -> grpc.StatusCode:
+    """Why the stream failed. A write into a call the server already dropped fails with a bare
+    INTERNAL from gRPC core; the call's own status says what happened (UNAVAILABLE, say)."""
+    if isinstance(exc, _Lost):
+        return grpc.StatusCode.UNAVAILABLE
+    try:
+        return await asyncio.wait_for(call.code(), 5.0)
+    except (TimeoutError, grpc.RpcError, asyncio.CancelledError):
+        return exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
+
+
+class _Lost(Exception):
+    """The stream ended with messages unanswered."""
+
+
+async def _aiter(inputs):
+    if hasattr(inputs, "__aiter__"):
+        async for item in inputs:
+            yield item
+    else:
+        for item in inputs:
+            yield item

@@ -1,0 +1,109 @@
+"""The blocking client."""
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterable, Iterator, Sequence
+
+import grpc
+import numpy as np
+
+from pollen.v1 import embedder_pb2 as pb
+from pollen.v1 import embedder_pb2_grpc as pb_grpc
+from pollen_client.messages import EmbedError, build_request, concatenate, decode, split
+from pollen_client.ordering import StreamOrder
+
+# Reconnect quickly after a server restart (gRPC's default back-off grows to two minutes).
+CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000),
+                   ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1))
+
+
+class Client:
+    """`Client("host:port")`: embed() for lists of texts, embed_stream() for long iterables."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = 300.0,
+                 channel_options: Sequence[tuple] = ()):
+        self.target = target
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(target, options=[*CHANNEL_OPTIONS, *channel_options])
+        self._stub = pb_grpc.EmbedderStub(self._channel)
+        self._info: pb.InfoResponse | None = None
+
+    def info(self) -> pb.InfoResponse:
+        """The server's model and limits (asked once, then remembered)."""
+        if self._info is None:
+            try:
+                self._info = self._stub.Info(pb.InfoRequest(), timeout=self.timeout, wait_for_ready=True)
+            except grpc.RpcError as exc:
+                raise EmbedError.from_rpc(exc) from None
+        return self._info
+
+    def embed(self, texts: str | Sequence[str], **options) -> np.ndarray:
+        """Vectors for `texts`, one row each, in as many requests as the server's
+        max_texts_per_request needs. Options as EmbedRequest's (pollen_client.build_request)."""
+        parts = []
+        for piece in split(texts, self.info().max_texts_per_request):
+            try:
+                reply = self._stub.Embed(build_request(piece, **options), timeout=self.timeout)
+            except grpc.RpcError as exc:
+                raise EmbedError.from_rpc(exc) from None
+            parts.append(decode(reply))
+        return concatenate(parts)
+
+    def embed_stream(self, inputs: Iterable[str | Sequence[str]], *, in_flight: int = 16,
+                     reconnect_within: float = 60.0, **options) -> Iterator[np.ndarray]:
+        """Answers for `inputs` in input order: a vector for each string, a 2-D array for each list
+        of texts (sent as one message). Keeps `in_flight` messages on one EmbedStream; when the
+        server is UNAVAILABLE (restarted, say) it reconnects and sends the unanswered ones again,
+        giving up after `reconnect_within` seconds without a connection."""
+        order = StreamOrder(options, in_flight)
+        source = iter(inputs)
+        while not order.finished:
+            outbox: queue.SimpleQueue = queue.SimpleQueue()
+            call = self._stub.EmbedStream(_drain(outbox), wait_for_ready=True)
+            try:
+                for message in order.resend():
+                    outbox.put(message)
+                while not order.finished:
+                    while order.room > 0:
+                        item = next(source, _END)
+                        if item is _END:
+                            order.inputs_done = True
+                        else:
+                            outbox.put(order.add(item))
+                    yield from order.ready()
+                    if order.unanswered:
+                        order.accept(next(call))
+            except (grpc.RpcError, StopIteration) as exc:
+                code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
+                if code != grpc.StatusCode.UNAVAILABLE:
+                    raise EmbedError.from_rpc(exc) from None
+                self._wait_for_server(reconnect_within)
+            finally:
+                outbox.put(None)
+                call.cancel()
+
+    def _wait_for_server(self, within: float) -> None:
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=within)
+        except grpc.FutureTimeoutError:
+            raise EmbedError(grpc.StatusCode.UNAVAILABLE,
+                             f"no connection to {self.target} within {within} s; stream abandoned") from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_END = object()
+
+
+def _drain(outbox: queue.SimpleQueue):
+    """The request side of a stream: messages until None."""
+    while (message := outbox.get()) is not None:
+        yield message

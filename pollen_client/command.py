@@ -1,0 +1,88 @@
+"""`pollen embed`: vectors from a running server, printed as JSON or written as a .npy file."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from pollen_client.client import Client
+from pollen_client.messages import EmbedError, ScaledInt8Array
+
+ENCODINGS = ("float32", "float16", "bfloat16", "int8", "ubinary")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pollen embed", description="Embed texts with a running pollen server.",
+        epilog="JSON: {\"model\", \"encoding\", \"embeddings\": one list per text, \"scales\" for int8}. "
+               "npy: a rows x dims array (ubinary: packed bytes); for int8 the scales go to <file>.scales.npy.")
+    p.add_argument("texts", nargs="*", help="texts to embed; '-' (or none) reads one text per line from stdin")
+    p.add_argument("--server", default="127.0.0.1:50051", help="gRPC address of the server [127.0.0.1:50051]")
+    p.add_argument("--format", choices=("json", "npy"), default="json", help="output format [json]")
+    p.add_argument("-o", "--output", help="write to this file instead of stdout")
+    p.add_argument("--dimensions", type=int, default=0, help="Matryoshka prefix length (0: the model's size)")
+    p.add_argument("--encoding", choices=ENCODINGS, default="float32")
+    p.add_argument("--no-normalize", dest="normalize", action="store_false", help="keep the raw pooled vectors")
+    p.add_argument("--truncate", choices=("none", "end", "start"), default="none",
+                   help="too long texts: error (none), keep the start (end) or keep the end (start)")
+    p.add_argument("--max-tokens", type=int, default=0)
+    p.add_argument("--prompt-name", default="", help="a prompt the model defines, e.g. query")
+    p.add_argument("--prompt", default="", help="a literal prefix for every text")
+    p.add_argument("--long-input", choices=("truncate", "chunk_mean"), default="truncate")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the answer")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    if not args.texts and sys.stdin.isatty():
+        parser().print_usage(sys.stderr)
+        return 2
+    texts = args.texts if args.texts and args.texts != ["-"] else [line.rstrip("\n") for line in sys.stdin]
+    if not texts:
+        print("pollen embed: no texts given", file=sys.stderr)
+        return 2
+    if args.format == "npy" and args.output is None and sys.stdout.isatty():
+        print("pollen embed: --format npy writes binary; give -o FILE or redirect stdout", file=sys.stderr)
+        return 2
+    try:
+        with Client(args.server, timeout=args.timeout) as client:
+            rows = client.embed(texts, dimensions=args.dimensions, normalize=args.normalize,
+                                encoding=args.encoding, truncate=args.truncate, max_tokens=args.max_tokens,
+                                prompt_name=args.prompt_name, prompt=args.prompt, long_input=args.long_input)
+            model = client.info().model
+    except EmbedError as exc:
+        print(f"pollen embed: the server answered {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"pollen embed: {exc}", file=sys.stderr)
+        return 2
+    if args.format == "json":
+        write_json(rows, model, args.encoding, args.output)
+    else:
+        write_npy(rows, args.output)
+    return 0
+
+
+def write_json(rows: np.ndarray, model: str, encoding: str, output: str | None) -> None:
+    doc = {"model": model, "encoding": encoding, "embeddings": rows.view(np.ndarray).tolist()}
+    if isinstance(rows, ScaledInt8Array):
+        doc["scales"] = rows.scales.tolist()
+    text = json.dumps(doc) + "\n"
+    if output is None:
+        sys.stdout.write(text)
+    else:
+        with open(output, "w") as f:
+            f.write(text)
+
+
+def write_npy(rows: np.ndarray, output: str | None) -> None:
+    if output is None:
+        np.save(sys.stdout.buffer, rows.view(np.ndarray))
+        sys.stdout.buffer.flush()
+        return
+    np.save(output, rows.view(np.ndarray))
+    if isinstance(rows, ScaledInt8Array):
+        np.save(output.removesuffix(".npy") + ".scales.npy", rows.scales)

@@ -1,0 +1,110 @@
+"""Options to EmbedRequest, EmbedResponse to numpy: the one place both clients share."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+import numpy as np
+
+from pollen.v1 import embedder_pb2 as pb
+
+_ENUMS = {
+    "encoding": ("ENCODING_", pb.Encoding), "truncate": ("TRUNCATE_", pb.Truncate),
+    "long_input": ("LONG_INPUT_", pb.LongInput), "priority": ("PRIORITY_", pb.Priority),
+}
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class EmbedError(Exception):
+    """The server refused or failed a request; `code` is its grpc.StatusCode."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, request_id: str = ""):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+    @classmethod
+    def from_rpc(cls, exc: grpc.RpcError) -> "EmbedError":
+        return cls(exc.code(), exc.details() or "")
+
+
+class ScaledInt8Array(np.ndarray):
+    """int8 vectors with one scale per row (float value = int8 value * scale)."""
+
+    scales: np.ndarray
+
+    def __new__(cls, values: np.ndarray, scales: np.ndarray):
+        array = np.asarray(values, dtype=np.int8).view(cls)
+        array.scales = np.asarray(scales, dtype=np.float32)
+        return array
+
+    def __array_finalize__(self, obj) -> None:
+        self.scales = getattr(obj, "scales", None)
+
+    def dequantize(self) -> np.ndarray:
+        return self.view(np.ndarray).astype(np.float32) * self.scales[:, None]
+
+
+def enum_value(field: str, value) -> int:
+    """"int8", "INT8" or pb.ENCODING_INT8 -> pb.ENCODING_INT8 (likewise for the other enums)."""
+    prefix, enum = _ENUMS[field]
+    if isinstance(value, str):
+        try:
+            return enum.Value(prefix + value.upper())
+        except ValueError:
+            names = ", ".join(n[len(prefix):].lower() for n in enum.keys())
+            raise ValueError(f"{field}={value!r} is not one of: {names}") from None
+    return int(value)
+
+
+def build_request(texts: str | Sequence[str], *, dimensions: int = 0, normalize: bool = True,
+                  encoding="float32", truncate="none", max_tokens: int = 0, prompt_name: str = "",
+                  prompt: str = "", long_input="truncate", priority="interactive", timeout_ms: int = 0,
+                  request_id: str = "") -> pb.EmbedRequest:
+    """An EmbedRequest for texts (one string is one text). Enums take names or pb values."""
+    texts = [texts] if isinstance(texts, str) else list(texts)
+    return pb.EmbedRequest(
+        id=request_id, texts=texts, dimensions=dimensions or 0, normalize=normalize,
+        encoding=enum_value("encoding", encoding), truncate=enum_value("truncate", truncate),
+        max_tokens=max_tokens, prompt_name=prompt_name, prompt=prompt,
+        long_input=enum_value("long_input", long_input), priority=enum_value("priority", priority),
+        timeout_ms=timeout_ms)
+
+
+def decode(response: pb.EmbedResponse) -> np.ndarray:
+    """The answer's rows: float32/float16 as they are, bfloat16 widened to float32 (exactly),
+    int8 as a ScaledInt8Array, ubinary as packed uint8 rows (least-significant bit first)."""
+    if response.HasField("error"):
+        raise EmbedError(_STATUS.get(response.error.code, grpc.StatusCode.UNKNOWN), response.error.message,
+                         response.id)
+    rows, raw = response.rows, response.embeddings
+    if response.encoding == pb.ENCODING_FLOAT32:
+        return np.frombuffer(raw, "<f4").reshape(rows, response.dims).copy()
+    if response.encoding == pb.ENCODING_FLOAT16:
+        return np.frombuffer(raw, "<f2").reshape(rows, response.dims).copy()
+    if response.encoding == pb.ENCODING_BFLOAT16:
+        bits = np.frombuffer(raw, "<u2").reshape(rows, response.dims)
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    if response.encoding == pb.ENCODING_INT8:
+        return ScaledInt8Array(np.frombuffer(raw, np.int8).reshape(rows, response.dims), list(response.scales))
+    if response.encoding == pb.ENCODING_UBINARY:
+        return np.frombuffer(raw, np.uint8).reshape(rows, (response.dims + 7) // 8).copy()
+    raise ValueError(f"unknown encoding {response.encoding} in the answer")
+
+
+def concatenate(parts: list[np.ndarray]) -> np.ndarray:
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], ScaledInt8Array):
+        return ScaledInt8Array(np.concatenate([p.view(np.ndarray) for p in parts]),
+                               np.concatenate([p.scales for p in parts]))
+    return np.concatenate(parts)
+
+
+def split(texts: str | Sequence[str], limit: int) -> list[list[str]]:
+    """Texts in pieces of at most `limit` (the server's max_texts_per_request)."""
+    texts = [texts] if isinstance(texts, str) else list(texts)
+    if not texts:
+        raise ValueError("no texts to embed")
+    return [texts[i:i + limit] for i in range(0, len(texts), limit)]

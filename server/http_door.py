@@ -1,0 +1,238 @@
+"""The HTTP door: OpenAI-compatible /v1/embeddings, plus /v1/models, /health and /metrics.
+
+A JSON body is decoded by msgspec straight into `EmbeddingsBody` (a wrong type is refused with
+the path of the field), mapped onto a pb.EmbedRequest and answered by the same
+`EmbedderService.embed()` as gRPC, so every request option behaves the same through both doors.
+This file owns the JSON forms; server/http11.py owns the protocol.
+
+JSON forms of the encodings (`encoding`, ours; `encoding_format`, OpenAI's):
+- "float": float32, float16 and bfloat16 vectors as lists of numbers (the exact values of the
+  encoded ones), int8 as lists of integers in [-127, 127] with the row's `scale` beside them,
+  ubinary as lists of the packed bytes (integers 0..255, least-significant bit first).
+- "base64": the row's raw little-endian bytes in that encoding (for float32 exactly what OpenAI
+  sends); int8 rows carry `scale` here too.
+"""
+from __future__ import annotations
+
+import base64
+import logging
+import re
+import time
+from typing import Annotated, Literal, get_args, get_origin
+
+import grpc
+import msgspec
+import numpy as np
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pollen.v1 import embedder_pb2 as pb
+from server.errors import RequestError
+from server.http11 import Request, Response
+from server.metrics import REGISTRY, count_request
+from server.service import EmbedderService
+
+log = logging.getLogger("pollen.http")
+
+DOOR = "http"
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class EmbeddingsBody(msgspec.Struct, forbid_unknown_fields=True):
+    # OpenAI's fields. `input`: a string, a list of strings, one list of token ids, or a list of
+    # token-id lists (ids as our Tokenize returns them, special tokens included).
+    input: str | list[str | int | list[int]] | None = None
+    model: str | None = None           # accepted and ignored: this server serves one model
+    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = None            # accepted and ignored
+    # pollen's own options, as in EmbedRequest (lower-case enum names).
+    encoding: Literal["float32", "float16", "bfloat16", "int8", "ubinary"] = "float32"
+    normalize: bool = True             # OpenAI's vectors are unit length; gRPC's default is False
+    truncate: Literal["none", "end", "start"] = "none"
+    max_tokens: NonNegative = 0
+    prompt_name: str = ""
+    prompt: str = ""
+    long_input: Literal["truncate", "chunk_mean"] = "truncate"
+    chunks: list[str] | None = None    # contextual chunks of ONE document, instead of `input`
+    priority: Literal["interactive", "bulk"] = "interactive"
+    timeout_ms: NonNegative = 0
+
+
+_DECODER = msgspec.json.Decoder(EmbeddingsBody)
+_CHOICES = {f.name: get_args(f.type) for f in msgspec.structs.fields(EmbeddingsBody)
+            if get_origin(f.type) is Literal}
+_ENCODER = msgspec.json.Encoder()
+_ENCODINGS = {"float32": pb.ENCODING_FLOAT32, "float16": pb.ENCODING_FLOAT16, "bfloat16": pb.ENCODING_BFLOAT16,
+              "int8": pb.ENCODING_INT8, "ubinary": pb.ENCODING_UBINARY}
+_TRUNCATES = {"none": pb.TRUNCATE_NONE, "end": pb.TRUNCATE_END, "start": pb.TRUNCATE_START}
+_LONG_INPUTS = {"truncate": pb.LONG_INPUT_TRUNCATE, "chunk_mean": pb.LONG_INPUT_CHUNK_MEAN}
+_PRIORITIES = {"interactive": pb.PRIORITY_INTERACTIVE, "bulk": pb.PRIORITY_BULK}
+# How each encoding's bytes read as numbers in the "float" form.
+_DTYPES = {pb.ENCODING_FLOAT32: "<f4", pb.ENCODING_FLOAT16: "<f2", pb.ENCODING_INT8: "i1",
+           pb.ENCODING_UBINARY: "u1"}
+
+# gRPC statuses to HTTP, as Google's API guidelines map them, except UNIMPLEMENTED (an option this
+# build does not offer: the client can change its request, so 400 rather than a 5xx).
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.UNIMPLEMENTED: 400, grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.ABORTED: 409, grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.UNAVAILABLE: 503,
+}
+_ROUTES = {"/v1/embeddings": "POST", "/v1/models": "GET", "/health": "GET", "/metrics": "GET"}
+_AT_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+
+
+_PROTOCOL_CODES = {400: "bad_request", 408: "request_timeout", 411: "length_required", 413: "request_too_large",
+                   431: "headers_too_large", 500: "internal", 505: "http_version_not_supported"}
+
+
+def error_response(status: int, message: str, *, code: str | None = None, param: str | None = None) -> Response:
+    """An OpenAI-style error object (`code` defaults to a name for the HTTP status)."""
+    code = code or _PROTOCOL_CODES.get(status)
+    kind = ("rate_limit_error" if status == 429 else "server_error" if status >= 500 else "invalid_request_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    headers = {"Retry-After": "1"} if status in (429, 503) else {}
+    return Response(status, _ENCODER.encode(body), headers=headers)
+
+
+class Rejected(Exception):
+    """A request the door refuses before it reaches the service."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class HttpDoor:
+    def __init__(self, service: EmbedderService):
+        self.service = service
+        self.model = service.spec.name
+        self.created = int(time.time())
+        self.serving = False  # mirrors the gRPC health status: set by server/app.py
+
+    async def handle(self, request: Request) -> Response:
+        method = _ROUTES.get(request.path)
+        if method is None:
+            return error_response(404, f"no route {request.path!r}; routes: {', '.join(_ROUTES)}",
+                                  code="not_found")
+        if request.method != method:
+            response = error_response(405, f"{request.path} takes {method}, not {request.method}",
+                                      code="method_not_allowed")
+            response.headers["Allow"] = method
+            return response
+        if request.path == "/v1/embeddings":
+            return await self.embeddings(request)
+        if request.path == "/v1/models":
+            return Response(200, _ENCODER.encode({"object": "list", "data": [
+                {"id": self.model, "object": "model", "created": self.created, "owned_by": "pollen"}]}))
+        if request.path == "/health":
+            status = "SERVING" if self.serving else "NOT_SERVING"
+            return Response(200 if self.serving else 503, _ENCODER.encode({"status": status}))
+        return Response(200, generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)
+
+    async def embeddings(self, request: Request) -> Response:
+        try:
+            message, encoding_format = to_embed_request(request)
+        except Rejected as exc:
+            count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name)
+            return error_response(400, exc.message, code="invalid_request", param=exc.param)
+        try:
+            answer = await self.service.counted_embed(message, DOOR)
+        except RequestError as exc:
+            status = _HTTP_STATUS.get(exc.code, 500)
+            if status >= 500 and exc.code != grpc.StatusCode.UNAVAILABLE:
+                log.warning("HTTP embeddings failed with %s: %s", exc.code.name, exc.message)
+            return error_response(status, exc.message, code=exc.code.name.lower())
+        return Response(200, _ENCODER.encode(to_openai(answer, encoding_format, self.model)))
+
+
+def to_embed_request(request: Request) -> tuple[pb.EmbedRequest, str]:
+    """The HTTP request as an EmbedRequest and its encoding_format; Rejected, naming the field,
+    when it cannot be."""
+    # The Content-Type is not checked: the body must parse as JSON whatever it says (curl's -d
+    # sends form-urlencoded), and a body that does not is refused with the parser's reason.
+    try:
+        body = _DECODER.decode(request.body)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = _AT_PATH.search(text)
+        param = match.group(1) if match else None
+        if param in _CHOICES:  # msgspec names the bad value; name the good ones too
+            text += f" (one of: {', '.join(_CHOICES[param])})"
+        raise Rejected(f"invalid request body: {text}", param) from None
+    except msgspec.DecodeError as exc:
+        raise Rejected(f"the body is not valid JSON: {exc}") from None
+    message = pb.EmbedRequest(
+        dimensions=body.dimensions or 0, normalize=body.normalize, encoding=_ENCODINGS[body.encoding],
+        truncate=_TRUNCATES[body.truncate], max_tokens=body.max_tokens, prompt_name=body.prompt_name,
+        prompt=body.prompt, long_input=_LONG_INPUTS[body.long_input], priority=_PRIORITIES[body.priority],
+        timeout_ms=body.timeout_ms)
+    if body.chunks is not None:
+        if body.input is not None:
+            raise Rejected("set either input or chunks, not both", "chunks")
+        if not body.chunks:
+            raise Rejected("chunks is empty: give the chunks of one document", "chunks")
+        message.chunks.extend(body.chunks)
+    elif body.input is None:
+        raise Rejected("input is required: a string, a list of strings, or token ids", "input")
+    else:
+        add_input(message, body.input)
+    return message, body.encoding_format
+
+
+def add_input(message: pb.EmbedRequest, value) -> None:
+    if isinstance(value, str):
+        value = [value]
+    if not value:
+        raise Rejected("input is an empty list: give at least one text", "input")
+    kinds = {type(v) for v in value}
+    if kinds == {str}:
+        for i, text in enumerate(value):
+            if not text:
+                raise Rejected(f"input[{i}] is an empty string: every text needs at least one character", "input")
+        message.texts.extend(value)
+    elif kinds == {int}:  # one token-id sequence
+        message.token_ids.add(ids=_ids(value, "input"))
+    elif kinds == {list}:
+        for i, ids in enumerate(value):
+            if not ids:
+                raise Rejected(f"input[{i}] is an empty list of token ids", "input")
+            message.token_ids.add(ids=_ids(ids, f"input[{i}]"))
+    else:
+        raise Rejected("input mixes strings, token ids and lists of token ids; use one kind", "input")
+
+
+def _ids(ids: list[int], where: str) -> list[int]:
+    bad = next((i for i in ids if not -2**31 <= i < 2**31), None)
+    if bad is not None:
+        raise Rejected(f"{where} holds token id {bad}, outside int32", "input")
+    return ids
+
+
+def to_openai(answer: pb.EmbedResponse, encoding_format: str, model: str) -> dict:
+    rows = rows_of(answer)
+    data = []
+    for i, row in enumerate(rows):
+        if encoding_format == "base64":
+            vector = base64.b64encode(row.tobytes()).decode("ascii")
+        elif answer.encoding == pb.ENCODING_BFLOAT16:
+            vector = (row.astype(np.uint32) << 16).view(np.float32).tolist()
+        else:
+            vector = row.tolist()
+        item = {"object": "embedding", "index": i, "embedding": vector}
+        if answer.scales:
+            item["scale"] = answer.scales[i]
+        data.append(item)
+    tokens = answer.usage.prompt_tokens
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def rows_of(answer: pb.EmbedResponse) -> np.ndarray:
+    """The answer's rows as numbers in their encoding (bfloat16 as its uint16 bit patterns)."""
+    dtype = _DTYPES.get(answer.encoding, "<u2")
+    return np.frombuffer(answer.embeddings, dtype=dtype).reshape(answer.rows, -1)

@@ -1,0 +1,154 @@
+"""pollen_client against the real server: vectors, encodings, request splitting, ordered streams,
+and a stream that survives the server being killed and started again on the same port."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from pollen.v1 import embedder_pb2 as pb
+from pollen_client import AsyncClient, Client, EmbedError, ScaledInt8Array
+from tests.conftest import ServerProcess, cosine_rows, vectors
+from tests.texts import varied_texts
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server.listen) as c:
+        yield c
+
+
+def grpc_float(stub, texts, **options) -> np.ndarray:
+    return vectors(stub.Embed(pb.EmbedRequest(texts=texts, normalize=True, **options), timeout=60))
+
+
+def test_embed_splits_over_the_server_limit_and_matches_reference(client, reference):
+    texts = [t for t in varied_texts(150) if len(t) < 500]  # short enough to need no truncation
+    assert client.info().max_texts_per_request == 64 < len(texts)
+    got = client.embed(texts)
+    assert got.shape == (len(texts), 384) and got.dtype == np.float32
+    assert cosine_rows(got, reference(texts)).min() > 0.999
+
+
+def test_embed_decodes_every_encoding(client, stub):
+    texts = ["first text", "東京 🙂", "third"]
+    want = grpc_float(stub, texts, dimensions=64)
+    np.testing.assert_allclose(client.embed(texts, dimensions=64), want, atol=2e-6)
+    f16 = client.embed(texts, dimensions=64, encoding="float16")
+    assert f16.dtype == np.float16
+    np.testing.assert_allclose(f16, want.astype(np.float16), atol=2e-3)
+    bf16 = client.embed(texts, dimensions=64, encoding=pb.ENCODING_BFLOAT16)
+    assert bf16.dtype == np.float32
+    np.testing.assert_allclose(bf16, want, rtol=2 ** -8)
+    bits = client.embed(texts, dimensions=64, encoding="ubinary")
+    assert bits.dtype == np.uint8 and bits.shape == (3, 8)
+    np.testing.assert_array_equal(np.unpackbits(bits, axis=1, bitorder="little"), want > 0)
+    try:
+        stub.Embed(pb.EmbedRequest(texts=texts, encoding=pb.ENCODING_INT8), timeout=60)
+    except grpc.RpcError as exc:  # not offered by this build: the client says what the server said
+        with pytest.raises(EmbedError) as caught:
+            client.embed(texts, encoding="int8")
+        assert caught.value.code == exc.code()
+        return
+    q = client.embed(texts, dimensions=64, encoding="int8")
+    assert isinstance(q, ScaledInt8Array) and q.dtype == np.int8 and q.scales.shape == (3,)
+    assert cosine_rows(q.dequantize(), want).min() > 0.99
+
+
+def test_bad_options_and_inputs_are_clear(client):
+    with pytest.raises(ValueError, match="encoding='int4' is not one of"):
+        client.embed(["x"], encoding="int4")
+    with pytest.raises(EmbedError) as caught:
+        client.embed(["fine", ""])
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT and "texts[1] is empty" in caught.value.message
+
+
+def stream_inputs() -> list:
+    texts = [t for t in varied_texts(120) if len(t) < 500]
+    # Single texts and small batches mixed: each batch is one message.
+    return [texts[i:i + 3] if i % 5 == 0 else texts[i] for i in range(len(texts))]
+
+
+def check_answers(inputs: list, answers: list, stub) -> None:
+    assert len(answers) == len(inputs)
+    flat = [t for item in inputs for t in ([item] if isinstance(item, str) else item)]
+    want = grpc_float(stub, flat[:64]), grpc_float(stub, flat[64:128]), grpc_float(stub, flat[128:])
+    want = np.concatenate(want)
+    got = np.concatenate([a[None] if isinstance(item, str) else a for item, a in zip(inputs, answers)])
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=2e-6)
+
+
+def test_stream_answers_in_input_order(client, stub):
+    inputs = stream_inputs()
+    answers = list(client.embed_stream(inputs, in_flight=7))
+    assert all(a.ndim == (1 if isinstance(i, str) else 2) for i, a in zip(inputs, answers))
+    check_answers(inputs, answers, stub)
+
+
+def test_async_client_embed_and_stream(server, stub):
+    inputs = stream_inputs()
+
+    async def main():
+        async with AsyncClient(server.listen) as aclient:
+            whole = await aclient.embed(["hello", "world"])
+            answers = [a async for a in aclient.embed_stream(inputs, in_flight=5)]
+        return whole, answers
+
+    whole, answers = asyncio.run(main())
+    np.testing.assert_allclose(whole, grpc_float(stub, ["hello", "world"]), atol=2e-6)
+    check_answers(inputs, answers, stub)
+
+
+def test_stream_error_names_the_message(client):
+    with pytest.raises(EmbedError) as caught:
+        list(client.embed_stream(["ok", "", "never reached"], in_flight=1))
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT and caught.value.request_id == "1"
+
+
+def restart_later(server: ServerProcess, after: threading.Event, started: list) -> threading.Thread:
+    """Once `after` is set: SIGKILL the server, then start a new one on the same ports."""
+    def run():
+        after.wait()
+        server.kill()
+        started.append(ServerProcess(listen=server.listen, http_listen=server.http_listen).start())
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_stream_survives_a_server_restart(kind, reference):
+    texts = [t for t in varied_texts(400, seed=11) if len(t) < 500]
+    first = ServerProcess().start()
+    midway, started = threading.Event(), []
+    restarter = restart_later(first, midway, started)
+    answers = []
+    try:
+        if kind == "sync":
+            with Client(first.listen) as c:
+                for vector in c.embed_stream(texts, in_flight=8):
+                    answers.append(vector)
+                    if len(answers) == 50:
+                        midway.set()  # killed while the stream has messages in flight
+        else:
+            async def main():
+                async with AsyncClient(first.listen) as c:
+                    async for vector in c.embed_stream(texts, in_flight=8):
+                        answers.append(vector)
+                        if len(answers) == 50:
+                            midway.set()
+            asyncio.run(main())
+        restarter.join()
+        assert started and started[0].pid != first.pid  # the rest came from the new server
+    finally:
+        midway.set()
+        restarter.join()
+        for srv in started:
+            assert srv.terminate() == 0
+    assert len(answers) == len(texts)  # each input answered once, in order
+    assert cosine_rows(np.stack(answers), reference(texts)).min() > 0.999
