@@ -36,7 +36,7 @@ class InFlight:
     @property
     def computed(self) -> bool:
         """True when the engine already holds the result (the CPU engine computes in submit)."""
-        return self.error is not None or type(self.pending).__name__ == "Done"
+        return self.error is not None or getattr(self.pending, "computed", False)
 
 
 @dataclasses.dataclass(slots=True)
