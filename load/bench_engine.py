@@ -245,6 +245,10 @@ def bench_shape(shape, root, rate, args):
         reserved0 = torch.cuda.memory_reserved()
         r = {}
         r["queries"] = latency(lambda s: engine.submit(pack([s])).result(), q)
+        if args.queries_only:
+            res["ours_" + label] = r
+            log(shape, label, json.dumps(r))
+            continue
         ours_throughput(engine, d[:2000], budget)  # captures the common buckets (lazily)
         secs = ours_throughput(engine, d, budget)
         toks = sum(len(s) for s in d)
@@ -265,6 +269,8 @@ def bench_shape(shape, root, rate, args):
         del engine, model
         torch.cuda.empty_cache()
 
+    if args.queries_only:
+        return res
     if causal and not args.skip_bidir:
         model = load_model(pplx_variant(path), device="cuda", dtype=torch.bfloat16)
         engine = CudaEngine(model, "cuda", max_batch_tokens=budget, cuda_graphs=True)
@@ -367,6 +373,7 @@ def main():
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--skip-long", action="store_true")
     p.add_argument("--skip-bidir", action="store_true")
+    p.add_argument("--queries-only", action="store_true", help="our engine's query latency alone (no HF, no table)")
     args = p.parse_args()
     meta = versions()
     rate = matmul_rate()
@@ -376,6 +383,8 @@ def main():
         shapes.append(bench_shape(shape, args.root, rate, args))
         with open(args.out + ".json", "w") as f:
             json.dump({"meta": meta, "matmul_flops": rate, "shapes": shapes}, f, indent=1, default=float)
+    if args.queries_only:
+        return
     with open(args.out + ".md", "w") as f:
         f.write(markdown(meta, rate, shapes))
     print(markdown(meta, rate, shapes))
