@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import pathlib
 import platform
@@ -29,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from pollen.v1 import embedder_pb2 as pb  # noqa: E402
 from pollen.v1 import embedder_pb2_grpc as pb_grpc  # noqa: E402
+from load.results_file import write_results  # noqa: E402
 from tests.conftest import ServerProcess  # noqa: E402
 from tests.texts import stsb_pairs  # noqa: E402
 
@@ -142,12 +142,7 @@ def main() -> int:
               f"{sentence_transformers.__version__}; model {result['model']}.\n"
               f"Command: `python load/bench_grpc.py` (client, server and reference on the same machine).\n\n")
     print(table)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"cpu-{result['date']}"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{stem}.md").write_text(header + table + "\n")
-    print(f"wrote {out / stem}.json and .md")
+    write_results(args.out, f"cpu-{result['date']}", result, header, table)
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import pathlib
 import platform
 import subprocess
@@ -33,6 +32,7 @@ sys.path.insert(0, str(REPO))
 from load.bench_grpc import machine  # noqa: E402
 from pollen.v1 import embedder_pb2 as pb  # noqa: E402
 from pollen.v1 import embedder_pb2_grpc as pb_grpc  # noqa: E402
+from load.results_file import write_results  # noqa: E402
 from tests.conftest import ServerProcess  # noqa: E402
 from tests.texts import stsb_pairs  # noqa: E402
 
@@ -141,12 +141,7 @@ def main() -> int:
               "Command: `python load/bench_priority.py` (client and server on the same machine). Bulk: 24 senders "
               f"of 4 x {SEQ_TOKENS}-token requests; interactive: one short STS-B sentence every 0.25 s.\n\n")
     print(table)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"priority-cpu-{result['date']}"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{stem}.md").write_text(header + table + "\n")
-    print(f"wrote {out / stem}.json and .md")
+    write_results(args.out, f"priority-cpu-{result['date']}", result, header, table)
     return 0
 
 

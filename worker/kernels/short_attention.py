@@ -16,6 +16,19 @@ import triton.language as tl
 
 
 @triton.jit
+def _softmax_times_v(s, v, live, m, CAUSAL: tl.constexpr):
+    """softmax(s) @ v over one sequence's scores s [BLOCK, BLOCK], keys limited to the live rows
+    (and to the past when causal). Rows past the sequence come out as garbage the caller masks."""
+    allowed = live[None, :]
+    if CAUSAL:
+        allowed = allowed & (m[None, :] <= m[:, None])
+    s = tl.where(allowed, s, float("-inf"))
+    p = tl.exp(s - tl.max(s, axis=1)[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
+    return tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
 def _short_attention(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, sq, sqh, sk, skh, sv, svh, so, soh, scale,
                      GROUP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr):
     seq = tl.program_id(0)
@@ -30,14 +43,7 @@ def _short_attention(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, sq, sqh, sk, skh, sv, s
     q = tl.load(q_ptr + rows[:, None] * sq + h * sqh + d[None, :], mask=live[:, None], other=0.0)
     k = tl.load(k_ptr + rows[:, None] * sk + kvh * skh + d[None, :], mask=live[:, None], other=0.0)
     v = tl.load(v_ptr + rows[:, None] * sv + kvh * svh + d[None, :], mask=live[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k)) * scale
-    allowed = live[None, :]
-    if CAUSAL:
-        allowed = allowed & (m[None, :] <= m[:, None])
-    s = tl.where(allowed, s, float("-inf"))
-    p = tl.exp(s - tl.max(s, axis=1)[:, None])
-    p = p / tl.sum(p, axis=1)[:, None]
-    o = tl.dot(p.to(v.dtype), v)
+    o = _softmax_times_v(tl.dot(q, tl.trans(k)) * scale, v, live, m, CAUSAL)
     tl.store(o_ptr + rows[:, None] * so + h * soh + d[None, :], o.to(o_ptr.dtype.element_ty), mask=live[:, None])
 
 
@@ -93,14 +99,7 @@ def _short_qk_rope_attention(qkv_ptr, o_ptr, cu_ptr, pos_ptr, qw_ptr, kw_ptr, ca
     v = tl.load(rows + (HEADS + KV + kvh) * D + tl.arange(0, D)[None, :], mask=lm, other=0.0)
     qa, qb = _norm_rope(qa, qb, qw_ptr, cos, sin, eps, D, HALF)
     ka, kb = _norm_rope(ka, kb, kw_ptr, cos, sin, eps, D, HALF)
-    s = (tl.dot(qa, tl.trans(ka)) + tl.dot(qb, tl.trans(kb))) * scale
-    allowed = live[None, :]
-    if CAUSAL:
-        allowed = allowed & (m[None, :] <= m[:, None])
-    s = tl.where(allowed, s, float("-inf"))
-    p = tl.exp(s - tl.max(s, axis=1)[:, None])
-    p = p / tl.sum(p, axis=1)[:, None]
-    o = tl.dot(p.to(v.dtype), v)
+    o = _softmax_times_v((tl.dot(qa, tl.trans(ka)) + tl.dot(qb, tl.trans(kb))) * scale, v, live, m, CAUSAL)
     out = o_ptr + (start + m)[:, None] * (HEADS * D) + h * D + tl.arange(0, D)[None, :]
     tl.store(out, o.to(o_ptr.dtype.element_ty), mask=lm)
 
