@@ -137,7 +137,8 @@ def main():
     m = res["meta"]
     md = (f"# End to end through `pollen serve --device cuda`, {m['date']}\n\n"
           f"{m['gpu']}, driver {m['driver']}, torch {m['torch']}; client and server on the same machine, "
-          f"gRPC on loopback, pre-tokenized input. Command: `python load/bench_e2e.py --shape {args.shape}`.\n\n"
+          f"gRPC on loopback, pre-tokenized input. Command: `python load/bench_e2e.py --shape {args.shape} "
+          f"--docs-scale {args.docs_scale}`. gRPC round-trip floor (Info) p50 {res['queries']['grpc_info_p50_ms']:.2f} ms.\n\n"
           f"| shape | queries p50 / p99 (ms) | docs tokens/s | engine alone, same texts | share |\n"
           f"| --- | --- | --- | --- | --- |\n"
           f"| {args.shape} | {res['queries']['p50_ms']:.2f} / {res['queries']['p99_ms']:.2f} | "
