@@ -1,0 +1,59 @@
+"""The GPU settings as the frontend reads them, checked where no GPU is present: which GPUs get a
+worker, how the CPU cores are shared out, and the clear errors for settings that cannot work."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from server.config import ServeConfig
+from server.workers import core_share
+from worker.main import WorkerConfig
+
+
+def test_devices_give_one_worker_each():
+    cfg = ServeConfig.from_args(["--device", "cuda", "--devices", "1,3"], environ={})
+    assert cfg.workers == 2 and cfg.gpu_list() == [1, 3]
+    assert cfg.worker_dtype() == "bfloat16"
+    assert ServeConfig.from_args([], environ={}).worker_dtype() == "float32"
+    env = {"POLLEN_DEVICE": "cuda", "POLLEN_DEVICES": "0", "POLLEN_DTYPE": "float16", "POLLEN_CUDA_GRAPHS": "off"}
+    cfg = ServeConfig.from_args([], environ=env)
+    assert (cfg.workers, cfg.worker_dtype(), cfg.cuda_graphs) == (1, "float16", "off")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--device", "tpu"], "--device must be cpu or cuda"),
+    (["--devices", "0"], "needs --device cuda"),
+    (["--device", "cuda", "--devices", "0,0"], "distinct"),
+    (["--device", "cuda", "--devices", "a"], "GPU indices"),
+    (["--dtype", "float64"], "--dtype"),
+    (["--cuda-graphs", "maybe"], "--cuda-graphs"),
+])
+def test_impossible_gpu_settings_are_named(args, message):
+    with pytest.raises(ValueError, match=message):
+        ServeConfig.from_args(args, environ={})
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_says_so():
+    with pytest.raises(ValueError, match="no GPU is visible"):
+        ServeConfig.from_args(["--device", "cuda"], environ={})
+
+
+def test_cores_are_cut_into_even_slices():
+    cores = sorted(os.sched_getaffinity(0))
+    assert core_share(0, 1) == cores
+    if len(cores) >= 2:
+        halves = [core_share(i, 2) for i in range(2)]
+        assert halves[0] and halves[1] and not set(halves[0]) & set(halves[1])
+        assert len(halves[0]) == len(halves[1]) == len(cores) // 2
+    assert core_share(0, len(cores) + 1) == cores  # more workers than cores: all share all
+
+
+def test_worker_config_round_trips_the_gpu_settings():
+    cfg = WorkerConfig(index=1, model="/m", device="cuda", threads=2, max_batch_tokens=4096, parent_pid=1,
+                       request_ring="/r", request_fds=(3, 4), response_ring="/s", response_fds=(5, 6), gpu=3,
+                       cpu_cores=[4, 5], dtype="bfloat16", cuda_graphs=False, graph_max_tokens=2048,
+                       pooling="mean", attention="bidirectional")
+    assert WorkerConfig(**json.loads(cfg.to_json())) == cfg
