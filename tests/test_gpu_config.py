@@ -9,12 +9,12 @@ import pytest
 
 from server.config import ServeConfig
 from server.workers import core_share
-from worker.main import WorkerConfig
+from worker.main import WorkerConfig, visible_device
 
 
 def test_devices_give_one_worker_each():
-    cfg = ServeConfig.from_args(["--device", "cuda", "--devices", "1,3"], environ={})
-    assert cfg.workers == 2 and cfg.gpu_list() == [1, 3]
+    cfg = ServeConfig.from_args(["--device", "cuda", "--devices", "1, 3"], environ={})
+    assert cfg.workers == 2 and cfg.gpu_list() == [1, 3] and cfg.devices == "1,3"
     assert cfg.worker_dtype() == "bfloat16"
     assert ServeConfig.from_args([], environ={}).worker_dtype() == "float32"
     env = {"POLLEN_DEVICE": "cuda", "POLLEN_DEVICES": "0", "POLLEN_DTYPE": "float16", "POLLEN_CUDA_GRAPHS": "off"}
@@ -57,3 +57,12 @@ def test_worker_config_round_trips_the_gpu_settings():
                        cpu_cores=[4, 5], dtype="bfloat16", cuda_graphs=False, graph_max_tokens=2048,
                        pooling="mean", attention="bidirectional")
     assert WorkerConfig(**json.loads(cfg.to_json())) == cfg
+
+
+def test_worker_gpu_is_read_through_the_servers_own_visible_devices():
+    assert visible_device(1, None) == "1"
+    assert visible_device(1, "") == "1"
+    assert visible_device(1, "4, 6") == "6"  # the frontend's GPU 1 is physical GPU 6
+    assert visible_device(0, "GPU-3f2a") == "GPU-3f2a"
+    with pytest.raises(ValueError, match="not among"):
+        visible_device(2, "4,6")

@@ -70,6 +70,17 @@ class WorkerConfig:
         return json.dumps(dataclasses.asdict(self))
 
 
+def visible_device(gpu: int, inherited: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for the worker of GPU `gpu`, an index as the frontend saw GPUs: the
+    gpu-th entry of the frontend's own CUDA_VISIBLE_DEVICES when it had one, else `gpu` itself."""
+    if not inherited:
+        return str(gpu)
+    entries = [v.strip() for v in inherited.split(",") if v.strip()]
+    if gpu >= len(entries):
+        raise ValueError(f"GPU {gpu} is not among CUDA_VISIBLE_DEVICES={inherited!r}")
+    return entries[gpu]
+
+
 def die_with_parent() -> None:
     """Ask Linux to SIGKILL us when the frontend goes, so no orphan holds a device."""
     PR_SET_PDEATHSIG = 1
@@ -249,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     if cfg.gpu >= 0:
         # Before torch initializes CUDA: this process sees, allocates on and names one GPU.
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(cfg.gpu)
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_device(cfg.gpu, os.environ.get("CUDA_VISIBLE_DEVICES"))
     if cfg.cpu_cores:
         os.sched_setaffinity(0, cfg.cpu_cores)  # our share of the cores, next to our GPU's feeders
     # SIGTERM/SIGINT go to the frontend, which stops us with a STOP record after its work is done.
