@@ -27,7 +27,7 @@ import torch
 from worker.lazy import LazyTensor
 from worker.models.base import EmbeddingModel
 from worker.models.pooling import pool_rows
-from worker.packed import PackedBatch, pack
+from worker.packed import PackedBatch, warm_up_batch
 
 
 def token_buckets(limit: int) -> list[int]:
@@ -66,7 +66,6 @@ class CudaEngine:
         self.device = torch.device(device)
         self.pooling = model.spec.pooling
         self.hidden = model.spec.hidden_size
-        self.max_tokens = max_batch_tokens
         # float32 attention takes a per-sequence loop that reads cu_seqlens on the host (see
         # worker/models/attention.py): it cannot be captured, so float32 runs eagerly.
         self.graphs_on = cuda_graphs and next(model.parameters()).dtype != torch.float32
@@ -195,6 +194,6 @@ class CudaEngine:
         """Load kernels and allocator state before READY; graphs stay lazy (captured on first use)."""
         graphs, self.graphs_on = self.graphs_on, False
         try:
-            self.submit(pack([np.array([1, 2], np.int32), np.array([3, 4], np.int32)])).result()
+            self.submit(warm_up_batch()).result()
         finally:
             self.graphs_on = graphs

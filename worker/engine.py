@@ -16,7 +16,7 @@ import torch
 
 from worker.models.base import EmbeddingModel
 from worker.models.pooling import pool_rows
-from worker.packed import PackedBatch, pack
+from worker.packed import PackedBatch, warm_up_batch
 
 
 class Done:
@@ -50,7 +50,7 @@ class EagerEngine:
 
     def warm_up(self) -> None:
         """Pay first-call costs (allocator, kernels) before the worker says READY."""
-        self.submit(pack([np.array([1, 2], np.int32), np.array([3, 4], np.int32)])).result()
+        self.submit(warm_up_batch()).result()
 
 
 def make_engine(model: EmbeddingModel, device: str, **options) -> EagerEngine:

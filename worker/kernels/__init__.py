@@ -1,7 +1,7 @@
 """Fused Triton kernels for the CUDA engine, used when Triton is importable.
 
 `available()` says whether they can run; worker/models/ops.py holds the plain-torch references
-they must equal, and tests/test_kernels.py checks that on a GPU. Importing this package never
+they must equal, and tests/test_cuda_engine.py checks that on a GPU. Importing this package never
 fails: without Triton, `available()` is False and the references run instead.
 """
 from __future__ import annotations

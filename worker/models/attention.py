@@ -9,12 +9,11 @@ CUDA graphs. On the CPU, one SDPA call per sequence: simple and exact.
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
 import torch.nn.functional as F
-
-import inspect
 
 try:
     from torch.nn.attention.varlen import varlen_attn as _torch_varlen
@@ -61,6 +60,7 @@ def varlen_attention(
 ) -> torch.Tensor:
     """Each sequence attends only to itself; returns [T, heads, D]."""
     kind = backend(q.is_cuda, q.dtype)
+    gqa = k.shape[1] != q.shape[1]
     if kind != "sdpa_loop" and _short_kernels(q, max_seqlen):
         # Queries: a register-resident Triton kernel beats a flash launch sized for long inputs.
         from worker.kernels.short_attention import short_attention
@@ -70,10 +70,9 @@ def varlen_attention(
         return _flash_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=causal)
     if kind == "torch_varlen":
         return _torch_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                             **_torch_varlen_options(causal, k.shape[1] != q.shape[1]))
+                             **_torch_varlen_options(causal, gqa))
 
     out = torch.empty_like(q)
-    gqa = k.shape[1] != q.shape[1]
     bounds = cu_seqlens.tolist()  # the host sync costs nothing on the CPU
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end == start:

@@ -26,10 +26,9 @@ class RMSNormWeight(nn.Module):
 
 
 class Qwen3Layer(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float,
-                 bias: bool):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, bias: bool):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.attn_norm = RMSNormWeight(hidden)
         self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=bias)
         self.q_norm = RMSNormWeight(head_dim)
@@ -56,7 +55,7 @@ class Qwen3Encoder(EmbeddingModel):
         self.embed = nn.Embedding(config["vocab_size"], hidden)
         self.layers = nn.ModuleList(
             Qwen3Layer(hidden, heads, config.get("num_key_value_heads") or heads, head_dim,
-                       config["intermediate_size"], self.eps, bool(config.get("attention_bias", False)))
+                       config["intermediate_size"], bool(config.get("attention_bias", False)))
             for _ in range(config["num_hidden_layers"])
         )
         self.norm = RMSNormWeight(hidden)
