@@ -58,11 +58,9 @@ class TextTokenizer:
         """Token ids (special tokens included) for each text, each at most `limit` long. The
         prompt is prepended to the text before tokenization, as sentence-transformers does."""
         limit = limit or self.max_tokens
-        self._check_texts(texts, "texts")
-        encodings = self.tokenizer.encode_batch([prompt + t for t in texts], add_special_tokens=False)
         room = self.room(limit)
         out = []
-        for i, enc in enumerate(encodings):
+        for i, enc in enumerate(self._encode_texts(texts, prompt)):
             if len(enc.ids) > room:
                 if truncate == pb.TRUNCATE_NONE:
                     raise invalid(
@@ -70,7 +68,7 @@ class TextTokenizer:
                         "shorten it, set truncate to TRUNCATE_END or TRUNCATE_START, "
                         "or set long_input to LONG_INPUT_CHUNK_MEAN")
                 enc.truncate(room, direction="right" if truncate == pb.TRUNCATE_END else "left")
-            out.append(np.asarray(self.tokenizer.post_process(enc).ids, dtype=np.int32))
+            out.append(self._with_specials(enc))
         return out
 
     def encode_windows(self, texts: list[str], limit: int, prompt: str = "") -> list[list[np.ndarray]]:
@@ -80,14 +78,12 @@ class TextTokenizer:
         window k starts at k * (room - room // 8), and the last one is the first that reaches the
         end of the text (it may be shorter).
         """
-        self._check_texts(texts, "texts")
-        encodings = self.tokenizer.encode_batch([prompt + t for t in texts], add_special_tokens=False)
         room = self.room(limit)
         stride = room - room // WINDOW_OVERLAP_DIVISOR
         out = []
-        for enc in encodings:
+        for enc in self._encode_texts(texts, prompt):
             if len(enc.ids) <= room:
-                out.append([np.asarray(self.tokenizer.post_process(enc).ids, dtype=np.int32)])
+                out.append([self._with_specials(enc)])
                 continue
             ids = np.asarray(enc.ids, dtype=np.int32)
             starts = [0]
@@ -114,6 +110,14 @@ class TextTokenizer:
             raise invalid(f"chunks: the document has {len(seq)} tokens, over {self.limit_name(limit)}; "
                           "a contextual-chunk document must fit in one sequence (truncation would drop chunks)")
         return seq, spans
+
+    def _encode_texts(self, texts: list[str], prompt: str):
+        """Checked texts, prompt prepended, tokenized without special tokens (truncation comes after)."""
+        self._check_texts(texts, "texts")
+        return self.tokenizer.encode_batch([prompt + t for t in texts], add_special_tokens=False)
+
+    def _with_specials(self, enc) -> np.ndarray:
+        return np.asarray(self.tokenizer.post_process(enc).ids, dtype=np.int32)
 
     def wrap(self, ids: np.ndarray) -> np.ndarray:
         return np.concatenate([self.prefix, ids, self.suffix]).astype(np.int32)
