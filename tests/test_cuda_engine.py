@@ -157,3 +157,84 @@ def test_fused_short_qk_rope_attention_equals_the_separate_kernels(causal):
         del os.environ["POLLEN_SHORT_ATTENTION"]
     got = short_qk_rope_attention(qkv, qw, kw, cache, pos, heads, kv, 1e-6, cu, 64, causal)
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+
+
+def skinny_references(dtype, m, k=1024, n=512, inter=384, seed=3):
+    """Inputs of the skinny kernels and what the separate kernels (torch references) make of them."""
+    import torch.nn.functional as F
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rnd = lambda *shape, s=1.0: (s * torch.randn(*shape, device="cuda", generator=g)).to(dtype)  # noqa: E731
+    h, r, table = rnd(m, k), rnd(m, k), rnd(1000, k)
+    gamma = (1 + 0.3 * torch.randn(k, device="cuda", generator=g)).to(dtype)
+    w, b, w_gu = rnd(n, k, s=0.03), rnd(n, s=0.1), rnd(2 * inter, k, s=0.03)
+    ids = torch.randint(0, 1000, (m,), device="cuda", dtype=torch.int32, generator=g)
+    x_add, s_add = ops.add_rms_norm(h, r, gamma, 1e-6)
+    x_ids, s_ids = ops.embed_rms_norm(ids.long(), table, gamma, 1e-6)
+    cases = {  # name: (kwargs of skinny_linear, reference y, reference residual)
+        "plain": (dict(h=h, weight=w, bias=b), F.linear(h, w, b), None),
+        "add_norm": (dict(h=h, weight=w, residual=r, norm_weight=gamma, eps=1e-6), F.linear(x_add, w), s_add),
+        "gather_norm": (dict(h=table, weight=w, bias=b, ids=ids, norm_weight=gamma, eps=1e-6),
+                        F.linear(x_ids, w, b), s_ids),
+        "add_norm_swiglu": (dict(h=h, weight=w_gu, residual=r, norm_weight=gamma, eps=1e-6, swiglu=True),
+                            ops.silu_mul(F.linear(x_add, w_gu)), s_add),
+    }
+    return cases
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_skinny_linear_equals_the_separate_kernels(dtype, pdl):
+    """Each fold (residual add + RMSNorm, embedding gather, SiLU-gate) equals norm-then-product
+    within one rounding of the product's input, for 1 to 64 rows, eagerly and replayed in a graph."""
+    pytest.importorskip("triton")
+    from worker.kernels import skinny as sk
+
+    if pdl and not sk.pdl_on():
+        pytest.skip("this Triton has no programmatic dependent launch")
+    for m in (1, 16, 37, 64):
+        for name, (kwargs, ref_y, ref_s) in skinny_references(dtype, m).items():
+            y, s = sk.skinny_linear(**kwargs, pdl=pdl)
+            scale = ref_y.float().abs().max().item()
+            err = (y.float() - ref_y.float()).abs().max().item() / scale
+            assert err < 2e-2, (name, m, err)
+            if ref_s is None:
+                assert s is None
+            else:
+                assert torch.equal(s, ref_s), name  # the residual add rounds exactly as the reference
+            # The same inside a CUDA graph (PDL edges are captured too).
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = sk.skinny_linear(**kwargs, pdl=pdl)[0]
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, y), (name, m)
+
+
+@pytest.mark.parametrize("kind", ["causal", "bidirectional"])
+def test_query_path_matches_cpu_reference(tmp_path, kind, monkeypatch):
+    """Batches of up to 64 tokens take the five-kernel layer (skinny products, PDL chain) and still
+    equal the float32 CPU reference; a 65-token batch takes the general path."""
+    from tests.test_model_qwen3 import make_tiny_qwen3
+    from worker import kernels
+    from worker.cuda_engine import CudaEngine
+
+    make_tiny_qwen3(tmp_path / "m", kind, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=64, intermediate_size=512, num_hidden_layers=2, max_position_embeddings=256)
+    path = str(tmp_path / "m")
+    calls = []
+    real = kernels.skinny_linear
+    monkeypatch.setattr(kernels, "skinny_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cpu = EagerEngine(load_model(path))
+    for graphs in (False, True):
+        engine = CudaEngine(load_model(path, "cuda", torch.bfloat16), "cuda", max_batch_tokens=512,
+                            cuda_graphs=graphs)
+        engine.warm_up()
+        for lengths in ([16], [9], [3, 20, 7], [30, 34], [65]):
+            batch = pack(seqs(lengths, seed=len(lengths)))
+            calls.clear()
+            got = engine.submit(batch).result()
+            assert cos(got, cpu.submit(batch).result()) >= 0.999, (graphs, lengths)
+            if not graphs:  # eagerly, every call is visible: four products a layer, two layers
+                assert len(calls) == (8 if sum(lengths) <= 64 else 0), lengths

@@ -25,7 +25,7 @@ from worker.packed import pack
 LENGTHS = [1, 9, 2, 40, 64, 13]
 
 
-def make_tiny_qwen3(path, mode="causal", max_shard_size=None, bias=False, seed=0):
+def make_tiny_qwen3(path, mode="causal", max_shard_size=None, bias=False, seed=0, **sizes):
     """Save a tiny random Qwen3 checkpoint; return the HF model to compare against.
 
     Norm weights are randomized too (HF initializes them to ones, which would hide a swapped or
@@ -34,9 +34,9 @@ def make_tiny_qwen3(path, mode="causal", max_shard_size=None, bias=False, seed=0
     import transformers as tf
 
     torch.manual_seed(seed)
-    config = tf.Qwen3Config(vocab_size=1000, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=16, intermediate_size=96,
-                            max_position_embeddings=64, rope_theta=5000.0, attention_bias=bias)
+    shape = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, intermediate_size=96, max_position_embeddings=64)
+    config = tf.Qwen3Config(**{**shape, **sizes}, rope_theta=5000.0, attention_bias=bias)
     model = tf.Qwen3Model(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

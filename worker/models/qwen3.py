@@ -75,6 +75,10 @@ class Qwen3Encoder(EmbeddingModel):
         add_rms_norm, qk_norm_rope, silu_mul = impl.add_rms_norm, impl.qk_norm_rope, impl.silu_mul
         cache = self.rope(input_ids.device)
         tokens = input_ids.shape[0]
+        first = self.layers[0]
+        if (impl is kernels and kernels.skinny_fits(tokens, first.qkv.weight)
+                and kernels.skinny_fits(tokens, first.gate_up.weight, swiglu=True)):
+            return self.query_hidden_states(input_ids, positions, cu_seqlens, max_seqlen, cache)
         norms = [layer.attn_norm.weight for layer in self.layers[1:]] + [self.norm.weight]
         x, residual = impl.embed_rms_norm(input_ids, self.embed.weight, self.layers[0].attn_norm.weight, self.eps)
         # Queries: QK-norm, RoPE and attention in one kernel per layer (launches are their cost).
@@ -92,6 +96,39 @@ class Qwen3Encoder(EmbeddingModel):
             # The next layer's input norm (or the final norm) takes this layer's residual add.
             x, residual = add_rms_norm(layer.down(silu_mul(layer.gate_up(x))), residual, next_norm, self.eps)
         return x
+
+    def query_hidden_states(self, input_ids, positions, cu_seqlens, max_seqlen, cache) -> torch.Tensor:
+        """At most 64 tokens (queries): five kernels a layer instead of eight, each pre-norm folded
+        into the product that reads it and SiLU-gate into the gate/up product
+        (worker/kernels/skinny.py); the o and down products run there too unless
+        POLLEN_SKINNY=norm, so that the whole layer is one programmatic-dependent-launch chain."""
+        tokens = input_ids.shape[0]
+        ours = kernels.skinny_mode() == "all"
+
+        def plain(x, linear):
+            if ours and kernels.skinny_fits(tokens, linear.weight):
+                return kernels.skinny_linear(x, linear.weight, linear.bias)[0]
+            return linear(x)
+
+        short = kernels.short_attention_fits(max_seqlen, self.layers[0].head_dim, rope=True)
+        h, residual = self.embed.weight, None
+        for i, layer in enumerate(self.layers):
+            qkv, residual = kernels.skinny_linear(h, layer.qkv.weight, layer.qkv.bias, residual=residual,
+                                                  ids=input_ids if i == 0 else None,
+                                                  norm_weight=layer.attn_norm.weight, eps=self.eps)
+            if short:
+                attn = kernels.short_qk_rope_attention(
+                    qkv, layer.q_norm.weight, layer.k_norm.weight, cache, positions, layer.heads, layer.kv_heads,
+                    self.eps, cu_seqlens, max_seqlen, self.causal)
+            else:
+                q, k, v = kernels.qk_norm_rope(qkv, layer.q_norm.weight, layer.k_norm.weight, cache, positions,
+                                               layer.heads, layer.kv_heads, self.eps)
+                attn = varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=self.causal)
+            h = plain(attn.reshape(tokens, -1), layer.o)
+            act, residual = kernels.skinny_linear(h, layer.gate_up.weight, residual=residual,
+                                                  norm_weight=layer.mlp_norm.weight, eps=self.eps, swiglu=True)
+            h = plain(act, layer.down)
+        return kernels.add_rms_norm(h, residual, self.norm.weight, self.eps)[0]
 
     def hf_weight_map(self) -> dict[str, list[str]]:
         m = {"embed.weight": ["embed_tokens.weight"], "norm.weight": ["norm.weight"]}
