@@ -1,19 +1,19 @@
-"""Microbenchmark: the skinny kernels (worker/kernels/skinny.py) against what they replace,
-at query sizes, timed inside CUDA graphs with a distinct weight per launch (as the layers have).
+"""Microbenchmark: the skinny kernels (worker/kernels/skinny.py) against the kernels they replace,
+at query sizes, timed inside CUDA graphs with distinct weights per layer (as in the model).
 
-    python load/bench_skinny_linear.py --out load/results/gpu-skinny-linear-DATE
+    python load/bench_skinny_linear.py --out load/results/gpu-skinny-DATE
 
-For each product of a Qwen3 layer (0.6B and 4B shapes) it times:
-  separate  the kernels the engine ran before: add+RMSNorm, cuBLAS product (and SiLU-gate)
-  skinny    our one kernel, at each tile configuration, without and with PDL
-and writes the best configuration per (swiglu, K) as the table CONFIGS wants (PREFIX.json,
-PREFIX.md).
+For the products of a Qwen3 layer (0.6B and 4B shapes) it times
+  separate  what the engine ran before: add+RMSNorm, cuBLAS product (and SiLU-gate)
+  skinny    our one kernel, at each tile configuration (the best is kept)
+and then a whole layer without its attention: the 7 separate kernels against the 4 skinny ones.
+It writes PREFIX.json (with the best configuration per product, as CONFIGS wants it) and PREFIX.md.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
-import json
 import os
 import sys
 
@@ -25,19 +25,15 @@ from load.results_file import write_results  # noqa: E402
 from worker import kernels  # noqa: E402
 from worker.kernels import skinny as sk  # noqa: E402
 
-# name: (K, N, swiglu, norm) per shape; for swiglu N is the intermediate size.
-SHAPES = {
-    "qwen3-0.6b": {"qkv": (1024, 4096, False, True), "o": (2048, 1024, False, False),
-                   "gate_up": (1024, 3072, True, True), "down": (3072, 1024, False, False)},
-    "qwen3-4b": {"qkv": (2560, 6144, False, True), "o": (4096, 2560, False, False),
-                 "gate_up": (2560, 9728, True, True), "down": (9728, 2560, False, False)},
-}
+SHAPES = {"qwen3-0.6b": (1024, 4096, 2048, 3072), "qwen3-4b": (2560, 6144, 4096, 9728)}  # hidden, qkv, attn, inter
 LAYERS = 28
-GRID = list(itertools.product((16, 32), (128, 256), (4, 8), (3, 4)))  # BLOCK_N, BLOCK_K, warps, stages
+GRID = [c for c in itertools.product((16, 32), (128, 256), (4,), (3, 4))] + [(16, 512, 4, 2), (16, 128, 8, 4),
+                                                                          (64, 128, 4, 3)]
+DT = torch.bfloat16
 
 
-def graph_us(fns) -> float:
-    """Mean time per call of fns (one call each, back to back) replayed as one CUDA graph."""
+def graph_us(fns, per=1) -> float:
+    """Mean time per call of fns (back to back) replayed as one CUDA graph, divided by per."""
     for fn in fns[:2]:
         fn()
     torch.cuda.synchronize()
@@ -53,82 +49,106 @@ def graph_us(fns) -> float:
         g.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) * 1000 / (20 * len(fns))
+    return start.elapsed_time(end) * 1000 / (20 * len(fns) * per)
 
 
-def bench_op(m, k, n, swiglu, norm):
-    dt = torch.bfloat16
-    rows = 2 * n if swiglu else n
-    weights = [torch.randn(rows, k, device="cuda", dtype=dt) * 0.02 for _ in range(LAYERS)]
-    h, r = (torch.randn(m, k, device="cuda", dtype=dt) for _ in range(2))
-    gamma = torch.ones(k, device="cuda", dtype=dt)
+class Layer:
+    def __init__(self, hidden, qkv, attn, inter):
+        w = lambda n, k: torch.randn(n, k, device="cuda", dtype=DT) * 0.02  # noqa: E731
+        self.qkv, self.o, self.gate_up, self.down = w(qkv, hidden), w(hidden, attn), w(2 * inter, hidden), w(hidden, inter)
+        self.g = torch.ones(hidden, device="cuda", dtype=DT)
 
-    def separate(w):
-        x = kernels.add_rms_norm(h, r, gamma, 1e-6)[0] if norm else h
-        y = F.linear(x, w)
-        return kernels.silu_mul(y) if swiglu else y
 
-    def ours(w, config, pdl):
-        extra = dict(residual=r, norm_weight=gamma, eps=1e-6) if norm else {}
-        return sk.skinny_linear(h, w, swiglu=swiglu, config=config, pdl=pdl, **extra)[0]
+def products(m, shape):
+    """name -> (kind, K, N, separate(layer), skinny(layer, config)) over shared inputs."""
+    hidden, qkv, attn, inter = shape
+    h, r = (torch.randn(m, hidden, device="cuda", dtype=DT) for _ in range(2))
+    a, act = torch.randn(m, attn, device="cuda", dtype=DT), torch.randn(m, inter, device="cuda", dtype=DT)
+    _, parts = sk.skinny_linear(a, Layer(*shape).o, residual=r)
+    return {
+        "qkv": ("norm", hidden, qkv, lambda L: F.linear(kernels.add_rms_norm(h, r, L.g, 1e-6)[0], L.qkv),
+                lambda L, c: sk.skinny_linear(r, L.qkv, parts=parts, eps=1e-6, config=c)),
+        "o": ("residual", attn, hidden, lambda L: F.linear(a, L.o),
+              lambda L, c: sk.skinny_linear(a, L.o, residual=r, config=c)),
+        "gate_up": ("swiglu", hidden, inter,
+                    lambda L: kernels.silu_mul(F.linear(kernels.add_rms_norm(h, r, L.g, 1e-6)[0], L.gate_up)),
+                    lambda L, c: sk.skinny_linear(r, L.gate_up, parts=parts, eps=1e-6, swiglu=True, config=c)),
+        "down": ("residual", inter, hidden, lambda L: F.linear(act, L.down),
+                 lambda L, c: sk.skinny_linear(act, L.down, residual=r, config=c)),
+    }
 
-    result = {"separate_us": graph_us([lambda w=w: separate(w) for w in weights])}
-    ref = separate(weights[0]).float()
-    best = None
-    for config in GRID:
-        if n % config[0] or k % config[1]:
-            continue
-        try:
-            err = ((ours(weights[0], config, False).float() - ref).abs().max() / ref.abs().max()).item()
-            us = graph_us([lambda w=w: ours(w, config, False) for w in weights])
-        except Exception as exc:  # a configuration that does not compile (registers, shared memory)
-            print(f"  {config} failed: {repr(exc)[:120]}", flush=True)
-            continue
-        if best is None or us < best["us"]:
-            best = {"us": us, "config": config, "rel_err": err}
-    result["skinny"] = best
-    if sk.pdl_on():
-        try:
-            result["skinny_pdl_us"] = graph_us([lambda w=w: ours(w, best["config"], True) for w in weights])
-        except Exception as exc:
-            result["skinny_pdl_error"] = repr(exc)[:300]
-    return result
+
+def layer_chain(m, shape, layers):
+    """One layer without attention, both ways, chained through the residual as in the model."""
+    hidden, _, attn, _ = shape
+    a = torch.randn(m, attn, device="cuda", dtype=DT)
+    state = {"r": torch.randn(m, hidden, device="cuda", dtype=DT)}
+
+    def separate(L):
+        x, r = kernels.add_rms_norm(state["r"], None, L.g, 1e-6)
+        F.linear(x, L.qkv)
+        x, r = kernels.add_rms_norm(F.linear(a, L.o), r, L.g, 1e-6)
+        state["r"] = F.linear(kernels.silu_mul(F.linear(x, L.gate_up)), L.down) + r
+
+    def skinny(L):
+        r, parts = sk.skinny_linear(a, L.o, residual=state["r"])
+        sk.skinny_linear(r, L.qkv, parts=parts, eps=1e-6)
+        act = sk.skinny_linear(r, L.gate_up, parts=parts, eps=1e-6, swiglu=True)
+        state["r"] = sk.skinny_linear(act, L.down, residual=r)[0]
+
+    return {"separate_us": graph_us([lambda L=L: separate(L) for L in layers]),
+            "skinny_us": graph_us([lambda L=L: skinny(L) for L in layers])}
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True, help="path prefix: writes PREFIX.json and PREFIX.md")
-    p.add_argument("--rows", default="16,64")
     args = p.parse_args()
-    results = {}
-    for shape, ops in SHAPES.items():
-        for m in map(int, args.rows.split(",")):
-            for name, (k, n, swiglu, norm) in ops.items():
-                r = bench_op(m, k, n, swiglu, norm)
-                results[f"{shape} {name} m={m}"] = r
-                print(shape, name, m, json.dumps(r), flush=True)
-    # Best configuration per (swiglu, K) at 16 rows, the query bucket.
-    configs = {f"{'swiglu' if swiglu else 'plain'},{k}": results[f"{shape} {name} m=16"]["skinny"]["config"]
-               for shape, ops in SHAPES.items() for name, (k, n, swiglu, norm) in ops.items()
-               if f"{shape} {name} m=16" in results}
-    lines = ["| product | rows | separate kernels (µs) | skinny (µs) | skinny + PDL (µs) | config (BN, BK, warps, stages) |",
-             "| --- | ---: | ---: | ---: | ---: | --- |"]
-    for key, r in results.items():
-        shape_name, m = key.rsplit(" m=", 1)
-        pdl = f"{r['skinny_pdl_us']:.2f}" if "skinny_pdl_us" in r else "n/a"
-        lines.append(f"| {shape_name} | {m} | {r['separate_us']:.2f} | {r['skinny']['us']:.2f} | {pdl} "
-                     f"| {tuple(r['skinny']['config'])} |")
-    import datetime
-
+    results, configs, chains = {}, {}, {}
+    for shape_name, shape in SHAPES.items():
+        layers = [Layer(*shape) for _ in range(LAYERS)]
+        for m in (16, 64):
+            for name, (kind, k, n, separate, skinny) in products(m, shape).items():
+                r = {"separate_us": graph_us([lambda L=L: separate(L) for L in layers])}
+                grid = GRID if m == 16 else [configs[f"{kind},{k},{n}"]]
+                for config in grid:
+                    if n % config[0] or k % config[1]:
+                        continue
+                    try:
+                        us = graph_us([lambda L=L: skinny(L, config) for L in layers])
+                    except Exception as exc:  # a configuration that does not compile
+                        print(f"  {name} {config} failed: {repr(exc)[:120]}", flush=True)
+                        continue
+                    if "skinny_us" not in r or us < r["skinny_us"]:
+                        r["skinny_us"], r["config"] = us, config
+                if m == 16:
+                    configs[f"{kind},{k},{n}"] = r["config"]
+                results[f"{shape_name} {name} m={m}"] = r
+                print(shape_name, name, m, r, flush=True)
+            sk.load_configs_dict(configs)
+            chains[f"{shape_name} m={m}"] = layer_chain(m, shape, layers)
+            print(shape_name, m, "layer", chains[f"{shape_name} m={m}"], flush=True)
+        del layers
+        torch.cuda.empty_cache()
     import triton
 
     meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "triton": triton.__version__}
+    lines = ["| product | rows | separate kernels (µs) | skinny (µs) | config (BN, BK, warps, stages) |",
+             "| --- | ---: | ---: | ---: | --- |"]
+    for key, r in results.items():
+        name, m = key.rsplit(" m=", 1)
+        lines.append(f"| {name} | {m} | {r['separate_us']:.2f} | {r['skinny_us']:.2f} | {tuple(r['config'])} |")
+    lines += ["", "| one layer without attention | rows | 7 separate kernels (µs) | 4 skinny kernels (µs) |",
+              "| --- | ---: | ---: | ---: |"]
+    for key, r in chains.items():
+        name, m = key.rsplit(" m=", 1)
+        lines.append(f"| {name} | {m} | {r['separate_us']:.2f} | {r['skinny_us']:.2f} |")
     header = (f"# Skinny products at query sizes, {meta['date']}\n\n{meta['gpu']}, torch {meta['torch']}, "
-              f"triton {meta['triton']}. Mean µs per product inside a CUDA graph of {LAYERS} products with "
-              f"distinct weights. Command: `python load/bench_skinny_linear.py --out {args.out}`.\n\n")
+              f"triton {meta['triton']}. Mean µs inside a CUDA graph over {LAYERS} layers with distinct "
+              f"weights. Command: `python load/bench_skinny_linear.py --out {args.out}`.\n\n")
     write_results(os.path.dirname(args.out) or ".", os.path.basename(args.out),
-                  {"meta": meta, "results": results, "configs": configs}, header, "\n".join(lines))
+                  {"meta": meta, "results": results, "layer": chains, "configs": configs}, header, "\n".join(lines))
 
 
 if __name__ == "__main__":

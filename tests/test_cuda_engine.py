@@ -159,63 +159,61 @@ def test_fused_short_qk_rope_attention_equals_the_separate_kernels(causal):
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
 
 
-def skinny_references(dtype, m, k=1024, n=512, inter=384, seed=3):
-    """Inputs of the skinny kernels and what the separate kernels (torch references) make of them."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_skinny_products_equal_the_separate_kernels(dtype):
+    """Each skinny product equals the kernels it replaces, for 1 to 64 rows, eagerly and replayed in
+    a graph: the residual add (bit for bit) with its sums of squares, the norm folded into the
+    product (within one rounding of the product's input), and SiLU-gate."""
+    pytest.importorskip("triton")
     import torch.nn.functional as F
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    rnd = lambda *shape, s=1.0: (s * torch.randn(*shape, device="cuda", generator=g)).to(dtype)  # noqa: E731
-    h, r, table = rnd(m, k), rnd(m, k), rnd(1000, k)
+    from worker.kernels.skinny import skinny_linear
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+
+    def rnd(*shape, s=1.0):
+        return (s * torch.randn(*shape, device="cuda", generator=g)).to(dtype)
+
+    k, n, inter = 1024, 512, 384
     gamma = (1 + 0.3 * torch.randn(k, device="cuda", generator=g)).to(dtype)
-    w, b, w_gu = rnd(n, k, s=0.03), rnd(n, s=0.1), rnd(2 * inter, k, s=0.03)
-    ids = torch.randint(0, 1000, (m,), device="cuda", dtype=torch.int32, generator=g)
-    x_add, s_add = ops.add_rms_norm(h, r, gamma, 1e-6)
-    x_ids, s_ids = ops.embed_rms_norm(ids.long(), table, gamma, 1e-6)
-    cases = {  # name: (kwargs of skinny_linear, reference y, reference residual)
-        "plain": (dict(h=h, weight=w, bias=b), F.linear(h, w, b), None),
-        "add_norm": (dict(h=h, weight=w, residual=r, norm_weight=gamma, eps=1e-6), F.linear(x_add, w), s_add),
-        "gather_norm": (dict(h=table, weight=w, bias=b, ids=ids, norm_weight=gamma, eps=1e-6),
-                        F.linear(x_ids, w, b), s_ids),
-        "add_norm_swiglu": (dict(h=h, weight=w_gu, residual=r, norm_weight=gamma, eps=1e-6, swiglu=True),
-                            ops.silu_mul(F.linear(x_add, w_gu)), s_add),
-    }
-    return cases
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("pdl", [False, True])
-def test_skinny_linear_equals_the_separate_kernels(dtype, pdl):
-    """Each fold (residual add + RMSNorm, embedding gather, SiLU-gate) equals norm-then-product
-    within one rounding of the product's input, for 1 to 64 rows, eagerly and replayed in a graph."""
-    pytest.importorskip("triton")
-    from worker.kernels import skinny as sk
-
-    if pdl and not sk.pdl_on():
-        pytest.skip("this Triton has no programmatic dependent launch")
+    w_o, b_o, w_qkv, w_gu = rnd(k, n, s=0.03), rnd(k, s=0.1), rnd(n, k, s=0.03), rnd(2 * inter, k, s=0.03)
+    fold = lambda w: (w.float() * gamma.float()).to(dtype)  # noqa: E731  what Qwen3Encoder.after_load does
     for m in (1, 16, 37, 64):
-        for name, (kwargs, ref_y, ref_s) in skinny_references(dtype, m).items():
-            y, s = sk.skinny_linear(**kwargs, pdl=pdl)
-            scale = ref_y.float().abs().max().item()
-            err = (y.float() - ref_y.float()).abs().max().item() / scale
-            assert err < 2e-2, (name, m, err)
-            if ref_s is None:
-                assert s is None
-            else:
-                assert torch.equal(s, ref_s), name  # the residual add rounds exactly as the reference
-            # The same inside a CUDA graph (PDL edges are captured too).
+        attn, r = rnd(m, n), rnd(m, k)
+        cases = {}
+        # o: the new residual and its per-row sums of squares
+        same = (16, 256, 4, 4)  # one tiling for both, so both sum in the same order
+        s, parts = skinny_linear(attn, w_o, b_o, residual=r, config=same)
+        assert torch.equal(s, skinny_linear(attn, w_o, b_o, config=same) + r)
+        torch.testing.assert_close(parts.data[:parts.count, :m].sum(0), s.float().pow(2).sum(1), rtol=1e-5, atol=1e-3)
+        cases["residual"] = (lambda: skinny_linear(attn, w_o, b_o, residual=r, config=same)[0], s)
+        normed = ops.rms_norm(s, gamma, 1e-6)
+        # qkv: the norm of that residual folded into the product
+        want = F.linear(normed, w_qkv)
+        got = skinny_linear(s, fold(w_qkv), parts=parts, eps=1e-6)
+        assert ((got.float() - want.float()).abs().max() / want.float().abs().max()).item() < 2e-2, m
+        cases["norm"] = (lambda: skinny_linear(s, fold(w_qkv), parts=parts, eps=1e-6), got)
+        # gate/up with SiLU-gate
+        want = ops.silu_mul(F.linear(normed, w_gu))
+        got = skinny_linear(s, fold(w_gu), parts=parts, eps=1e-6, swiglu=True)
+        assert ((got.float() - want.float()).abs().max() / want.float().abs().max()).item() < 2e-2, m
+        cases["swiglu"] = (lambda: skinny_linear(s, fold(w_gu), parts=parts, eps=1e-6, swiglu=True), got)
+        # plain, with a bias
+        torch.testing.assert_close(skinny_linear(attn, w_o, b_o), F.linear(attn, w_o, b_o), rtol=1e-2, atol=1e-2)
+        for name, (fn, eager) in cases.items():  # a graph replays the same bits (no atomics)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out = sk.skinny_linear(**kwargs, pdl=pdl)[0]
+                out = fn()
             graph.replay()
             torch.cuda.synchronize()
-            assert torch.equal(out, y), (name, m)
+            assert torch.equal(out, eager), (name, m)
 
 
 @pytest.mark.parametrize("kind", ["causal", "bidirectional"])
 def test_query_path_matches_cpu_reference(tmp_path, kind, monkeypatch):
-    """Batches of up to 64 tokens take the five-kernel layer (skinny products, PDL chain) and still
-    equal the float32 CPU reference; a 65-token batch takes the general path."""
+    """Batches of up to 64 tokens take the five-kernel layer (skinny products) and still equal the
+    float32 CPU reference; a 65-token batch takes the general path."""
     from tests.test_model_qwen3 import make_tiny_qwen3
     from worker import kernels
     from worker.cuda_engine import CudaEngine

@@ -56,25 +56,19 @@ def short_qk_rope_attention(qkv, q_weight, k_weight, cache, positions, heads, kv
     return impl(qkv, q_weight, k_weight, cache, positions, heads, kv_heads, eps, cu_seqlens, max_seqlen, causal)
 
 
-def skinny_mode() -> str:
-    """Which query-sized (<= 64 tokens) products take worker/kernels/skinny.py: "all" (the
-    default: every product, so the whole layer is one chain of our kernels), "norm" (only the two
-    that fold a pre-norm in; cuBLAS for the others) or "0" (none). POLLEN_SKINNY picks."""
+def skinny_fits(tokens, weight, swiglu=False):
+    """Whether a product of `tokens` rows takes worker/kernels/skinny.py (POLLEN_SKINNY=0: never)."""
     import os
 
-    return os.environ.get("POLLEN_SKINNY", "all")
-
-
-def skinny_fits(tokens, weight, swiglu=False):
     from worker.kernels.skinny import fits
 
-    return skinny_mode() != "0" and fits(tokens, weight, swiglu)
+    return os.environ.get("POLLEN_SKINNY", "1") != "0" and fits(tokens, weight, swiglu)
 
 
-def skinny_linear(h, weight, bias=None, **options):
+def skinny_linear(x, weight, bias=None, **options):
     from worker.kernels.skinny import skinny_linear as impl
 
-    return impl(h, weight, bias, **options)
+    return impl(x, weight, bias, **options)
 
 
 def silu_mul(gate_up):

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels.skinny import gdc_launch_dependents, gdc_wait, pdl_launch
+
 
 @triton.jit
 def _softmax_times_v(s, v, live, m, CAUSAL: tl.constexpr):
@@ -76,9 +76,7 @@ def _norm_rope(a, b, w_ptr, cos, sin, eps, D: tl.constexpr, HALF: tl.constexpr):
 @triton.jit
 def _short_qk_rope_attention(qkv_ptr, o_ptr, cu_ptr, pos_ptr, qw_ptr, kw_ptr, cache_ptr, eps, scale,
                              HEADS: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                             CAUSAL: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # the next kernel may launch now (see skinny.py); our qkv is read after gdc_wait
-        gdc_launch_dependents()
+                             CAUSAL: tl.constexpr):
     seq = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // (HEADS // KV)
@@ -94,8 +92,6 @@ def _short_qk_rope_attention(qkv_ptr, o_ptr, cu_ptr, pos_ptr, qw_ptr, kw_ptr, ca
     pos = tl.load(pos_ptr + start + m, mask=live, other=0).to(tl.int64)[:, None]
     cos = tl.load(cache_ptr + pos * D + c)
     sin = tl.load(cache_ptr + pos * D + HALF + c)
-    if PDL:  # cu_seqlens, positions and the cache come from before the graph; qkv from the previous kernel
-        gdc_wait()
     qa = tl.load(rows + h * D + c, mask=lm, other=0.0).to(tl.float32)
     qb = tl.load(rows + h * D + HALF + c, mask=lm, other=0.0).to(tl.float32)
     ka = tl.load(rows + (HEADS + kvh) * D + c, mask=lm, other=0.0).to(tl.float32)
@@ -119,5 +115,5 @@ def short_qk_rope_attention(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight:
     block = max(16, triton.next_power_of_2(max_seqlen))
     _short_qk_rope_attention[(cu_seqlens.shape[0] - 1, heads)](
         qkv, out, cu_seqlens, positions, q_weight, k_weight, cache, eps, d ** -0.5,
-        HEADS=heads, KV=kv_heads, D=d, BLOCK=block, CAUSAL=causal, num_warps=4, **pdl_launch())
+        HEADS=heads, KV=kv_heads, D=d, BLOCK=block, CAUSAL=causal, num_warps=4)
     return out

@@ -34,6 +34,9 @@ class EmbeddingModel(torch.nn.Module):
         hidden = self.hidden_states(input_ids, pos, cu_seqlens, max_seqlen)
         return pool(hidden, cu_seqlens, self.spec.pooling)
 
+    def after_load(self) -> None:
+        """Rewrite the loaded weights into the form the forward wants (the loader calls it once)."""
+
     def hf_weight_map(self) -> dict[str, list[str]]:
         """Our parameter name -> checkpoint tensor names (without prefix).
 

@@ -27,6 +27,7 @@ def load_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float3
         model = FAMILIES[spec.family](spec, config)
     model = model.to(dtype=dtype).to_empty(device=device)
     _load_weights(model, spec.path)
+    model.after_load()
     model.eval()
     model.requires_grad_(False)
     return model

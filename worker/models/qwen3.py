@@ -75,9 +75,7 @@ class Qwen3Encoder(EmbeddingModel):
         add_rms_norm, qk_norm_rope, silu_mul = impl.add_rms_norm, impl.qk_norm_rope, impl.silu_mul
         cache = self.rope(input_ids.device)
         tokens = input_ids.shape[0]
-        first = self.layers[0]
-        if (impl is kernels and kernels.skinny_fits(tokens, first.qkv.weight)
-                and kernels.skinny_fits(tokens, first.gate_up.weight, swiglu=True)):
+        if impl is kernels and self.fits_query_kernels(tokens):
             return self.query_hidden_states(input_ids, positions, cu_seqlens, max_seqlen, cache)
         norms = [layer.attn_norm.weight for layer in self.layers[1:]] + [self.norm.weight]
         x, residual = impl.embed_rms_norm(input_ids, self.embed.weight, self.layers[0].attn_norm.weight, self.eps)
@@ -97,25 +95,36 @@ class Qwen3Encoder(EmbeddingModel):
             x, residual = add_rms_norm(layer.down(silu_mul(layer.gate_up(x))), residual, next_norm, self.eps)
         return x
 
+    @torch.no_grad()
+    def after_load(self) -> None:
+        """Fold each pre-norm's weight into the product that reads it: rms_norm(x) * g @ W.T equals
+        rms_norm(x) @ (W * g).T, so the query kernels can scale rows after the product
+        (worker/kernels/skinny.py). The norms keep a weight of ones, so every path sees one model."""
+        for layer in self.layers:
+            for norm, linear in ((layer.attn_norm, layer.qkv), (layer.mlp_norm, layer.gate_up)):
+                folded = linear.weight.float() * norm.weight.float()[None, :]
+                linear.weight.copy_(folded.to(linear.weight.dtype))
+                norm.weight.fill_(1.0)
+
+    def fits_query_kernels(self, tokens: int) -> bool:
+        first = self.layers[0]
+        return (kernels.skinny_fits(tokens, first.qkv.weight) and kernels.skinny_fits(tokens, first.o.weight)
+                and kernels.skinny_fits(tokens, first.gate_up.weight, swiglu=True)
+                and kernels.skinny_fits(tokens, first.down.weight))
+
     def query_hidden_states(self, input_ids, positions, cu_seqlens, max_seqlen, cache) -> torch.Tensor:
-        """At most 64 tokens (queries): five kernels a layer instead of eight, each pre-norm folded
-        into the product that reads it and SiLU-gate into the gate/up product
-        (worker/kernels/skinny.py); the o and down products run there too unless
-        POLLEN_SKINNY=norm, so that the whole layer is one programmatic-dependent-launch chain."""
+        """At most 64 tokens (queries): five kernels a layer instead of eight (worker/kernels/skinny.py).
+        The o and down products write the residual stream and its per-row sums of squares; the qkv
+        and gate/up products read it raw and apply the norm in their epilogue (its weight is folded
+        in, see after_load), gate/up also SiLU-gate."""
         tokens = input_ids.shape[0]
-        ours = kernels.skinny_mode() == "all"
-
-        def plain(x, linear):
-            if ours and kernels.skinny_fits(tokens, linear.weight):
-                return kernels.skinny_linear(x, linear.weight, linear.bias)[0]
-            return linear(x)
-
         short = kernels.short_attention_fits(max_seqlen, self.layers[0].head_dim, rope=True)
-        h, residual = self.embed.weight, None
+        x, residual = kernels.embed_rms_norm(input_ids, self.embed.weight, self.layers[0].attn_norm.weight, self.eps)
+        parts = None  # the first layer's input is normalized already
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            qkv, residual = kernels.skinny_linear(h, layer.qkv.weight, layer.qkv.bias, residual=residual,
-                                                  ids=input_ids if i == 0 else None,
-                                                  norm_weight=layer.attn_norm.weight, eps=self.eps)
+            qkv = kernels.skinny_linear(x if parts is None else residual, layer.qkv.weight, layer.qkv.bias,
+                                        parts=parts, eps=self.eps)
             if short:
                 attn = kernels.short_qk_rope_attention(
                     qkv, layer.q_norm.weight, layer.k_norm.weight, cache, positions, layer.heads, layer.kv_heads,
@@ -124,11 +133,15 @@ class Qwen3Encoder(EmbeddingModel):
                 q, k, v = kernels.qk_norm_rope(qkv, layer.q_norm.weight, layer.k_norm.weight, cache, positions,
                                                layer.heads, layer.kv_heads, self.eps)
                 attn = varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=self.causal)
-            h = plain(attn.reshape(tokens, -1), layer.o)
-            act, residual = kernels.skinny_linear(h, layer.gate_up.weight, residual=residual,
-                                                  norm_weight=layer.mlp_norm.weight, eps=self.eps, swiglu=True)
-            h = plain(act, layer.down)
-        return kernels.add_rms_norm(h, residual, self.norm.weight, self.eps)[0]
+            residual, parts = kernels.skinny_linear(attn.reshape(tokens, -1), layer.o.weight, layer.o.bias,
+                                                    residual=residual)
+            act = kernels.skinny_linear(residual, layer.gate_up.weight, parts=parts, eps=self.eps, swiglu=True)
+            if i < last:
+                residual, parts = kernels.skinny_linear(act, layer.down.weight, residual=residual)
+            else:  # the final norm keeps its own weight (nothing reads it to fold it into)
+                x, _ = kernels.add_rms_norm(kernels.skinny_linear(act, layer.down.weight), residual,
+                                            self.norm.weight, self.eps)
+        return x
 
     def hf_weight_map(self) -> dict[str, list[str]]:
         m = {"embed.weight": ["embed_tokens.weight"], "norm.weight": ["norm.weight"]}
