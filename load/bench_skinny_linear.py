@@ -27,8 +27,11 @@ from worker.kernels import skinny as sk  # noqa: E402
 
 SHAPES = {"qwen3-0.6b": (1024, 4096, 2048, 3072), "qwen3-4b": (2560, 6144, 4096, 9728)}  # hidden, qkv, attn, inter
 LAYERS = 28
-GRID = [c for c in itertools.product((16, 32), (128, 256), (4,), (3, 4))] + [(16, 512, 4, 2), (16, 128, 8, 4),
-                                                                          (64, 128, 4, 3)]
+GRID = [c + (1,) for c in itertools.product((16, 32), (128, 256), (4,), (3, 4))] + [(16, 512, 4, 2, 1),
+                                                                                 (64, 128, 4, 3, 1)]
+# The o and down products have few output columns for their K: split K among programs as well.
+SPLIT_GRID = [c for c in itertools.product((16, 32), (128,), (4,), (4,), (2, 4, 8))] + [
+    (16, 256, 4, 4, 2), (16, 256, 4, 4, 4), (32, 256, 4, 3, 2)]
 DT = torch.bfloat16
 
 
@@ -110,9 +113,9 @@ def main():
         for m in (16, 64):
             for name, (kind, k, n, separate, skinny) in products(m, shape).items():
                 r = {"separate_us": graph_us([lambda L=L: separate(L) for L in layers])}
-                grid = GRID if m == 16 else [configs[f"{kind},{k},{n}"]]
+                grid = (GRID + (SPLIT_GRID if kind == "residual" else [])) if m == 16 else [configs[f"{kind},{k},{n}"]]
                 for config in grid:
-                    if n % config[0] or k % config[1]:
+                    if n % config[0] or k % (config[1] * config[4]):
                         continue
                     try:
                         us = graph_us([lambda L=L: skinny(L, config) for L in layers])
@@ -134,7 +137,7 @@ def main():
 
     meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "triton": triton.__version__}
-    lines = ["| product | rows | separate kernels (µs) | skinny (µs) | config (BN, BK, warps, stages) |",
+    lines = ["| product | rows | separate kernels (µs) | skinny (µs) | config (BN, BK, warps, stages, split K) |",
              "| --- | ---: | ---: | ---: | --- |"]
     for key, r in results.items():
         name, m = key.rsplit(" m=", 1)

@@ -32,16 +32,21 @@ MAX_ROWS = 64  # batches of up to this many tokens take these kernels (one row b
 
 
 @triton.jit
-def _skinny_linear(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_ptr, M, N, K: tl.constexpr, eps, n_parts,
+def _skinny_linear(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_ptr, ws_ptr, count_ptr,
+                   M, N, K: tl.constexpr, eps, n_parts,
                    PARTS: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
+    block = pid // SPLIT  # our BLOCK_N output columns
+    part = pid % SPLIT  # our share of K
     rm = tl.arange(0, BLOCK_M)
     row_ok = rm < M
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_N)
+    rn = block * BLOCK_N + cols
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    K_PART: tl.constexpr = K // SPLIT
+    for k in range(part * K_PART, (part + 1) * K_PART, BLOCK_K):
         rk = k + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=row_ok[:, None], other=0.0)
         w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :])
@@ -49,11 +54,33 @@ def _skinny_linear(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_pt
         if SWIGLU:
             w_up = tl.load(w_ptr + (rn + N)[:, None].to(tl.int64) * K + rk[None, :])
             acc_up += tl.dot(x, tl.trans(w_up))
+    if SPLIT == 1:
+        _epilogue(acc, acc_up, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_ptr, block, rm, row_ok, rn, N, K, eps,
+                  n_parts, PARTS, RESIDUAL, SWIGLU, HAS_BIAS, BLOCK_M)
+    else:
+        # Split K: each program leaves its partial tile in the workspace; the last of a column
+        # block to arrive (counted atomically) sums them in a fixed order and finishes.
+        tile = (rm[:, None] * BLOCK_N + cols[None, :])
+        tl.store(ws_ptr + pid * BLOCK_M * BLOCK_N + tile, acc)
+        tl.debug_barrier()  # every thread's partial is written before the count says so
+        arrived = tl.atomic_add(count_ptr + block, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                total += tl.load(ws_ptr + (block * SPLIT + s) * BLOCK_M * BLOCK_N + tile, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + block, 0)  # zero again for the next launch (or graph replay)
+            _epilogue(total, acc_up, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_ptr, block, rm, row_ok, rn, N, K,
+                      eps, n_parts, PARTS, RESIDUAL, SWIGLU, HAS_BIAS, BLOCK_M)
+
+
+@triton.jit
+def _epilogue(acc, acc_up, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_ptr, block, rm, row_ok, rn, N, K, eps,
+              n_parts, PARTS: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
+              BLOCK_M: tl.constexpr):
     if PARTS > 0:
-        # The producer's partial sums of squares, [PARTS, BLOCK_M] (PARTS rounded up to a power of 2).
+        # The producer's partial sums of squares, [n_parts, BLOCK_M] (PARTS: n_parts rounded up to a power of 2).
         p = tl.arange(0, PARTS)
-        squares = tl.load(parts_in_ptr + p[:, None] * BLOCK_M + rm[None, :], mask=p[:, None] < n_parts,
-                          other=0.0)
+        squares = tl.load(parts_in_ptr + p[:, None] * BLOCK_M + rm[None, :], mask=p[:, None] < n_parts, other=0.0)
         rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
         acc = acc * rstd[:, None]
         acc_up = acc_up * rstd[:, None]
@@ -70,14 +97,14 @@ def _skinny_linear(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_pt
         summed = (acc.to(dt).to(tl.float32) + r).to(dt)
         tl.store(out, summed, mask=row_ok[:, None])
         s = summed.to(tl.float32)
-        tl.store(parts_out_ptr + pid * BLOCK_M + rm, tl.sum(s * s, axis=1))
+        tl.store(parts_out_ptr + block * BLOCK_M + rm, tl.sum(s * s, axis=1))
     else:
         tl.store(out, acc.to(dt), mask=row_ok[:, None])
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) by (kind, K, N); see load/bench_skinny_linear.py.
-CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int]] = {}
-DEFAULT_CONFIG = (16, 256, 4, 4)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT) by (kind, K, N); see load/bench_skinny_linear.py.
+CONFIGS: dict[tuple[str, int, int], tuple[int, ...]] = {}
+DEFAULT_CONFIG = (16, 256, 4, 4, 1)
 
 
 def load_configs(path: str) -> None:
@@ -98,13 +125,17 @@ if os.environ.get("POLLEN_SKINNY_CONFIGS"):
     load_configs(os.environ["POLLEN_SKINNY_CONFIGS"])
 
 
-def config_for(kind: str, k: int, n: int) -> tuple[int, int, int, int]:
-    block_n, block_k, warps, stages = CONFIGS.get((kind, k, n), DEFAULT_CONFIG)
-    while k % block_k:  # a K step that divides K (fits() asks for K % 64 == 0)
+def config_for(kind: str, k: int, n: int) -> tuple[int, int, int, int, int]:
+    block_n, block_k, warps, stages, split = (*CONFIGS.get((kind, k, n), DEFAULT_CONFIG), 1)[:5]
+    if kind not in ("residual", "plain"):
+        split = 1  # SWIGLU's up half and the norm's scale are not kept per split
+    while k % (split * 64):
+        split //= 2
+    while (k // split) % block_k:  # a K step that divides each split (fits() asks for K % 64 == 0)
         block_k //= 2
     while n % block_n:
         block_n //= 2
-    return block_n, block_k, warps, stages
+    return block_n, block_k, warps, stages, split
 
 
 def kind_of(parts, residual, swiglu) -> str:
@@ -116,6 +147,19 @@ def fits(tokens: int, weight: torch.Tensor, swiglu: bool = False) -> bool:
     n, k = weight.shape
     n = n // 2 if swiglu else n
     return tokens <= MAX_ROWS and n % 16 == 0 and k % 64 == 0 and weight.dtype in (torch.bfloat16, torch.float16)
+
+
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counts(device: torch.device, blocks: int) -> torch.Tensor:
+    """The split-K arrival counters: zeros, one per column block, shared by every launch on the
+    device. Each launch leaves them zero again, and launches on one stream run one after another
+    (the worker has one compute stream), so no launch ever needs a memset of its own."""
+    counts = _COUNTS.get(device)
+    if counts is None or counts.numel() < blocks:
+        counts = _COUNTS[device] = torch.zeros(max(blocks, 4096), device=device, dtype=torch.int32)
+    return counts
 
 
 class Parts:
@@ -140,18 +184,20 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    block_n, block_k, warps, stages = config or config_for(kind_of(parts, residual, swiglu), k, n)
+    block_n, block_k, warps, stages, split = (*(config or config_for(kind_of(parts, residual, swiglu), k, n)), 1)[:5]
     block_m = max(16, triton.next_power_of_2(m))
     y = x.new_empty(m, n)
     programs = n // block_n
     parts_out = torch.empty(programs, block_m, device=x.device, dtype=torch.float32) if residual is not None else y
+    ws = torch.empty(programs * split * block_m * block_n, device=x.device, dtype=torch.float32) if split > 1 else y
     if parts is not None and parts.data.shape[1] != block_m:
         raise ValueError("parts come from a product over a different number of rows")
-    _skinny_linear[(programs,)](
+    _skinny_linear[(programs * split,)](
         x, weight, bias if bias is not None else x, y, residual if residual is not None else x,
-        parts.data if parts is not None else x, parts_out, m, n, k, eps, parts.count if parts is not None else 0,
+        parts.data if parts is not None else x, parts_out, ws, arrival_counts(x.device, programs) if split > 1 else y,
+        m, n, k, eps, parts.count if parts is not None else 0,
         PARTS=triton.next_power_of_2(parts.count) if parts is not None else 0, RESIDUAL=residual is not None,
-        SWIGLU=swiglu, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SWIGLU=swiglu, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages)
     if residual is not None:
         return y, Parts(parts_out, programs)
