@@ -25,7 +25,7 @@ from load.results_file import write_results  # noqa: E402
 from worker import kernels  # noqa: E402
 from worker.kernels import skinny as sk  # noqa: E402
 
-SHAPES = {"qwen3-0.6b": (1024, 4096, 2048, 3072), "qwen3-4b": (2560, 6144, 4096, 9728)}  # hidden, qkv, attn, inter
+ALL_SHAPES = {"qwen3-0.6b": (1024, 4096, 2048, 3072), "qwen3-4b": (2560, 6144, 4096, 9728)}  # hidden, qkv, attn, inter
 LAYERS = 28
 GRID = [c + (1,) for c in itertools.product((16, 32), (128, 256), (4,), (3, 4))] + [(16, 512, 4, 2, 1),
                                                                                  (64, 128, 4, 3, 1)]
@@ -106,15 +106,17 @@ def layer_chain(m, shape, layers):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True, help="path prefix: writes PREFIX.json and PREFIX.md")
+    p.add_argument("--shapes", default="qwen3-0.6b,qwen3-4b")
+    p.add_argument("--rows", default="16,32,64", help="row counts (the graph buckets of one query)")
     args = p.parse_args()
     results, configs, chains = {}, {}, {}
-    for shape_name, shape in SHAPES.items():
+    for shape_name in args.shapes.split(","):
+        shape = ALL_SHAPES[shape_name]
         layers = [Layer(*shape) for _ in range(LAYERS)]
-        for m in (16, 64):
+        for m in map(int, args.rows.split(",")):
             for name, (kind, k, n, separate, skinny) in products(m, shape).items():
                 r = {"separate_us": graph_us([lambda L=L: separate(L) for L in layers])}
-                grid = (GRID + (SPLIT_GRID if kind == "residual" else [])) if m == 16 else [configs[f"{kind},{k},{n}"]]
-                for config in grid:
+                for config in GRID + (SPLIT_GRID if kind == "residual" else []):
                     if n % config[0] or k % (config[1] * config[4]):
                         continue
                     try:
@@ -124,12 +126,12 @@ def main():
                         continue
                     if "skinny_us" not in r or us < r["skinny_us"]:
                         r["skinny_us"], r["config"] = us, config
-                if m == 16:
-                    configs[f"{kind},{k},{n}"] = r["config"]
+                configs[f"{kind},{k},{n},{max(16, m)}"] = r["config"]  # keyed by BLOCK_M
                 results[f"{shape_name} {name} m={m}"] = r
                 print(shape_name, name, m, r, flush=True)
             sk.load_configs_dict(configs)
-            chains[f"{shape_name} m={m}"] = layer_chain(m, shape, layers)
+            chains[f"{shape_name} m={m}"] = chain = layer_chain(m, shape, layers)
+            configs[f"layer,{shape[0]},0,{max(16, m)}"] = [int(chain["skinny_us"] < chain["separate_us"])]
             print(shape_name, m, "layer", chains[f"{shape_name} m={m}"], flush=True)
         del layers
         torch.cuda.empty_cache()

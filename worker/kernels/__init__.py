@@ -65,6 +65,12 @@ def skinny_fits(tokens, weight, swiglu=False):
     return os.environ.get("POLLEN_SKINNY", "1") != "0" and fits(tokens, weight, swiglu)
 
 
+def skinny_layer_wins(hidden, tokens):
+    from worker.kernels.skinny import layer_wins
+
+    return layer_wins(hidden, tokens)
+
+
 def skinny_linear(x, weight, bias=None, **options):
     from worker.kernels.skinny import skinny_linear as impl
 

@@ -102,8 +102,8 @@ def _epilogue(acc, acc_up, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_ptr, blo
         tl.store(out, acc.to(dt), mask=row_ok[:, None])
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT) by (kind, K, N); see load/bench_skinny_linear.py.
-CONFIGS: dict[tuple[str, int, int], tuple[int, ...]] = {}
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT) by (kind, K, N, BLOCK_M); see load/bench_skinny_linear.py.
+CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...]] = {}
 DEFAULT_CONFIG = (16, 256, 4, 4, 1)
 
 
@@ -117,16 +117,28 @@ def load_configs(path: str) -> None:
 
 def load_configs_dict(configs: dict) -> None:
     for key, config in configs.items():
-        kind, k, n = key.split(",")
-        CONFIGS[(kind, int(k), int(n))] = tuple(config)
+        kind, k, n, m = key.split(",")
+        if kind == "layer":  # k is the hidden size; config [1] or [0]: whether the five-kernel layer won
+            LAYER_WINS[(int(k), int(m))] = bool(config[0])
+        else:
+            CONFIGS[(kind, int(k), int(n), int(m))] = tuple(config)
+
+
+# (hidden, BLOCK_M) -> whether the five-kernel layer beat the eight separate kernels when measured;
+# a shape never measured takes it.
+LAYER_WINS: dict[tuple[int, int], bool] = {}
+
+
+def layer_wins(hidden: int, tokens: int) -> bool:
+    return LAYER_WINS.get((hidden, max(16, triton.next_power_of_2(tokens))), True)
 
 
 if os.environ.get("POLLEN_SKINNY_CONFIGS"):
     load_configs(os.environ["POLLEN_SKINNY_CONFIGS"])
 
 
-def config_for(kind: str, k: int, n: int) -> tuple[int, int, int, int, int]:
-    block_n, block_k, warps, stages, split = (*CONFIGS.get((kind, k, n), DEFAULT_CONFIG), 1)[:5]
+def config_for(kind: str, k: int, n: int, block_m: int) -> tuple[int, int, int, int, int]:
+    block_n, block_k, warps, stages, split = (*CONFIGS.get((kind, k, n, block_m), DEFAULT_CONFIG), 1)[:5]
     if kind not in ("residual", "plain"):
         split = 1  # SWIGLU's up half and the norm's scale are not kept per split
     while k % (split * 64):
@@ -184,8 +196,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    block_n, block_k, warps, stages, split = (*(config or config_for(kind_of(parts, residual, swiglu), k, n)), 1)[:5]
     block_m = max(16, triton.next_power_of_2(m))
+    block_n, block_k, warps, stages, split = (*(config or config_for(kind_of(parts, residual, swiglu), k, n, block_m)),
+                                              1)[:5]
     y = x.new_empty(m, n)
     programs = n // block_n
     parts_out = torch.empty(programs, block_m, device=x.device, dtype=torch.float32) if residual is not None else y

@@ -108,7 +108,8 @@ class Qwen3Encoder(EmbeddingModel):
 
     def fits_query_kernels(self, tokens: int) -> bool:
         first = self.layers[0]
-        return (kernels.skinny_fits(tokens, first.qkv.weight) and kernels.skinny_fits(tokens, first.o.weight)
+        return (kernels.skinny_layer_wins(self.embed.weight.shape[1], tokens)
+                and kernels.skinny_fits(tokens, first.qkv.weight) and kernels.skinny_fits(tokens, first.o.weight)
                 and kernels.skinny_fits(tokens, first.gate_up.weight, swiglu=True)
                 and kernels.skinny_fits(tokens, first.down.weight))
 
