@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from worker.kernels.skinny_configs import MEASURED
+
 MAX_ROWS = 64  # batches of up to this many tokens take these kernels (one row block: tl.dot's M)
 
 
@@ -133,8 +135,11 @@ def layer_wins(hidden: int, tokens: int) -> bool:
     return LAYER_WINS.get((hidden, max(16, triton.next_power_of_2(tokens))), True)
 
 
-if os.environ.get("POLLEN_SKINNY_CONFIGS"):
+load_configs_dict(MEASURED)
+if os.environ.get("POLLEN_SKINNY_CONFIGS"):  # a table measured on this machine, over the committed one
     load_configs(os.environ["POLLEN_SKINNY_CONFIGS"])
+
+
 
 
 def config_for(kind: str, k: int, n: int, block_m: int) -> tuple[int, int, int, int, int]:
