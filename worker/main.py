@@ -59,6 +59,7 @@ class WorkerConfig:
     pooling: str | None = None
     attention: str | None = None
     bulk_batch_tokens: int = 0  # cap on bulk tokens per batch; 0: max_batch_tokens
+    spin_us: int = 0  # poll the request ring this long before sleeping (ServeConfig.worker_spin_us)
 
     def __post_init__(self) -> None:
         self.request_fds = tuple(self.request_fds)
@@ -139,9 +140,24 @@ class Worker:
                 continue
             if self.stopping:
                 return
+            if self.spin_for_requests():
+                continue
             self.requests.wait_readable(timeout=1.0)
             if os.getppid() != self.cfg.parent_pid:
                 return  # the frontend is gone; nobody will read our answers
+
+    def spin_for_requests(self) -> bool:
+        """Poll the request ring for cfg.spin_us; True as soon as something arrived. A sleeping worker
+        costs each query an eventfd write and a scheduler wake-up; a spinning one sees the request
+        the moment it is committed (the frontend does not even write the eventfd then)."""
+        if self.cfg.spin_us <= 0:
+            return False
+        deadline = time.monotonic_ns() + self.cfg.spin_us * 1000
+        has_data, now = self.requests.has_data, time.monotonic_ns
+        while now() < deadline:
+            if has_data():
+                return True
+        return False
 
     def drain_requests(self) -> None:
         while (item := self.requests.read()) is not None:
