@@ -3,7 +3,9 @@ and server on the same machine, against the engine alone in the same run.
 
     python load/bench_e2e.py --shape qwen3-0.6b --out load/results/gpu-e2e-DATE
 
-queries: one pre-tokenized text of 8..32 tokens per unary Embed, sequentially (p50 / p99).
+queries: one pre-tokenized text of 8..32 tokens per unary Embed, sequentially (p50 / p99); also as
+         text (tokenized by the server), and with the worker sleeping between queries instead of
+         polling its ring (--worker-spin-us 0; the default on cuda polls 5 ms).
 docs:    the bench_engine docs workload as token ids, 16 texts a message, over 4 streams that each
          keep 32 messages in flight (tokens/s), next to the engine's own tokens/s on the same texts.
 """
@@ -44,10 +46,20 @@ def engine_docs(path, seqs, budget):
     return sum(len(s) for s in seqs) / secs
 
 
-def query_latency(target, seqs):
+def text_queries(n, seed=4):
+    """Short English-like queries of about 8 to 32 tokens."""
+    rng = np.random.default_rng(seed)
+    words = "what how why which search engine embedding vector query model server latency gpu text the a of".split()
+    return [" ".join(rng.choice(words, rng.integers(6, 28))) for _ in range(n)]
+
+
+def query_latency(target, seqs, texts=False):
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.EmbedderStub(channel)
-        reqs = [pb.EmbedRequest(token_ids=[pb.TokenIds(ids=s.tolist())], normalize=True) for s in seqs]
+        if texts:
+            reqs = [pb.EmbedRequest(texts=[t], normalize=True) for t in seqs]
+        else:
+            reqs = [pb.EmbedRequest(token_ids=[pb.TokenIds(ids=s.tolist())], normalize=True) for s in seqs]
         for r in reqs[:30]:
             stub.Embed(r)
         times = []
@@ -106,6 +118,7 @@ def main():
     p.add_argument("--root", default="/tmp/pollen-ckpt")
     p.add_argument("--out", required=True)
     p.add_argument("--docs-scale", type=float, default=1.0)
+    p.add_argument("--skip-spin-compare", action="store_true", help="no second server with --worker-spin-us 0")
     args = p.parse_args()
     path = make_checkpoint(args.shape, args.root)
     vocab = SHAPES[args.shape]["vocab_size"]
@@ -117,14 +130,15 @@ def main():
     tokens = sum(len(s) for s in d)
     res = {"meta": versions(), "shape": args.shape, "engine_docs_tokens_per_s": engine_docs(path, d, budget)}
     print("engine", res, flush=True)
-    server = ServerProcess("--model", path, "--device", "cuda", "--max-batch-tokens", str(budget),
-                           "--max-request-bytes", str(64 << 20), "--max-queued-tokens", str(64 << 20),
-                           "--max-texts-per-request", "32",
-                           env={"PYTHONUNBUFFERED": "1"}).start(timeout=300)
+    flags = ["--model", path, "--device", "cuda", "--max-batch-tokens", str(budget), "--max-request-bytes",
+             str(64 << 20), "--max-queued-tokens", str(64 << 20), "--max-texts-per-request", "32"]
+    server = ServerProcess(*flags, env={"PYTHONUNBUFFERED": "1"}).start(timeout=300)
     try:
         res["server_start_s"] = server.started_in_s
         res["queries"] = query_latency(server.listen, queries(330, vocab))
         print("queries", res["queries"], flush=True)
+        res["queries_text"] = query_latency(server.listen, text_queries(330), texts=True)
+        print("queries as text", res["queries_text"], flush=True)
         secs = asyncio.run(stream_docs(server.listen, d))
         res["docs"] = {"tokens_per_s": tokens / secs, "seconds": secs, "tokens": tokens,
                        "share_of_engine": tokens / secs / res["engine_docs_tokens_per_s"]}
@@ -132,6 +146,14 @@ def main():
         res["sigterm_exit_code"] = server.terminate()  # drains and exits 0, GPU worker included
     finally:
         server.kill()
+    if not args.skip_spin_compare:
+        server = ServerProcess(*flags, "--worker-spin-us", "0", env={"PYTHONUNBUFFERED": "1"}).start(timeout=300)
+        try:
+            res["queries_no_spin"] = query_latency(server.listen, queries(330, vocab))
+            print("queries, worker sleeping between them", res["queries_no_spin"], flush=True)
+            server.terminate()
+        finally:
+            server.kill()
     with open(args.out + ".json", "w") as f:
         json.dump(res, f, indent=1)
     m = res["meta"]
@@ -143,7 +165,13 @@ def main():
           f"| --- | --- | --- | --- | --- |\n"
           f"| {args.shape} | {res['queries']['p50_ms']:.2f} / {res['queries']['p99_ms']:.2f} | "
           f"{res['docs']['tokens_per_s']:,.0f} | {res['engine_docs_tokens_per_s']:,.0f} | "
-          f"{res['docs']['share_of_engine']:.0%} |\n")
+          f"{res['docs']['share_of_engine']:.0%} |\n\n"
+          f"Queries sent as text (tokenized by the server): p50 {res['queries_text']['p50_ms']:.2f} / p99 "
+          f"{res['queries_text']['p99_ms']:.2f} ms.")
+    if "queries_no_spin" in res:
+        md += (f" With the worker sleeping between queries (`--worker-spin-us 0`): p50 "
+               f"{res['queries_no_spin']['p50_ms']:.2f} / p99 {res['queries_no_spin']['p99_ms']:.2f} ms.")
+    md += "\n"
     with open(args.out + ".md", "w") as f:
         f.write(md)
     print(md)
