@@ -203,6 +203,17 @@ def test_row_cap_keeps_every_record_within_max_record():
     assert max_record - (4 * HIDDEN + records.ENTRY.itemsize) < plan.nbytes <= max_record
 
 
+def test_a_response_ring_too_small_for_one_request_is_refused_at_start():
+    from server.app import check_limits
+    from server.config import ServeConfig
+    from worker.models.spec import default_model_path, read_model_spec
+
+    spec = read_model_spec(default_model_path())  # 384 values a row: 20 rows fit a 64 KiB ring's record
+    check_limits(ServeConfig(response_ring_bytes=64 << 10, max_texts_per_request=16), spec)
+    with pytest.raises(ValueError, match="--response-ring-bytes 65536 is too small"):
+        check_limits(ServeConfig(response_ring_bytes=64 << 10, max_texts_per_request=64), spec)
+
+
 class FailingEngine:
     """Runs like the CPU engine would, except on batches holding the poisoned request id."""
 
