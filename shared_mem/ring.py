@@ -126,8 +126,8 @@ class Ring:
     A record is never split: if it does not fit before the end of the data area, the producer
     writes a wrap marker and places it at offset 0 (the skipped tail counts as used space). A
     record of at most ``capacity / 2`` bytes (header and padding included) fits at any offset once
-    the ring drains, before the end or else at 0; a larger one might never fit. Hence
-    ``max_record = capacity // 2 - RECORD_HEADER``.
+    the ring drains (and the producer holds no reservation open), before the end or else at 0; a
+    larger one might never fit. Hence ``max_record = capacity // 2 - RECORD_HEADER``.
 
     Reservations: the producer takes a record's space (``try_reserve``/``reserve`` for the record
     it writes next, ``try_hold``/``hold`` for one it fills later) at a private cursor, the *tail*,
