@@ -241,6 +241,20 @@ def test_blocking_calls_refuse_to_wait_on_their_own_holds(ring):
     assert ring.hold(ring.max_record, timeout=0.05).nbytes == ring.max_record
 
 
+def test_mapped_memory_is_the_segment_a_device_would_write(ring):
+    """What a CUDA worker registers: the mapping's address and length. A write through the raw
+    address (as a DMA would land) shows in the held record and reaches the consumer."""
+    import ctypes
+
+    address, length = ring.mapped_memory()
+    assert length == Ring.HEADER_BYTES + ring.capacity
+    held = ring.hold(4)
+    ctypes.memmove(address + Ring.HEADER_BYTES + held.offset + Ring.RECORD_HEADER, b"dma!", 4)
+    assert bytes(held.view) == b"dma!"
+    ring.commit_held(held, 6)
+    assert drain(ring) == [(6, b"dma!")]
+
+
 def test_segment_mode_is_0600_and_unlink_removes_it(ring):
     path = os.path.join(SHM_DIR, ring.name)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
