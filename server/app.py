@@ -28,7 +28,6 @@ from server.workers import WorkerPool
 from shared_mem import records
 from shared_mem.ring import Ring, cleanup_stale_segments
 from worker.models.spec import read_model_spec
-from worker.postprocess import row_bytes
 
 log = logging.getLogger("pollen")
 
@@ -40,10 +39,14 @@ def check_limits(cfg: ServeConfig, spec) -> None:
     if cfg.max_batch_tokens < spec.max_tokens:
         raise ValueError(f"--max-batch-tokens {cfg.max_batch_tokens} is below the model's limit of "
                          f"{spec.max_tokens} tokens: one long text could never be batched")
-    largest_answer = records.RESULT_HEADER + cfg.max_texts_per_request * row_bytes(spec.hidden_size, pb.ENCODING_FLOAT32)
-    if largest_answer > Ring.max_record_for(cfg.response_ring_bytes):
-        raise ValueError(f"--response-ring-bytes {cfg.response_ring_bytes} cannot hold one answer of "
-                         f"{cfg.max_texts_per_request} x {spec.hidden_size} float32 values")
+    # A batch's answer record must fit the response ring; the worker caps the rows of a batch for
+    # it (records.max_batch_rows), and one sequence can cost a request's outputs and a row more
+    # (the chunks of a document, or the last text of a request begun in an earlier batch).
+    batch_rows = records.max_batch_rows(Ring.max_record_for(cfg.response_ring_bytes), spec.hidden_size)
+    if batch_rows < cfg.max_texts_per_request + 1:
+        raise ValueError(f"--response-ring-bytes {cfg.response_ring_bytes} is too small for answers of up to "
+                         f"{cfg.max_texts_per_request} x {spec.hidden_size} float32 values (one batch record "
+                         f"would hold only {batch_rows} rows)")
     largest_request = records.REQUEST_HEADER + cfg.max_texts_per_request * 4 * (1 + spec.max_tokens)
     if largest_request > Ring.max_record_for(cfg.request_ring_bytes):
         raise ValueError(f"--request-ring-bytes {cfg.request_ring_bytes} cannot hold one request of "

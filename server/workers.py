@@ -289,8 +289,11 @@ class WorkerHandle:
                 kind, view = item
                 if kind == records.RESULT:
                     self.answer(records.decode_result(view))
-                elif kind == records.BATCH:
-                    self.on_batch(records.decode_batch(view))
+                elif kind == records.BATCH_RESULT:
+                    report, results = records.decode_batch_result(view)  # bodies copied out
+                    self.on_batch(report)
+                    for result in results:
+                        self.answer(result)
                 elif kind == records.READY:
                     self.on_ready(json.loads(bytes(view)))
                 del view

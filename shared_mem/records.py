@@ -38,9 +38,38 @@ Response ring (worker -> frontend), kind RESULT:
     scales. Otherwise a google.rpc.Code (4 DEADLINE_EXCEEDED and 1 CANCELLED: dropped before the
     model; 13 INTERNAL: the model failed) and the body is a utf-8 message.
 
-Response ring, kind BATCH (one per batch the worker ran, for metrics and tests):
+    The worker writes these for requests it drops before the model (deadline, cancel). They go
+    after any batch records the worker holds open (shared_mem/ring.py), so they are published
+    when those are committed, at most one batch later.
 
-    | tokens u32 | seqs u32 | rows u32 | n_reqs u32 | req_ids: u64 * n_reqs |
+Response ring, kind BATCH_RESULT: one per batch the worker ran. The worker reserves it when it
+launches the batch, sized for what the batch will answer, and commits it when the batch is done;
+the device copies the batch's pooled rows straight into its raw area.
+
+    +--------+------+------+-----------+--------+--------+
+    | tokens | seqs | rows | n_entries | hidden | raw_at |
+    | u32    | u32  | u32  | u32       | u32    | u32    |
+    +--------+------+------+-----------+--------+--------+------------------------------------+
+    | entries, n_entries x 48 bytes, one per request whose answer this batch completes:        |
+    |   req_id u64 | status u32 | rows u32 | dims u32 | encoding u32 | queue_us u64 |          |
+    |   inference_us u64 | body_at u32 | body_len u32                                          |
+    | error room: ERROR_ROOM bytes, the utf-8 message of a failed batch                         |
+    | raw area at raw_at (8-aligned): rows x hidden f32, the batch's pooled rows in batch order |
+    | answer areas (8-aligned) of the requests whose earlier rows came in earlier batches       |
+    +------------------------------------------------------------------------------------------+
+
+    tokens, seqs and rows count what the batch ran (the pollen_batch_tokens metric). An entry is
+    a RESULT without its body: the body is the record's bytes [body_at, body_at + body_len).
+    Where it points:
+    - a request wholly in this batch, float32, full size, no row plan, not native int8: its
+      slice of the raw area, which the device already normalized if asked. Nobody copies it.
+    - any other request wholly in this batch (dims, another encoding, chunks, CHUNK_MEAN, native
+      int8): its encoded answer, written by the worker's CPU over the start of its own raw slice
+      (the answer is never larger than the rows it comes from).
+    - a request that began in an earlier batch: its answer area, sized when the batch was launched.
+    - status INTERNAL (the batch failed): the error room.
+    Raw rows of requests in the last two cases are not normalized on the device: the cut comes
+    first, and native int8 never normalizes.
 
 Kind READY carries a utf-8 JSON object (the worker's pid and what it loaded); kind STOP (request
 ring) asks the worker to finish what it holds and exit.
@@ -52,7 +81,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-EMBED, STOP, RESULT, READY, CANCEL, BATCH = 1, 2, 3, 4, 5, 6
+EMBED, STOP, RESULT, READY, CANCEL, BATCH_RESULT = 1, 2, 3, 4, 5, 6
 
 FLAG_NORMALIZE = 1
 FLAG_ROWS = 2
@@ -63,10 +92,15 @@ OK, CANCELLED, DEADLINE_EXCEEDED, INTERNAL = 0, 1, 4, 13
 _REQUEST = struct.Struct("<QQQIIIIIIII")
 _RESULT = struct.Struct("<QIIIIQQ")
 _CANCEL = struct.Struct("<Q")
-_BATCH = struct.Struct("<IIII")
+_BATCH = struct.Struct("<IIIIII")
 REQUEST_HEADER = _REQUEST.size
 RESULT_HEADER = _RESULT.size
 ROW_BYTES = 20  # the five row arrays, per row
+BATCH_HEADER = _BATCH.size
+ENTRY = np.dtype([("req_id", "<u8"), ("status", "<u4"), ("rows", "<u4"), ("dims", "<u4"),
+                  ("encoding", "<u4"), ("queue_us", "<u8"), ("inference_us", "<u8"), ("body_at", "<u4"),
+                  ("body_len", "<u4")])
+ERROR_ROOM = 1024  # bytes of a failed batch's message kept in its record (longer ones are cut)
 
 
 @dataclass(slots=True)
@@ -145,23 +179,6 @@ def decode_cancel(view: memoryview) -> int:
     return _CANCEL.unpack_from(view, 0)[0]
 
 
-def encode_batch(tokens: int, seqs: int, rows: int, req_ids: list[int]) -> bytes:
-    return _BATCH.pack(tokens, seqs, rows, len(req_ids)) + np.asarray(req_ids, dtype="<u8").tobytes()
-
-
-@dataclass(slots=True)
-class BatchReport:
-    tokens: int
-    seqs: int
-    rows: int
-    req_ids: np.ndarray  # u64: the requests with sequences in this batch
-
-
-def decode_batch(view: memoryview) -> BatchReport:
-    tokens, seqs, rows, n = _BATCH.unpack_from(view, 0)
-    return BatchReport(tokens, seqs, rows, np.frombuffer(view, dtype="<u8", count=n, offset=_BATCH.size).copy())
-
-
 def pack_result_header(buf: memoryview, req_id: int, status: int, rows: int, dims: int, encoding: int,
                        queue_us: int, inference_us: int) -> None:
     _RESULT.pack_into(buf, 0, req_id, status, rows, dims, encoding, queue_us, inference_us)
@@ -183,3 +200,48 @@ def decode_result(view: memoryview) -> ResultRecord:
     head = _RESULT.unpack_from(view, 0)
     # One copy out of shared memory: protobuf's bytes field needs bytes it owns.
     return ResultRecord(*head, bytes(view[RESULT_HEADER:]))
+
+
+def align8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def raw_at(n_entries: int) -> int:
+    """Offset of the raw area in a BATCH_RESULT record with `n_entries` entries."""
+    return align8(BATCH_HEADER + n_entries * ENTRY.itemsize + ERROR_ROOM)
+
+
+def max_batch_rows(max_record: int, hidden: int) -> int:
+    """Most rows one batch may count so that its BATCH_RESULT record fits `max_record`. A row costs
+    its raw f32 values and at most one entry (a request answered here has a row here). Answers of
+    requests wholly in the batch fit over their own raw rows; a request that began in an earlier
+    batch needs an answer area, at most 4 x hidden + 4 bytes an output (float32, or int8 and its
+    scale), so the batcher counts its outputs as rows too (worker/batcher.py, Job.record_rows)."""
+    return max(0, (max_record - raw_at(0)) // (4 * hidden + ENTRY.itemsize))
+
+
+def pack_batch_header(buf: memoryview, tokens: int, seqs: int, rows: int, n_entries: int, hidden: int) -> None:
+    _BATCH.pack_into(buf, 0, tokens, seqs, rows, n_entries, hidden, raw_at(n_entries))
+
+
+def batch_entries(buf: memoryview, n_entries: int) -> np.ndarray:
+    """The entries of a BATCH_RESULT record as a writable structured view (see ENTRY)."""
+    return np.frombuffer(buf, dtype=ENTRY, count=n_entries, offset=BATCH_HEADER)
+
+
+@dataclass(slots=True)
+class BatchReport:
+    tokens: int
+    seqs: int
+    rows: int
+    req_ids: np.ndarray  # u64: the requests this batch answered
+
+
+def decode_batch_result(view: memoryview) -> tuple[BatchReport, list[ResultRecord]]:
+    """The batch's figures and one ResultRecord per entry, bodies copied out of the ring."""
+    tokens, seqs, rows, n, _, _ = _BATCH.unpack_from(view, 0)
+    entries = batch_entries(view, n)
+    results = [ResultRecord(req_id, status, n_rows, dims, encoding, queue_us, inference_us,
+                            bytes(view[at:at + length]))
+               for req_id, status, n_rows, dims, encoding, queue_us, inference_us, at, length in entries.tolist()]
+    return BatchReport(tokens, seqs, rows, entries["req_id"].copy()), results

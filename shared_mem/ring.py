@@ -26,6 +26,17 @@ An asyncio consumer does not block in ``wait_readable``; it watches ``data_fd``:
 
 Because a wake-up can (rarely) be lost, see ``Ring``, it should also call ``on_readable`` every
 ``Ring.WAIT_SLICE`` or so while it awaits answers.
+
+A producer that must claim a record's space before it can fill it (the worker reserves a batch's
+answer when it launches the batch, and a second batch's while the first still runs) *holds* it::
+
+    first = ring.hold(n1)              # Reservation: first.view is the payload, writable
+    second = ring.hold(n2)             # placed after the first
+    ring.write(RESULT, error_bytes)    # a plain record goes after both; published with them
+    ring.commit_held(first, KIND)      # publishes `first`
+    ring.commit_held(second, KIND)     # publishes `second`, then the plain record
+
+Records are always published in the order their space was taken (see ``Ring``).
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ import secrets
 import select
 import struct
 import time
+from collections import deque
 
 import numpy as np
 
@@ -56,6 +68,28 @@ _I_PRODUCER_SLEEPING, _I_CONSUMER_SLEEPING = 18, 34  # u32 words at byte 72 and 
 
 class RingFull(Exception):
     """No room for a record right now; raised by callers that prefer it to ``try_write``'s False."""
+
+
+class CommitFirst(RingFull):
+    """The record cannot fit until the producer commits reservations it holds open.
+
+    Raised by the blocking ``reserve``/``hold``/``write`` instead of waiting: the consumer can only
+    release published records, so waiting would wait forever.
+    """
+
+
+class Reservation:
+    """Space for one record, taken in ring order and published by ``Ring.commit_held``."""
+
+    __slots__ = ("view", "offset", "nbytes", "end", "kind", "held")
+
+    def __init__(self, view: memoryview, offset: int, nbytes: int, end: int, held: bool):
+        self.view = view      # the payload, writable until committed
+        self.offset = offset  # data offset of the record header
+        self.nbytes = nbytes
+        self.end = end        # write_pos once this record is published
+        self.kind = -1        # set at commit; -1 while open
+        self.held = held      # taken by hold() (committed by commit_held) rather than try_reserve()
 
 
 class Ring:
@@ -92,20 +126,34 @@ class Ring:
     A record is never split: if it does not fit before the end of the data area, the producer
     writes a wrap marker and places it at offset 0 (the skipped tail counts as used space). A
     record of at most ``capacity / 2`` bytes (header and padding included) fits at any offset once
-    the ring drains, before the end or else at 0; a larger one might never fit. Hence
-    ``max_record = capacity // 2 - RECORD_HEADER``.
+    the ring drains (and the producer holds no reservation open), before the end or else at 0; a
+    larger one might never fit. Hence ``max_record = capacity // 2 - RECORD_HEADER``.
+
+    Reservations: the producer takes a record's space (``try_reserve``/``reserve`` for the record
+    it writes next, ``try_hold``/``hold`` for one it fills later) at a private cursor, the *tail*,
+    which runs ahead of ``write_pos`` while reservations are open. Space is taken in order, wrap
+    markers included, and records are published in that same order: ``write_pos`` moves over a
+    record only once it and every record before it are committed. So a plain record committed
+    while an earlier held one is open waits behind it, and held records must be committed in the
+    order they were held (``commit_held`` refuses any other). Free space counts the open
+    reservations (``free_bytes``). Bytes between ``write_pos`` and the tail are the producer's
+    alone: the consumer never looks past ``write_pos``.
 
     Publication order, and why it is safe:
 
     * Producer: payload and record header (and any wrap marker) first, then ``write_pos``. The
       consumer loads ``write_pos`` first and only then the records below it, so it never sees a
-      record before its bytes are complete.
+      record before its bytes are complete. With several reservations open, ``write_pos`` jumps
+      over every record committed so far in one store, once the oldest open one is committed.
     * Consumer: reads (or copies out) the payloads, then publishes ``read_pos``. The producer loads
       ``read_pos`` before it writes into the space below it, so it never overwrites bytes the
       consumer still uses. The consumer may read several records and release them all at once.
     * Sleep protocol: a side about to block sets its ``*_sleeping`` flag, re-checks the ring, then
       polls its eventfd; the other side, after publishing its position, writes the eventfd only if
       the flag is set.
+    * No waiting on oneself: the consumer can release only published records, so a producer that
+      holds open reservations must not wait for space that only their commit would free. The
+      blocking calls raise ``CommitFirst`` in that case rather than wait forever.
 
     Assumptions: x86-64 (TSO): stores become visible in program order, loads are not reordered with
     other loads nor with later stores, and an aligned 8-byte load or store is a single instruction
@@ -135,8 +183,10 @@ class Ring:
         self.max_record = self.capacity // 2 - self.RECORD_HEADER
         # Private cursors: each side owns one position and caches it here.
         self._wpos = int(self._u64[_I_WRITE_POS])  # producer: == shared write_pos
+        self._tail = self._wpos  # producer: where the next reservation starts (>= _wpos)
+        self._open: deque[Reservation] = deque()  # producer: not yet published, in ring order
+        self._plain: Reservation | None = None  # producer: try_reserve()'s, for commit()
         self._rcur = int(self._u64[_I_READ_POS])  # consumer: >= read_pos (read, not released)
-        self._pending: tuple[int, int, int] | None = None  # (new write_pos, offset, length)
         self._data_poll = select.poll()
         self._data_poll.register(data_fd, select.POLLIN)
         self._space_poll = select.poll()
@@ -197,46 +247,99 @@ class Ring:
     # --- producer side ---
 
     def free_bytes(self) -> int:
-        """Bytes not in use now (a record also needs its header, padding, maybe a wrapped tail)."""
-        return self.capacity - (int(self._u64[_I_WRITE_POS]) - int(self._u64[_I_READ_POS]))
+        """Bytes not in use now, the producer's open reservations included (a record also needs
+        its header, padding, maybe a wrapped tail)."""
+        in_use_to = max(self._tail, int(self._u64[_I_WRITE_POS]))  # a consumer's _tail is stale
+        return self.capacity - (in_use_to - int(self._u64[_I_READ_POS]))
 
     def try_reserve(self, nbytes: int) -> memoryview | None:
         """Writable view of ``nbytes`` contiguous bytes for the next record's payload; None if full.
 
-        Nothing is visible to the consumer until ``commit()``. Calling again before ``commit()``
-        replaces the reservation.
+        Placed after any held reservations. Nothing is visible to the consumer until ``commit()``
+        (and until the held reservations before it are committed). One at a time: commit it
+        before reserving another.
         """
+        if self._plain is not None:
+            raise RuntimeError("Ring.try_reserve() again before commit(); commit the record reserved first")
+        res = self._take(nbytes, int(self._u64[_I_READ_POS]), held=False)
+        if res is None:
+            return None
+        self._plain = res
+        return res.view
+
+    def commit(self, kind: int, notify: bool = True) -> None:
+        """Commit the record reserved by ``try_reserve``/``reserve``, tagged ``kind`` (0..2**32-1).
+
+        It is published now, or once the held reservations before it are committed.
+        """
+        if self._plain is None:
+            raise RuntimeError("Ring.commit() without a successful try_reserve()")
+        res, self._plain = self._plain, None
+        self._commit(res, kind, notify)
+
+    def try_hold(self, nbytes: int) -> Reservation | None:
+        """Take space for a record filled and committed later (``commit_held``); None if full.
+
+        Several may be open at once; they are placed, and must be committed, in the order held.
+        """
+        return self._take(nbytes, int(self._u64[_I_READ_POS]), held=True)
+
+    def hold(self, nbytes: int, timeout: float | None = None) -> Reservation:
+        """Blocking ``try_hold``; TimeoutError after ``timeout`` s, ``CommitFirst`` if only the
+        commit of reservations already open could make room."""
+        return self._wait_for_space(lambda: self.try_hold(nbytes), nbytes, timeout)
+
+    def commit_held(self, res: Reservation, kind: int, notify: bool = True) -> None:
+        """Commit a held record, tagged ``kind``; it must be the oldest held one still open.
+
+        Publishes it and every committed record after it, up to the next open reservation.
+        """
+        oldest = next((r for r in self._open if r.held and r.kind < 0), None)
+        if res is not oldest:
+            raise RuntimeError("Ring.commit_held(): held records are committed in the order they were held")
+        self._commit(res, kind, notify)
+
+    def _take(self, nbytes: int, read_pos: int, held: bool) -> Reservation | None:
+        """Place a record at the tail if it fits with the consumer at ``read_pos``."""
+        place = self._place(nbytes, read_pos)
+        if place is None:
+            return None
+        offset, end, wraps = place
+        if wraps:  # the skipped tail is ours until published, so the marker can go in now
+            _REC.pack_into(self._mm, self.HEADER_BYTES + self._tail % self.capacity, _WRAP, 0)
+        start = self.HEADER_BYTES + offset + self.RECORD_HEADER
+        res = Reservation(self._mv[start : start + nbytes], offset, nbytes, end, held)
+        self._open.append(res)
+        self._tail = end
+        return res
+
+    def _place(self, nbytes: int, read_pos: int) -> tuple[int, int, bool] | None:
+        """(data offset, tail after it, wraps) of a record of ``nbytes`` at the tail, or None."""
         if not 0 <= nbytes <= self.max_record:
             raise ValueError(f"record of {nbytes} bytes; this ring takes 0..{self.max_record}")
         size = self.RECORD_HEADER + ((nbytes + 7) & ~7)
-        wpos, cap = self._wpos, self.capacity
-        free = cap - (wpos - int(self._u64[_I_READ_POS]))
-        offset = wpos % cap
-        tail = cap - offset  # >= 8: offsets are 8-aligned and capacity is a multiple of 8
-        if size <= tail:
-            if size > free:
-                return None
-            new_wpos = wpos + size
-        else:
-            if tail + size > free:
-                return None
-            _REC.pack_into(self._mm, self.HEADER_BYTES + offset, _WRAP, 0)
-            offset, new_wpos = 0, wpos + tail + size
-        self._pending = (new_wpos, offset, nbytes)
-        start = self.HEADER_BYTES + offset + self.RECORD_HEADER
-        return self._mv[start : start + nbytes]
+        tail, cap = self._tail, self.capacity
+        free = cap - (tail - read_pos)
+        offset = tail % cap
+        room = cap - offset  # >= 8: offsets are 8-aligned and capacity is a multiple of 8
+        if size <= room:
+            return (offset, tail + size, False) if size <= free else None
+        # Does not fit before the end: a wrap marker, and the record at offset 0.
+        return (0, tail + room + size, True) if room + size <= free else None
 
-    def commit(self, kind: int, notify: bool = True) -> None:
-        """Publish the record reserved last, tagged ``kind`` (0..2**32-1)."""
-        if self._pending is None:
-            raise RuntimeError("Ring.commit() without a successful try_reserve()")
+    def _commit(self, res: Reservation, kind: int, notify: bool) -> None:
         if not 0 <= kind <= 0xFFFFFFFF:
             raise ValueError(f"record kind must be in 0..2**32-1, got {kind}")
-        new_wpos, offset, nbytes = self._pending
-        self._pending = None
-        _REC.pack_into(self._mm, self.HEADER_BYTES + offset, nbytes, kind)
-        self._u64[_I_WRITE_POS] = new_wpos  # publish last: the record is complete before this
-        self._wpos = new_wpos
+        res.kind = kind
+        res.view = None
+        _REC.pack_into(self._mm, self.HEADER_BYTES + res.offset, res.nbytes, kind)
+        published = self._wpos
+        while self._open and self._open[0].kind >= 0:
+            published = self._open.popleft().end
+        if published == self._wpos:
+            return  # behind an open reservation: published with it
+        self._u64[_I_WRITE_POS] = published  # publish last: the records are complete before this
+        self._wpos = published
         if notify:
             self.notify_consumer()
 
@@ -250,11 +353,13 @@ class Ring:
         for v in views:
             dst[pos : pos + v.nbytes] = v
             pos += v.nbytes
+        del dst
         self.commit(kind, notify)
         return True
 
     def write(self, kind: int, *parts, timeout: float | None = None, notify: bool = True) -> None:
-        """Blocking ``try_write`` for a plain producer; raises TimeoutError after ``timeout`` s."""
+        """Blocking ``try_write`` for a plain producer; raises TimeoutError after ``timeout`` s
+        (and ``CommitFirst`` as ``reserve`` does)."""
         views = [memoryview(p).cast("B") for p in parts]
         dst = self.reserve(sum(v.nbytes for v in views), timeout)
         pos = 0
@@ -265,15 +370,24 @@ class Ring:
         self.commit(kind, notify)
 
     def reserve(self, nbytes: int, timeout: float | None = None) -> memoryview:
-        """Blocking ``try_reserve`` for a plain producer; raises TimeoutError after ``timeout`` s."""
-        if (dst := self.try_reserve(nbytes)) is not None:
-            return dst
+        """Blocking ``try_reserve``; raises TimeoutError after ``timeout`` s, and ``CommitFirst``
+        at once if only the commit of this producer's open reservations could make room."""
+        return self._wait_for_space(lambda: self.try_reserve(nbytes), nbytes, timeout)
+
+    def _wait_for_space(self, attempt, nbytes: int, timeout: float | None):
+        if (got := attempt()) is not None:
+            return got
+        if self._place(nbytes, self._wpos) is None:
+            # Even with every published record released there is no room: the rest is held by
+            # our own open reservations, which the consumer cannot release.
+            raise CommitFirst(f"ring {self.name}: a record of {nbytes} bytes fits only after the "
+                              f"{len(self._open)} open reservations are committed")
         self.notify_consumer()  # records committed with notify=False must not wait on us
         deadline = None if timeout is None else time.monotonic() + timeout
         self._u32[_I_PRODUCER_SLEEPING] = 1
         try:
             # Re-check after setting the flag: the consumer may have released just before.
-            while (dst := self.try_reserve(nbytes)) is None:
+            while (got := attempt()) is None:
                 wait = self.WAIT_SLICE
                 if deadline is not None:
                     left = deadline - time.monotonic()
@@ -282,7 +396,7 @@ class Ring:
                     wait = min(wait, left)
                 self._space_poll.poll(wait * 1000)
                 self.drain_signal(self.space_fd)
-            return dst
+            return got
         finally:
             self._u32[_I_PRODUCER_SLEEPING] = 0
 
@@ -297,6 +411,11 @@ class Ring:
     def max_record_for(cls, capacity: int) -> int:
         """The ``max_record`` a ring created with ``capacity`` will have."""
         return (-(-capacity // 4096) * 4096) // 2 - cls.RECORD_HEADER
+
+    def mapped_memory(self) -> tuple[int, int]:
+        """(address, length) of this process's mapping of the whole segment, header included:
+        what a CUDA worker registers (cudaHostRegister) so device copies land in it directly."""
+        return self._u64.__array_interface__["data"][0], len(self._mm)
 
     def notify_consumer(self) -> None:
         """Wake the consumer if it sleeps (after commits made with ``notify=False``)."""
@@ -394,7 +513,8 @@ class Ring:
         if self._closed:
             return
         self._closed = True
-        self._pending = None
+        self._open.clear()
+        self._plain = None
         self._u64 = self._u32 = None
         self._mv.release()
         try:

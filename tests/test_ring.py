@@ -1,4 +1,5 @@
-"""Fast tests of shared_mem/ring.py: round trip, wrap, limits, lifetime, cross-process wake-up."""
+"""Fast tests of shared_mem/ring.py: round trip, wrap, limits, held reservations, lifetime,
+cross-process wake-up."""
 
 import os
 import secrets
@@ -11,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from shared_mem.ring import SHM_DIR, Ring, cleanup_stale_segments
+from shared_mem.ring import SHM_DIR, CommitFirst, Ring, cleanup_stale_segments
 
 PREFIX = "pollentest"
 
@@ -147,6 +148,111 @@ def test_blocking_write_times_out_then_wakes_on_release(ring):
     ring.write(5, b"a" * 1000, timeout=5)  # does not fit until the thread drains the ring
     t.join()
     assert drain(ring) == [(5, b"a" * 1000)]
+
+
+def test_held_records_publish_in_the_order_their_space_was_taken(ring):
+    first = ring.try_hold(10)
+    second = ring.hold(3)
+    ring.write(7, b"plain")  # behind the open holds: committed, not yet visible
+    assert ring.read() is None
+    assert ring.free_bytes() == ring.capacity - (24 + 16 + 16)  # open and unpublished space counts as used
+    with pytest.raises(RuntimeError):
+        ring.commit_held(second, 2)  # the older one is still open
+    second.view[:] = b"two"
+    first.view[:] = b"0123456789"  # filled after later records were placed
+    ring.commit_held(first, 1)
+    assert drain(ring) == [(1, b"0123456789")]
+    ring.commit_held(second, 2)  # publishes the plain record behind it too
+    assert drain(ring) == [(2, b"two"), (7, b"plain")]
+    assert ring.free_bytes() == ring.capacity
+    with pytest.raises(RuntimeError):
+        ring.commit_held(second, 2)  # committed already
+
+
+def test_one_plain_reservation_at_a_time(ring):
+    ring.try_reserve(4)
+    with pytest.raises(RuntimeError):
+        ring.try_reserve(4)
+    held = ring.try_hold(4)  # a hold may still be taken; it goes after the plain record
+    ring.commit(3)
+    assert drain(ring) == [(3, bytes(4))]
+    ring.commit_held(held, 4)
+    assert drain(ring) == [(4, bytes(4))]
+
+
+def test_held_records_wrap_and_fill_the_ring_exactly(ring):
+    """Random sizes, up to three holds open, plain records between them; every byte and the
+    order are checked while the ring wraps many times, and free_bytes stays exact."""
+    rng = np.random.default_rng(7)
+    held, expected, got = [], [], []
+    in_use = 0  # bytes taken and not released, as the ring must count them
+    for i in range(3000):
+        n = int(rng.integers(0, 700))
+        payload = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        before = ring._tail
+        if rng.random() < 0.5:
+            res = ring.try_hold(n)
+            ok = res is not None
+            if ok:
+                held.append((i, res, payload))
+        else:
+            ok = ring.try_write(i, payload)
+        if ok:
+            expected.append((i, payload))
+            in_use += ring._tail - before  # header, padding and any skipped tail
+        if not ok or len(held) > 3 or rng.random() < 0.3:
+            # Commit the oldest hold (or release what was read) and go on.
+            if held:
+                j, res, data = held.pop(0)
+                res.view[:] = data
+                ring.commit_held(res, j)
+            while (rec := ring.read()) is not None:
+                got.append((rec[0], bytes(rec[1])))
+            released_to = ring._rcur
+            in_use = ring._tail - released_to
+            ring.release()
+        assert ring.free_bytes() == ring.capacity - in_use
+    for j, res, data in held:
+        res.view[:] = data
+        ring.commit_held(res, j)
+    got += drain(ring)
+    assert got == expected and len(got) > 1000
+    assert ring._wpos > 20 * ring.capacity  # wrapped many times
+    assert ring.free_bytes() == ring.capacity
+
+
+def test_blocking_calls_refuse_to_wait_on_their_own_holds(ring):
+    held = ring.hold(ring.max_record)  # half the ring, open
+    ring.write(1, bytes(1000))
+    assert drain(ring) == []  # nothing published: it all waits behind the hold
+    with pytest.raises(CommitFirst):
+        ring.hold(ring.max_record)
+    with pytest.raises(CommitFirst):
+        ring.write(2, bytes(1500), timeout=5)  # would wait forever: only our commit frees space
+    assert ring.try_reserve(100) is not None  # what does fit is still handed out
+    ring.commit(3)
+    ring.commit_held(held, 4)
+    assert [k for k, _ in drain(ring)] == [4, 1, 3]
+    # Published but unread records are the consumer's to free: then the blocking calls wait.
+    ring.write(5, bytes(ring.max_record))
+    with pytest.raises(TimeoutError):
+        ring.hold(ring.max_record, timeout=0.05)
+    drain(ring)
+    assert ring.hold(ring.max_record, timeout=0.05).nbytes == ring.max_record
+
+
+def test_mapped_memory_is_the_segment_a_device_would_write(ring):
+    """What a CUDA worker registers: the mapping's address and length. A write through the raw
+    address (as a DMA would land) shows in the held record and reaches the consumer."""
+    import ctypes
+
+    address, length = ring.mapped_memory()
+    assert length == Ring.HEADER_BYTES + ring.capacity
+    held = ring.hold(4)
+    ctypes.memmove(address + Ring.HEADER_BYTES + held.offset + Ring.RECORD_HEADER, b"dma!", 4)
+    assert bytes(held.view) == b"dma!"
+    ring.commit_held(held, 6)
+    assert drain(ring) == [(6, b"dma!")]
 
 
 def test_segment_mode_is_0600_and_unlink_removes_it(ring):

@@ -5,7 +5,11 @@ constantly. Record i is derived from (seed, i) alone: its size from the seed's p
 slice of a seeded random pool with i stamped into the first 8 bytes, its kind i & 0xffffffff.
 Set POLLEN_RING_SEED to replay a failure; the seed is printed.
 
-Child usage: python tests/test_ring_stress.py {produce|consume} NAME DATA_FD SPACE_FD SEED
+In the "held" variant the producer works as the worker does: it holds some records' space open
+(up to three at once), fills them later, writes plain records between them, and commits the holds
+in order; the consumer must still see record i, whole, at place i.
+
+Child usage: python tests/test_ring_stress.py {produce|produce-held|consume} NAME DATA_FD SPACE_FD SEED
 """
 
 import os
@@ -13,11 +17,12 @@ import secrets
 import subprocess
 import sys
 import time
+from collections import deque
 
 import numpy as np
 import pytest
 
-from shared_mem.ring import Ring
+from shared_mem.ring import CommitFirst, Ring
 
 N_RECORDS = 100_000
 CAPACITY = 64 * 1024
@@ -83,6 +88,46 @@ def produce(ring: Ring, seed: int, peer_alive) -> None:
     ring.notify_consumer()
 
 
+def produce_held(ring: Ring, seed: int, peer_alive) -> None:
+    sizes, pool = plan(seed, ring.max_record)
+    pool, maybe_pause = memoryview(pool), pauser(seed + 1)
+    rng = np.random.default_rng(seed + 4)
+    choices = iter(rng.random(2 * N_RECORDS).tolist())
+    deadline = time.monotonic() + TIME_LIMIT
+    held: deque = deque()  # (i, Reservation), oldest first
+
+    def commit_oldest():
+        i, res = held.popleft()
+        stamp, rest = parts(i, int(sizes[i]), pool)
+        res.view[: len(stamp)] = stamp
+        res.view[len(stamp) :] = rest
+        ring.commit_held(res, i & 0xFFFFFFFF)
+
+    for i, size in enumerate(sizes.tolist()):
+        hold_it = next(choices) < 0.3
+        while True:
+            try:
+                if hold_it:
+                    held.append((i, ring.hold(size, timeout=1.0)))
+                else:
+                    ring.write(i & 0xFFFFFFFF, *parts(i, size, pool), timeout=1.0, notify=i % 5 != 0)
+                break
+            except CommitFirst:  # only our own open holds are in the way
+                commit_oldest()
+            except TimeoutError:
+                assert peer_alive(), f"consumer died; producer at record {i}"
+                assert time.monotonic() < deadline, f"producer stuck at record {i}"
+        while len(held) > 3 or (held and next(choices) < 0.3):
+            commit_oldest()
+        maybe_pause()
+    while held:
+        commit_oldest()
+    ring.notify_consumer()
+
+
+PRODUCERS = {"produce": produce, "produce-held": produce_held}
+
+
 def consume(ring: Ring, seed: int, peer_alive) -> None:
     sizes, pool = plan(seed, ring.max_record)
     pool, maybe_pause = memoryview(pool), pauser(seed + 2)
@@ -114,15 +159,16 @@ def consume(ring: Ring, seed: int, peer_alive) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("producer", ["produce", "produce-held"])
 @pytest.mark.parametrize("child_role", ["consume", "produce"])
-def test_two_process_stress(child_role):
+def test_two_process_stress(child_role, producer):
     seed = int(os.environ.get("POLLEN_RING_SEED") or secrets.randbelow(2**31))
     print(f"ring stress seed={seed}")
     ring = Ring.create(CAPACITY)
     child = None
     try:
         child = subprocess.Popen(
-            [sys.executable, __file__, child_role, ring.name,
+            [sys.executable, __file__, producer if child_role == "produce" else "consume", ring.name,
              str(ring.data_fd), str(ring.space_fd), str(seed)],
             pass_fds=[ring.data_fd, ring.space_fd],
             stderr=subprocess.PIPE,
@@ -130,7 +176,7 @@ def test_two_process_stress(child_role):
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         )
         t0 = time.monotonic()
-        run_parent = consume if child_role == "produce" else produce
+        run_parent = consume if child_role == "produce" else PRODUCERS[producer]
         try:
             run_parent(ring, seed, lambda: child.poll() is None)
             parent_error = None
@@ -141,7 +187,7 @@ def test_two_process_stress(child_role):
         elapsed = time.monotonic() - t0
         assert parent_error is None, f"parent failed, seed={seed}: {parent_error}\nchild: {err}"
         assert child.returncode == 0, f"child ({child_role}) failed, seed={seed}:\n{err}"
-        print(f"ring stress: {N_RECORDS} records, child {child_role}s, {elapsed:.2f} s")
+        print(f"ring stress: {N_RECORDS} records, child {child_role}s ({producer}), {elapsed:.2f} s")
     finally:
         if child is not None and child.poll() is None:
             child.kill()
@@ -154,7 +200,7 @@ def _child_main(role: str, name: str, data_fd: str, space_fd: str, seed: str) ->
     parent = os.getppid()
     ring = Ring.attach(name, int(data_fd), int(space_fd))
     try:
-        (consume if role == "consume" else produce)(ring, int(seed), lambda: os.getppid() == parent)
+        (PRODUCERS.get(role, consume))(ring, int(seed), lambda: os.getppid() == parent)
     except AssertionError as exc:
         print(f"{role} failed: {exc}", file=sys.stderr)
         return 1

@@ -11,6 +11,11 @@ interactive work takes bulk work up to `bulk_batch_tokens` (0: the whole budget)
 request arriving while the worker is busy therefore waits for at most the bulk batch being run
 (the cap bounds it) and then runs with one bulk sequence at most beside it.
 
+Rows are capped too (`max_batch_rows`, 0: none), the same way as tokens: a batch's answer
+record holds every row it pools, and the answers of requests begun in earlier batches, and must
+fit the response ring (shared_mem/records.py, max_batch_rows; Job.record_rows). Only batches of
+very short texts or tiny chunks ever meet that cap.
+
 Requests that have not reached the model can leave the queue: `cancel` (the client left) and
 `expire` (the deadline passed). A request whose first sequence was batched is finished as usual.
 """
@@ -62,6 +67,15 @@ class Job:
     def tokens(self, start: int, stop: int) -> int:
         return int(self.offsets[stop] - self.offsets[start])
 
+    def record_rows(self, seq: int, start: int) -> int:
+        """What sequence `seq` costs a batch that takes this job from sequence `start` on, in rows
+        of the batch's answer record: the rows it pools and, when it ends a request begun in an
+        earlier batch, that request's outputs, whose answer goes into this batch's record."""
+        rows = int(self.row_offsets[seq + 1] - self.row_offsets[seq])
+        if start > 0 and seq + 1 == self.n_seqs:
+            rows += self.rec.n_out
+        return rows
+
     def row_spans(self, i: int) -> list[tuple[int, int]]:
         """The (start, stop) token spans of sequence i that each become one pooled row."""
         rows = self.rec.rows
@@ -75,6 +89,7 @@ class Job:
 class Batcher:
     max_batch_tokens: int
     bulk_batch_tokens: int = 0  # 0: no cap beyond max_batch_tokens
+    max_batch_rows: int = 0     # 0: no cap
     lanes: tuple = field(default_factory=lambda: (deque(), deque()))
     queued_tokens: int = 0
     with_deadline: int = 0  # queued jobs that carry a deadline: expire() scans only when some do
@@ -117,36 +132,44 @@ class Batcher:
         """Interactive sequences first, then bulk ones, in arrival order within each lane.
 
         A single sequence is never longer than the budget (the config guarantees the model's
-        limit fits), so every batch holds at least one sequence and the queues always drain.
+        limit fits) nor costs more rows than the row cap (the frontend checks it against the most
+        outputs a request may have, plus one), so every batch holds at least one sequence and the
+        queues always drain.
         """
         spans: list[tuple[Job, int, int]] = []
         interactive, bulk = self.lanes
-        reserve = 0
+        reserve = reserve_rows = 0
         if bulk:  # keep room for one bulk sequence: bulk is never starved
             head = bulk[0]
-            reserve = int(head.rec.lengths[head.next_seq])
+            reserve = head.tokens(head.next_seq, head.next_seq + 1)
+            reserve_rows = head.record_rows(head.next_seq, head.next_seq)
         # left < reserve only when a lone interactive sequence overflowed the reserve (a tiny budget).
-        left = self._take(interactive, self.max_batch_tokens - reserve, spans) + reserve
+        left, rows_left = self._take(interactive, self.max_batch_tokens - reserve,
+                                     (self.max_batch_rows or 1 << 62) - reserve_rows, spans)
+        left, rows_left = left + reserve, rows_left + reserve_rows
         if bulk and left > 0:
             # Beside interactive work, bulk gets its one sequence only: the interactive requests'
             # latency is then this batch, not this batch plus a bulk batch's worth of tokens.
             budget = 0 if spans else min(left, self.bulk_batch_tokens or self.max_batch_tokens)
-            self._take(bulk, budget, spans, at_least_one=left >= reserve)
+            self._take(bulk, budget, rows_left, spans, at_least_one=left >= reserve and rows_left >= reserve_rows)
         return spans
 
-    def _take(self, lane: deque, budget: int, spans: list, at_least_one: bool = False) -> int:
-        """Move sequences of `lane` into `spans` while they fit `budget`; return the budget left
-        (negative when a first sequence that had to go in was larger than the budget)."""
+    def _take(self, lane: deque, budget: int, rows_left: int, spans: list,
+              at_least_one: bool = False) -> tuple[int, int]:
+        """Move sequences of `lane` into `spans` while they fit `budget` tokens and `rows_left`
+        rows; return what is left of both (negative when a first sequence that had to go in was
+        larger)."""
         first = True
         while lane:
             job = lane[0]
             start = stop = job.next_seq
             while stop < job.n_seqs:
-                need = int(job.rec.lengths[stop])
+                need, rows = job.tokens(stop, stop + 1), job.record_rows(stop, start)
                 # The very first sequence of a batch always goes in (nothing else could take it).
-                if need > budget and not (first and (at_least_one or not spans)):
+                if (need > budget or rows > rows_left) and not (first and (at_least_one or not spans)):
                     break
                 budget -= need
+                rows_left -= rows
                 stop += 1
                 first = False
             if stop > start:
@@ -157,4 +180,4 @@ class Batcher:
                 break  # budget spent inside this job
             lane.popleft()
             self.with_deadline -= job.rec.deadline_ns != 0
-        return budget
+        return budget, rows_left

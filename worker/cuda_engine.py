@@ -2,13 +2,16 @@
 
 One batch's life (batch N+1 is submitted before batch N's result is awaited):
 
-    CPU   pack ids/positions/index arrays into a pinned host slot (numpy, compact layout)
+    CPU   pack ids/positions/index arrays and the per-row normalize flags into a pinned host
+          slot (numpy, compact layout)
     copy  stream: one H2D copy of that slot into a device staging slot, then an event (inputs of
           a few hundred bytes, i.e. queries, skip this hop and go straight to the compute stream)
     GPU   compute stream waits on the event, copies staging -> the graph's static inputs (one D2D),
-          replays the graph captured for the batch's bucket (or runs eagerly above the largest),
-          pools on the device, copies the pooled rows D2H into a pinned host slot, records an event
-    CPU   Pending.result() waits on that event (a LazyTensor) and hands back a numpy view
+          replays the graph captured for the batch's bucket (or runs eagerly above the largest):
+          the forward, pooling, and L2 normalization of the flagged rows; then copies the rows D2H
+          straight into the caller's `out` (the batch's record in the response ring, memory the
+          worker registered with CUDA, so the copy is a true asynchronous DMA), records an event
+    CPU   Pending.result() waits on that event (a LazyTensor): the bytes are in the ring
 
 Graphs are captured lazily, on the first batch that needs a bucket, into one shared memory pool
 (so memory grows with the largest bucket used, not with the number of buckets). A bucket is
@@ -19,6 +22,7 @@ extra sequence pooled into a discarded row; padding sequences are empty.
 from __future__ import annotations
 
 import bisect
+import mmap
 import time
 
 import numpy as np
@@ -26,7 +30,7 @@ import torch
 
 from worker.lazy import LazyTensor
 from worker.models.base import EmbeddingModel
-from worker.models.pooling import pool_rows
+from worker.models.pooling import normalize_rows, pool_rows
 from worker.packed import PackedBatch, warm_up_batch
 
 
@@ -45,15 +49,14 @@ def pow2_at_least(n: int, floor: int) -> int:
 
 
 class Pending:
-    __slots__ = ("rows", "lazy")
+    __slots__ = ("lazy",)
 
-    def __init__(self, rows: int, lazy: LazyTensor):
-        self.rows, self.lazy = rows, lazy
+    def __init__(self, lazy: LazyTensor):
+        self.lazy = lazy
 
     def result(self) -> np.ndarray:
-        # A view of a pinned slot: valid until this slot is reused two batches later, by which time
-        # the worker has copied the rows out (worker/main.py answers N before submitting N+2).
-        return self.lazy.wait().numpy()[: self.rows]
+        """Wait for the D2H copy; the rows it wrote (the caller's `out`, or the engine's own)."""
+        return self.lazy.wait().numpy()
 
 
 class CudaEngine:
@@ -73,16 +76,16 @@ class CudaEngine:
         self.max_positions = model.spec.max_tokens
         self.stream = torch.cuda.Stream(self.device)
         self.copy_stream = torch.cuda.Stream(self.device)
-        # Compact int32 layout of one batch: ids, positions, pool_index [T]; cu [S+1]; first, last, count [R].
-        # Rows never exceed tokens and sequences never exceed tokens + 1 (the padding sequence).
-        cap = 7 * max_batch_tokens + 16
+        # Compact int32 layout of one batch: ids, positions, pool_index [T]; cu [S+1]; first, last,
+        # count, normalize [R]. Rows never exceed tokens + 1 and sequences never exceed tokens + 1
+        # (the padding sequence).
+        cap = 8 * max_batch_tokens + 16
         self.host_in = [torch.empty(cap, dtype=torch.int32, pin_memory=True) for _ in range(self.SLOTS)]
         self.staging = [torch.empty(cap, dtype=torch.int32, device=self.device) for _ in range(self.SLOTS)]
         self.staged = [torch.cuda.Event() for _ in range(self.SLOTS)]
         self.done = [torch.cuda.Event() for _ in range(self.SLOTS)]
         self.static_in = torch.zeros(cap, dtype=torch.int32, device=self.device)
-        self.host_out = [torch.empty(max_batch_tokens + 1, self.hidden, dtype=torch.float32, pin_memory=True)
-                         for _ in range(self.SLOTS)]
+        self.registered: list[int] = []  # host addresses we page-locked (register_host_memory)
         self.slot = 0
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -92,9 +95,9 @@ class CudaEngine:
 
     @staticmethod
     def views(buf: torch.Tensor, tokens: int, seqs: int, rows: int):
-        """The seven arrays of a (tokens, seqs, rows)-shaped batch inside a flat int32 buffer."""
+        """The eight arrays of a (tokens, seqs, rows)-shaped batch inside a flat int32 buffer."""
         t, s, r = tokens, seqs + 1, rows
-        parts = (t, t, t, s, r, r, r)
+        parts = (t, t, t, s, r, r, r, r)
         out, at = [], 0
         for n in parts:
             out.append(buf[at:at + n])
@@ -112,15 +115,16 @@ class CudaEngine:
         longest = max(longest, batch.max_seqlen)
         return tokens, seqs, longest
 
-    def fill(self, host: torch.Tensor, batch: PackedBatch, shape) -> int:
-        """Write the batch into a pinned slot in the layout of `shape` (padded); return its length."""
+    def fill(self, host: torch.Tensor, batch: PackedBatch, shape, normalize: np.ndarray | None = None) -> int:
+        """Write the batch and its per-row normalize flags into a pinned slot in the layout of
+        `shape` (padded); return its length."""
         if shape is None:
             tokens, seqs, rows = batch.tokens, len(batch.cu_seqlens) - 1, batch.rows
         else:
             tokens, seqs, _ = shape
             rows = seqs
         arr = host.numpy()
-        (ids, pos, index, cu, first, last, count), used = self.views(arr, tokens, seqs, rows)
+        (ids, pos, index, cu, first, last, count, norm), used = self.views(arr, tokens, seqs, rows)
         n, b, r = batch.tokens, len(batch.cu_seqlens), batch.rows
         ids[:n], pos[:n], index[:n] = batch.ids, batch.positions, batch.pool_index
         # Tokens pooled nowhere point at row `rows` (the discarded extra row), also in padding.
@@ -130,14 +134,16 @@ class CudaEngine:
         cu[b:] = tokens  # the padding sequence [n, tokens), then empty ones
         first[:r], last[:r], count[:r] = batch.pool_first, batch.pool_last, batch.pool_count
         first[r:], last[r:], count[r:] = 0, 0, 1
+        norm[:r] = 0 if normalize is None else normalize
+        norm[r:] = 0
         return used
 
     # ---------------------------------------------------------------- running
 
     def forward(self, inputs: list[torch.Tensor], longest: int) -> torch.Tensor:
-        ids, pos, index, cu, first, last, count = inputs
+        ids, pos, index, cu, first, last, count, norm = inputs
         hidden = self.model.hidden_states(ids, pos, cu, longest)
-        return pool_rows(hidden, index, first, last, count, self.pooling)
+        return normalize_rows(pool_rows(hidden, index, first, last, count, self.pooling), norm)
 
     def graph_for(self, shape):
         graph = self.graphs.get(shape)
@@ -154,16 +160,16 @@ class CudaEngine:
             self.capture_seconds += time.perf_counter() - start
         return graph
 
-    def submit(self, batch: PackedBatch) -> Pending:
+    def submit(self, batch: PackedBatch, out: np.ndarray | None = None, normalize: np.ndarray | None = None) -> Pending:
         with torch.inference_mode():
-            return self._submit(batch)
+            return self._submit(batch, out, normalize)
 
-    def _submit(self, batch: PackedBatch) -> Pending:
+    def _submit(self, batch: PackedBatch, out: np.ndarray | None, normalize: np.ndarray | None) -> Pending:
         slot = self.slot
         self.slot = (slot + 1) % self.SLOTS
         shape = self.bucket(batch)
         self.staged[slot].synchronize()  # the copy that last read this pinned slot is done
-        used = self.fill(self.host_in[slot], batch, shape)
+        used = self.fill(self.host_in[slot], batch, shape, normalize)
         torch.cuda.set_stream(self.stream)  # the worker's one thread works on our stream
         if used > self.COPY_STREAM_MIN:
             # A sizeable input goes up on the copy stream, beside whatever the GPU still runs; the
@@ -179,16 +185,35 @@ class CudaEngine:
             self.staged[slot].record(self.stream)
         if shape is None:
             inputs, _ = self.views(self.static_in, batch.tokens, len(batch.cu_seqlens) - 1, batch.rows)
-            out = self.forward(inputs, batch.max_seqlen)
+            rows = self.forward(inputs, batch.max_seqlen)
         else:
-            graph, out = self.graph_for(shape)
+            graph, rows = self.graph_for(shape)
             graph.replay()
-        rows = batch.rows
-        host = self.host_out[slot]
-        host[:rows].copy_(out[:rows], non_blocking=True)
+        if out is None:  # tests and tools: a pinned buffer of the caching host allocator
+            host = torch.empty(batch.rows, self.hidden, dtype=torch.float32, pin_memory=True)
+        else:  # the response ring, registered: the DMA lands in the answer record itself
+            host = torch.from_numpy(out)
+        host.copy_(rows[:batch.rows], non_blocking=True)
         done = self.done[slot]  # reusable: this slot's previous result was read before we got here
         done.record(self.stream)
-        return Pending(rows, LazyTensor(host, done))
+        return Pending(LazyTensor(host, done))
+
+    def register_host_memory(self, address: int, nbytes: int) -> None:
+        """Page-lock memory we did not allocate (the response ring's mapping), so that copies into
+        it are asynchronous DMA rather than a staged, blocking copy. Undone by close()."""
+        page = mmap.PAGESIZE  # whole pages: the mapping's last page is ours to its end
+        nbytes = -(-nbytes // page) * page
+        err = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0))
+        if err != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at {address:#x} failed with cudaError {err}")
+        self.registered.append(address)
+
+    def close(self) -> None:
+        """Wait for copies in flight, then unregister the host memory (before it is unmapped)."""
+        if self.registered:
+            torch.cuda.synchronize(self.device)
+        while self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.registered.pop())
 
     def warm_up(self) -> None:
         """Load kernels and allocator state before READY; graphs stay lazy (captured on first use)."""

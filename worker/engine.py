@@ -1,13 +1,20 @@
-"""Engines run packed batches through a model and hand back pooled rows.
+"""Engines run packed batches through a model and write pooled rows where the caller says.
 
 The worker loop only knows this interface:
 
-    pending = engine.submit(batch)   # starts the work; may return before it is done
-    rows = pending.result()          # float32 [batch.rows, hidden], not normalized
+    engine.register_host_memory(address, nbytes)   # once: the response ring's segment
+    pending = engine.submit(batch, out=rows_view, normalize=flags)  # starts the work; may return
+                                                                    # before it is done
+    pending.result()                 # waits until out holds the rows; returns out
+    engine.close()
 
-so the loop can submit batch N+1 before it waits on batch N (on CUDA that hides the CPU's
-preparation under the GPU's work; on the CPU, submit simply computes). `make_engine` picks the
-engine for the worker's device.
+`out` is a float32 [batch.rows, hidden] numpy array, for the worker a view of the batch's record
+in the response ring (shared_mem/records.py, BATCH_RESULT), so the rows never pass through
+another buffer. `normalize` holds one int per row: non-zero rows are L2-normalized on the
+engine's device right after pooling. Without `out` the engine returns rows of its own (tests,
+benchmarks). The loop can submit batch N+1 before it waits on batch N (on CUDA that hides the
+CPU's preparation under the GPU's work; on the CPU, submit simply computes). `make_engine` picks
+the engine for the worker's device.
 """
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ import numpy as np
 import torch
 
 from worker.models.base import EmbeddingModel
-from worker.models.pooling import pool_rows
+from worker.models.pooling import normalize_rows, pool_rows
 from worker.packed import PackedBatch, warm_up_batch
 
 
@@ -39,14 +46,25 @@ class EagerEngine:
         self.model = model
         self.pooling = model.spec.pooling
 
-    def submit(self, batch: PackedBatch) -> Done:
+    def submit(self, batch: PackedBatch, out: np.ndarray | None = None, normalize: np.ndarray | None = None) -> Done:
         t = torch.from_numpy
         with torch.inference_mode():
             hidden = self.model.hidden_states(t(batch.ids), t(batch.positions), t(batch.cu_seqlens),
                                               batch.max_seqlen)
             rows = pool_rows(hidden, t(batch.pool_index), t(batch.pool_first), t(batch.pool_last),
                              t(batch.pool_count), self.pooling)
-        return Done(rows.numpy())
+            if normalize is not None:
+                rows = normalize_rows(rows, t(np.asarray(normalize, dtype=np.int32)))
+            if out is None:
+                return Done(rows.numpy())
+            t(out).copy_(rows)
+        return Done(out)
+
+    def register_host_memory(self, address: int, nbytes: int) -> None:
+        """Nothing to do: the CPU writes any memory directly."""
+
+    def close(self) -> None:
+        pass
 
     def warm_up(self) -> None:
         """Pay first-call costs (allocator, kernels) before the worker says READY."""

@@ -1,7 +1,9 @@
 """LazyTensor: a tensor whose data is valid only once a CUDA event has fired.
 
 The CUDA engine hands these out so the worker can launch batch N+1 before it waits on batch N:
-nothing blocks until someone asks for the data (`wait`), and asking twice costs nothing.
+nothing blocks until someone asks for the data (`wait`), and asking twice costs nothing. For the
+worker the tensor is the batch's record in the response ring, so a fired event means the pooled
+rows are in the ring.
 """
 from __future__ import annotations
 

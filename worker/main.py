@@ -3,6 +3,13 @@
 Started by the frontend as `python -m worker.main '<WorkerConfig as JSON>'` with the rings'
 eventfds passed down (pass_fds). One worker per device; it names itself in its process title,
 dies with its parent, and says READY on the response ring once the model is loaded.
+
+Each batch is answered by one BATCH_RESULT record (shared_mem/records.py) whose space is held in
+the response ring when the batch is launched: the engine writes the pooled rows straight into
+it, and the worker commits it once the batch is done. Batch N+1 is launched before N is awaited,
+so two records can be open at once; they are committed in launch order. The worker never waits
+for ring space while it holds a record open (the frontend cannot read past it): when only a
+commit could make room, it finishes its open batches first (`Worker.room`).
 """
 from __future__ import annotations
 
@@ -13,25 +20,25 @@ import os
 import signal
 import sys
 import time
-
-import numpy as np
+from collections import deque
 
 from shared_mem import records
-from shared_mem.ring import Ring
+from shared_mem.ring import CommitFirst, Reservation, Ring
+from worker.batch_answer import BatchAnswer
 from worker.batcher import Batcher, Job
 from worker.packed import pack
-from worker.postprocess import combine, finish, row_bytes
 
 
 @dataclasses.dataclass(slots=True)
 class InFlight:
-    """A submitted batch: its spans, the engine's pending handle (or the error submit raised)."""
+    """A submitted batch: its answer plan, the record held for it, the engine's pending handle
+    (or the error submit raised)."""
 
-    spans: list
+    plan: BatchAnswer
+    record: Reservation
     pending: object
     error: Exception | None
     start_ns: int
-    report: bytes  # the BATCH record: tokens, sequences, rows and request ids of this batch
 
     @property
     def computed(self) -> bool:
@@ -113,8 +120,15 @@ class Worker:
         # few ms while it has requests out (server/workers.py, tick), so a laptop stays quiet.
         self.requests.WAIT_SLICE = 0.5
         self.responses = Ring.attach(cfg.response_ring, *cfg.response_fds)
-        self.batcher = Batcher(cfg.max_batch_tokens, cfg.bulk_batch_tokens)
+        # The device copies each batch's rows straight into the response ring's memory.
+        self.engine.register_host_memory(*self.responses.mapped_memory())
+        # Rows per batch are capped so that a batch's record always fits the ring. Sizing the ring
+        # for the token budget instead would mean 2 x max_batch_tokens x hidden x 4 bytes (pinned,
+        # on a GPU) for batches of one-token texts that real traffic never sends.
+        max_rows = records.max_batch_rows(self.responses.max_record, self.hidden)
+        self.batcher = Batcher(cfg.max_batch_tokens, cfg.bulk_batch_tokens, max_rows)
         self.native_int8 = self.model.spec.native_int8
+        self.open: deque[InFlight] = deque()  # submitted, record not yet committed; oldest first
         self.stopping = False
 
     def run(self) -> None:
@@ -122,21 +136,18 @@ class Worker:
                  "dtype": self.cfg.dtype,
                  "threads": self.cfg.threads, "model": self.model.spec.name}
         self.responses.write(records.READY, json.dumps(ready).encode())
-        in_flight: InFlight | None = None
         while True:
             self.drain_requests()
             self.drop_expired()
             # Submit batch N+1 before waiting on batch N: its packing and launch overlap N's work.
-            following = self.submit(self.batcher.next_batch()) if self.batcher else None
-            if in_flight is not None:
-                self.answer(in_flight)
-            in_flight = following
-            if in_flight is not None and in_flight.computed:
+            newest = self.submit(self.batcher.next_batch()) if self.batcher else None
+            while self.open and self.open[0] is not newest:
+                self.answer(self.open.popleft())
+            if self.open and self.open[0].computed:
                 # A synchronous engine (the CPU) has finished already: answer now rather than
                 # after the next batch, which would add a whole batch to this one's latency.
-                self.answer(in_flight)
-                in_flight = None
-            if in_flight is not None or self.batcher:
+                self.answer(self.open.popleft())
+            if self.open or self.batcher:
                 continue
             if self.stopping:
                 return
@@ -183,73 +194,43 @@ class Worker:
         if dropped:
             self.responses.notify_consumer()
 
-    def submit(self, spans: list[tuple[Job, int, int]]) -> "InFlight":
+    def submit(self, spans: list[tuple[Job, int, int]]) -> InFlight:
         start_ns = time.monotonic_ns()
+        plan = BatchAnswer(spans, self.hidden, self.native_int8)
+        if plan.nbytes > self.responses.max_record:
+            raise RuntimeError(f"a batch of {plan.rows} rows needs a {plan.nbytes}-byte record, over the response "
+                               f"ring's {self.responses.max_record}; the batcher's row cap should prevent it. "
+                               "This is a bug.")
+        record = self.room(lambda: self.responses.hold(plan.nbytes, timeout=1.0))
         sequences = [job.rec.ids[job.offsets[i]:job.offsets[i + 1]] for job, a, b in spans for i in range(a, b)]
         # Rows differ from sequences only for contextual chunks and CHUNK_MEAN windows.
         plain = all(job.rec.rows is None for job, _, _ in spans)
         row_spans = None if plain else [job.row_spans(i) for job, a, b in spans for i in range(a, b)]
         try:
-            pending, error = self.engine.submit(pack(sequences, row_spans)), None
+            pending, error = self.engine.submit(pack(sequences, row_spans), out=plan.raw_rows(record.view),
+                                                normalize=plan.normalize), None
         except Exception as exc:  # a failed batch fails its requests, not the worker
             pending, error = None, exc
-        report = records.encode_batch(sum(len(s) for s in sequences), len(sequences),
-                                      sum(len(r) for r in row_spans) if row_spans else len(sequences),
-                                      [job.rec.req_id for job, _, _ in spans])
-        return InFlight(spans, pending, error, start_ns, report)
+        batch = InFlight(plan, record, pending, error, start_ns)
+        self.open.append(batch)
+        return batch
 
-    def answer(self, batch: "InFlight") -> None:
+    def answer(self, batch: InFlight) -> None:
+        """Wait for a batch (taken off self.open by the caller), fill in and commit its record."""
         error = batch.error
-        pooled = None
         if error is None:
             try:
-                pooled = batch.pending.result()
+                batch.pending.result()  # the rows are in the record now
             except Exception as exc:
                 error = exc
         if error is not None:
             print(f"pollen-worker[{self.cfg.index}]: batch failed: {error!r}", file=sys.stderr, flush=True)
-        end_ns = time.monotonic_ns()
-        row = 0
-        for job, a, b in batch.spans:
-            if job.first_start_ns == 0:
-                job.first_start_ns = batch.start_ns
-            job.last_start_ns, job.last_end_ns = batch.start_ns, end_ns
-            if job.done_seqs < 0:
-                continue  # already answered with an error
-            if error is not None:
-                self.write_error(job, f"model failed on this batch: {error}")
-                job.done_seqs = -1  # answered; its later spans are dropped
-                continue
-            if job.pooled is None:
-                job.pooled = np.empty((job.n_rows, self.hidden), dtype=np.float32)
-            ra, rb = int(job.row_offsets[a]), int(job.row_offsets[b])
-            job.pooled[ra:rb] = pooled[row:row + (rb - ra)]
-            row += rb - ra
-            job.done_seqs += b - a
-            if job.done_seqs == job.n_seqs:
-                self.write_result(job)
-        buf = self.reserve(len(batch.report))
-        buf[:] = batch.report
-        del buf
-        self.responses.commit(records.BATCH, notify=False)
+        unanswered = batch.plan.fill(batch.record.view, error, batch.start_ns, time.monotonic_ns())
+        self.responses.commit_held(batch.record, records.BATCH_RESULT, notify=False)
+        for job in unanswered:  # their last rows were due in a later batch
+            self.write_error(job, f"model failed on this batch: {error}")
         # One wake-up per batch at most, and none if the frontend is busy reading.
         self.responses.notify_consumer()
-
-    def write_result(self, job: Job) -> None:
-        rec = job.rec
-        dims = rec.dims or self.hidden
-        vectors = job.pooled
-        if rec.rows is not None:  # contextual chunks (weights 1, one row each) or CHUNK_MEAN windows
-            vectors = combine(job.pooled, rec.rows.out.astype(np.int64), rec.rows.weight.astype(np.float64), rec.n_out)
-        rows = len(vectors)
-        body = rows * row_bytes(dims, rec.encoding)
-        buf = self.reserve(records.RESULT_HEADER + body)
-        records.pack_result_header(buf, rec.req_id, 0, rows, dims, rec.encoding,
-                                   max(0, job.last_start_ns - rec.admit_ns) // 1000,
-                                   (job.last_end_ns - job.first_start_ns) // 1000)
-        finish(vectors, rec.dims, rec.normalize, rec.encoding, buf[records.RESULT_HEADER:], self.native_int8)
-        del buf
-        self.responses.commit(records.RESULT, notify=False)
 
     def write_error(self, job: Job, message: str, status: int = records.INTERNAL) -> None:
         rec = job.rec
@@ -261,13 +242,29 @@ class Worker:
         self.responses.commit(records.RESULT, notify=False)
 
     def reserve(self, nbytes: int) -> memoryview:
-        """Space in the response ring, waiting for the frontend to read if it is full."""
+        """Space in the response ring for a record written now (see `room`)."""
+        return self.room(lambda: self.responses.reserve(nbytes, timeout=1.0))
+
+    def room(self, take):
+        """take() space in the response ring, waiting for the frontend to read if it is full.
+
+        When only our own open batch records stand in the way (CommitFirst: the frontend cannot
+        read past them), finish those batches and commit their records first. That gives up
+        overlapping the next batch with them, but only while the ring is that full.
+        """
         while True:
             try:
-                return self.responses.reserve(nbytes, timeout=1.0)
+                return take()
+            except CommitFirst:
+                if not self.open:
+                    raise
+                self.answer(self.open.popleft())
             except TimeoutError:
                 if os.getppid() != self.cfg.parent_pid:
                     raise SystemExit(0) from None
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,7 +286,11 @@ def main(argv: list[str] | None = None) -> int:
         setproctitle.setproctitle(f"pollen-worker[{cfg.index}] {where} {os.path.basename(cfg.model)}")
     except ImportError:
         pass
-    Worker(cfg).run()
+    worker = Worker(cfg)
+    try:
+        worker.run()
+    finally:
+        worker.close()
     return 0
 
 

@@ -1,8 +1,8 @@
 """Pooling of packed hidden states into output rows, shared by all model families and engines.
 
 Two forms: `pool` over whole sequences (cu_seqlens), and `pool_rows` over arbitrary token spans
-described by worker/packed.py's index arrays. `pool_rows` has static shapes and no host sync, so
-it runs inside a CUDA graph with the rest of the forward.
+described by worker/packed.py's index arrays. `pool_rows` and `normalize_rows` have static shapes
+and no host sync, so they run inside a CUDA graph with the rest of the forward.
 """
 
 from __future__ import annotations
@@ -39,3 +39,11 @@ def pool_rows(hidden: torch.Tensor, pool_index: torch.Tensor, first: torch.Tenso
         # clamp: an empty (padding) row yields zeros instead of NaN.
         return sums[:rows] / count.clamp(min=1).unsqueeze(1).to(torch.float32)
     raise ValueError(f"unknown pooling mode {mode!r}; expected one of {POOLING_MODES}")
+
+
+def normalize_rows(rows: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+    """float32 rows [R, H], the ones whose flag [R] is non-zero L2-normalized as
+    worker/postprocess.py does it: x / max(|x|, 1e-12), so a zero row stays zero. A division,
+    not rsqrt: it rounds once, so device rows equal the CPU's to float32 rounding."""
+    norms = torch.linalg.vector_norm(rows, dim=1, keepdim=True).clamp_min(1e-12)
+    return torch.where(flags.unsqueeze(1) != 0, rows / norms, rows)

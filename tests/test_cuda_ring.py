@@ -1,0 +1,112 @@
+"""The CUDA engine's device-to-host copy lands in a response ring's shared-memory segment
+registered with CUDA, normalized inside the graph, and equals the CPU reference; then the same
+through a `pollen serve --device cuda` worker. Skipped cleanly where no GPU is visible (CI); run
+on the GPU machine (load/device_gpu.sh tests tests/test_cuda_ring.py)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")]
+
+from pollen.v1 import embedder_pb2 as pb  # noqa: E402
+from shared_mem import records  # noqa: E402
+from shared_mem.ring import Ring  # noqa: E402
+from worker.engine import EagerEngine  # noqa: E402
+from worker.models.loader import load_model  # noqa: E402
+from worker.packed import pack  # noqa: E402
+from worker.postprocess import finish  # noqa: E402
+
+HIDDEN = 32  # tests.test_model_bert.make_tiny
+
+
+def cos(a, b):
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return torch.nn.functional.cosine_similarity(a, b, dim=1).min().item()
+
+
+def normalized(rows: np.ndarray) -> np.ndarray:
+    out = bytearray(rows.nbytes)
+    finish(np.ascontiguousarray(rows), 0, True, pb.ENCODING_FLOAT32, memoryview(out))
+    return np.frombuffer(bytes(out), np.float32).reshape(rows.shape)
+
+
+@pytest.fixture
+def ring():
+    r = Ring.create(1 << 20, prefix="pollentest")
+    yield r
+    r.close()
+    r.unlink()
+
+
+@pytest.mark.parametrize("dtype, graphs", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_d2h_lands_in_the_registered_ring_and_equals_the_cpu(tmp_path, ring, dtype, graphs):
+    from tests.test_model_bert import make_tiny
+    from worker.cuda_engine import CudaEngine
+
+    make_tiny(tmp_path / "m", pooling="cls")  # cls: no atomics in pooling, so runs repeat exactly
+    path = str(tmp_path / "m")
+    rng = np.random.default_rng(0)
+    batch = pack([rng.integers(5, 1000, n, dtype=np.int32) for n in (1, 9, 2, 40, 64, 13, 3)])
+    flags = np.array([1, 0, 1, 1, 0, 1, 1], np.int32)
+    cpu = EagerEngine(load_model(path)).submit(batch).result()
+
+    engine = CudaEngine(load_model(path, "cuda", dtype), "cuda", max_batch_tokens=512, cuda_graphs=graphs)
+    engine.warm_up()
+    engine.register_host_memory(*ring.mapped_memory())
+    try:
+        # Two records held at once, as the worker holds batch N's and N+1's.
+        held = [ring.hold(4 * batch.rows * HIDDEN) for _ in range(2)]
+        outs = [np.frombuffer(h.view, np.float32).reshape(batch.rows, HIDDEN) for h in held]
+        for out in outs:
+            out[:] = np.nan
+            assert torch.from_numpy(out).is_pinned()  # registered: the copy is a true async DMA
+        pending = [engine.submit(batch, out=outs[0], normalize=flags), engine.submit(batch, out=outs[1])]
+        for p, out in zip(pending, outs):
+            assert np.shares_memory(p.result(), out)
+        device_normalized, raw = outs
+        assert cos(raw, cpu) >= (0.99999 if dtype == torch.float32 else 0.999)
+        # Normalized in the graph = postprocess.finish on the device's own rows, to float32 rounding.
+        on = flags == 1
+        np.testing.assert_allclose(device_normalized[on], normalized(raw[on]), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(device_normalized[~on], raw[~on], rtol=1e-6, atol=1e-7)
+        expected = [bytes(out.tobytes()) for out in outs]
+        for h in held:
+            ring.commit_held(h, records.BATCH_RESULT)
+        got = []
+        while (item := ring.read()) is not None:
+            got.append(bytes(item[1]))
+        ring.release()
+        assert got == expected  # the consumer reads exactly what the DMA wrote
+    finally:
+        engine.close()
+
+
+def test_a_cuda_worker_answers_from_its_ring_like_the_cpu(stub):
+    """pollen serve --device cuda (bfloat16, graphs): normalized answers come from the device's
+    normalization through the worker's registered ring and match the CPU server."""
+    import grpc
+
+    from pollen.v1 import embedder_pb2_grpc as pb_grpc
+    from tests.conftest import ServerProcess
+
+    texts = ["how do magnets work", "東京 🙂", "a longer text about the weather in the mountains in spring"]
+    srv = ServerProcess("--device", "cuda", "--max-texts-per-request", "64").start(timeout=120)
+    try:
+        with grpc.insecure_channel(srv.listen) as channel:
+            gpu = pb_grpc.EmbedderStub(channel)
+            for request in (pb.EmbedRequest(texts=texts, normalize=True), pb.EmbedRequest(texts=texts),
+                            pb.EmbedRequest(texts=texts * 20, normalize=True, dimensions=64)):
+                got, want = gpu.Embed(request, timeout=60), stub.Embed(request, timeout=60)
+                a = np.frombuffer(got.embeddings, "<f4").reshape(got.rows, got.dims)
+                b = np.frombuffer(want.embeddings, "<f4").reshape(want.rows, want.dims)
+                assert a.shape == b.shape and cos(a, b) >= 0.999
+                if request.normalize:
+                    np.testing.assert_allclose(np.linalg.norm(a, axis=1), 1, atol=1e-6)
+    finally:
+        assert srv.terminate() == 0
