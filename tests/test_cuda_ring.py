@@ -87,26 +87,40 @@ def test_d2h_lands_in_the_registered_ring_and_equals_the_cpu(tmp_path, ring, dty
         engine.close()
 
 
-def test_a_cuda_worker_answers_from_its_ring_like_the_cpu(stub):
-    """pollen serve --device cuda (bfloat16, graphs): normalized answers come from the device's
-    normalization through the worker's registered ring and match the CPU server."""
+def test_a_cuda_worker_answers_from_its_ring_like_the_cpu(tmp_path, second_device="cuda"):
+    """pollen serve --device cuda (bfloat16, graphs) and --device cpu on the same Qwen3 checkpoint
+    (shaped so that queries take the five-kernel layer): normalized answers, Matryoshka cuts and
+    batches of many texts come from the device through the worker's registered ring and match."""
     import grpc
 
+    from load.gpu_models import write_tokenizer
     from pollen.v1 import embedder_pb2_grpc as pb_grpc
     from tests.conftest import ServerProcess
+    from tests.test_model_qwen3 import make_tiny_qwen3
 
-    texts = ["how do magnets work", "東京 🙂", "a longer text about the weather in the mountains in spring"]
-    srv = ServerProcess("--device", "cuda", "--max-texts-per-request", "64").start(timeout=120)
+    path = tmp_path / "m"
+    make_tiny_qwen3(path, "causal", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                    intermediate_size=512, num_hidden_layers=2, max_position_embeddings=256)
+    write_tokenizer(str(path), 1000)
+    rng = np.random.default_rng(0)
+    texts = [" ".join(f"w{i}" for i in rng.integers(1, 1000, n)) for n in (3, 12, 30, 70)]
+    requests = [pb.EmbedRequest(texts=texts[:1], normalize=True), pb.EmbedRequest(texts=texts[1:3]),
+                pb.EmbedRequest(texts=texts * 16, normalize=True, dimensions=64)]
+    servers = [ServerProcess("--model", str(path), "--device", device, "--log-level", "WARNING").start(timeout=180)
+               for device in ("cpu", second_device)]
     try:
-        with grpc.insecure_channel(srv.listen) as channel:
-            gpu = pb_grpc.EmbedderStub(channel)
-            for request in (pb.EmbedRequest(texts=texts, normalize=True), pb.EmbedRequest(texts=texts),
-                            pb.EmbedRequest(texts=texts * 20, normalize=True, dimensions=64)):
-                got, want = gpu.Embed(request, timeout=60), stub.Embed(request, timeout=60)
-                a = np.frombuffer(got.embeddings, "<f4").reshape(got.rows, got.dims)
-                b = np.frombuffer(want.embeddings, "<f4").reshape(want.rows, want.dims)
-                assert a.shape == b.shape and cos(a, b) >= 0.999
-                if request.normalize:
-                    np.testing.assert_allclose(np.linalg.norm(a, axis=1), 1, atol=1e-6)
+        answers = []
+        for srv in servers:
+            with grpc.insecure_channel(srv.listen) as channel:
+                stub = pb_grpc.EmbedderStub(channel)
+                answers.append([stub.Embed(request, timeout=60) for request in requests])
+        for request, want, got in zip(requests, *answers):
+            a = np.frombuffer(got.embeddings, "<f4").reshape(got.rows, got.dims)
+            b = np.frombuffer(want.embeddings, "<f4").reshape(want.rows, want.dims)
+            assert a.shape == b.shape == (len(request.texts), request.dimensions or 256)
+            assert cos(a, b) >= 0.999
+            if request.normalize:
+                np.testing.assert_allclose(np.linalg.norm(a, axis=1), 1, atol=1e-6)
     finally:
-        assert srv.terminate() == 0
+        for srv in servers:
+            assert srv.terminate() == 0
