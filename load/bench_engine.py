@@ -224,6 +224,14 @@ def check(shape, path, results):
         log(shape, mode, json.dumps(row))
     del hf
     torch.cuda.empty_cache()
+    # The dtype's own floor on this shape: HF transformers in bf16 against HF in float32.
+    hf16 = load_hf(path, torch.bfloat16)
+    ref = hf_embed(load_hf(path, torch.float32), seqs, 1, "last" if kind == "qwen3" else "mean")
+    results["hf_bf16_vs_fp32_min_cos"] = float(cosines(hf_embed(hf16, seqs, 1, "last" if kind == "qwen3" else "mean"),
+                                                   ref).min())
+    log(shape, "HF bf16 vs HF fp32 (causal)", results["hf_bf16_vs_fp32_min_cos"])
+    del hf16
+    torch.cuda.empty_cache()
     results["check"] = out
 
 

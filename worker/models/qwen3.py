@@ -60,6 +60,7 @@ class Qwen3Encoder(EmbeddingModel):
         )
         self.norm = RMSNormWeight(hidden)
         self._rope: torch.Tensor | None = None  # built on first use, on the weights' device
+        self.folded = False  # whether after_load folded the norms into the products (the query kernels need it)
 
     def rope(self, device) -> torch.Tensor:
         if self._rope is None or self._rope.device != device:
@@ -99,7 +100,14 @@ class Qwen3Encoder(EmbeddingModel):
     def after_load(self) -> None:
         """Fold each pre-norm's weight into the product that reads it: rms_norm(x) * g @ W.T equals
         rms_norm(x) @ (W * g).T, so the query kernels can scale rows after the product
-        (worker/kernels/skinny.py). The norms keep a weight of ones, so every path sees one model."""
+        (worker/kernels/skinny.py). The norms keep a weight of ones, so every path sees one model.
+        POLLEN_FOLD_NORMS=0 keeps the checkpoint's weights as they are, and the query kernels off
+        (they need the fold): for comparing numerics."""
+        import os
+
+        self.folded = os.environ.get("POLLEN_FOLD_NORMS", "1") != "0"
+        if not self.folded:
+            return
         for layer in self.layers:
             for norm, linear in ((layer.attn_norm, layer.qkv), (layer.mlp_norm, layer.gate_up)):
                 folded = linear.weight.float() * norm.weight.float()[None, :]
@@ -108,7 +116,7 @@ class Qwen3Encoder(EmbeddingModel):
 
     def fits_query_kernels(self, tokens: int) -> bool:
         first = self.layers[0]
-        return (kernels.skinny_layer_wins(self.embed.weight.shape[1], tokens)
+        return (self.folded and kernels.skinny_layer_wins(self.embed.weight.shape[1], tokens)
                 and kernels.skinny_fits(tokens, first.qkv.weight) and kernels.skinny_fits(tokens, first.o.weight)
                 and kernels.skinny_fits(tokens, first.gate_up.weight, swiglu=True)
                 and kernels.skinny_fits(tokens, first.down.weight))
