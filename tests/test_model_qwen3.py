@@ -167,3 +167,22 @@ def test_reference_ops_match_hf_pieces():
     torch.testing.assert_close(q, qr[0].transpose(0, 1))
     torch.testing.assert_close(k, kr[0].transpose(0, 1))
     assert torch.equal(v, v0)
+
+
+def test_folding_the_norms_changes_weights_not_results(tmp_path, monkeypatch):
+    """after_load folds each pre-norm's weight into the product that reads it; POLLEN_FOLD_NORMS=0
+    keeps the checkpoint's weights. Both give the same embeddings (float32)."""
+    from worker.models.loader import load_model
+
+    make_tiny_qwen3(tmp_path / "m", "causal")
+    seqs = [torch.randint(0, 1000, (n,), dtype=torch.int32) for n in (5, 17, 2)]
+    cu = torch.tensor([0, 5, 22, 24], dtype=torch.int32)
+    out = {}
+    for fold in ("1", "0"):
+        monkeypatch.setenv("POLLEN_FOLD_NORMS", fold)
+        model = load_model(str(tmp_path / "m"))
+        assert model.folded == (fold == "1")
+        assert torch.all(model.layers[0].attn_norm.weight == 1) == (fold == "1")
+        with torch.no_grad():
+            out[fold] = model(torch.cat(seqs), cu, 17)
+    torch.testing.assert_close(out["1"], out["0"], rtol=1e-5, atol=1e-5)
