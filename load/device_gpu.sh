@@ -4,6 +4,7 @@
 # add msgspec==0.23.0 to that list).
 #   tests:  the GPU tests (kernels, CUDA engine, Qwen3 vs HF) and the CPU model tests
 #   bench:  python load/bench_engine.py ARGS (writes $OUT/...)
+#   skinny: python load/bench_skinny_linear.py ARGS (the query kernels' tile table)
 #   e2e:    python load/bench_e2e.py ARGS
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +15,8 @@ what=$1; shift
 case $what in
   tests) nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
          python3 -c "import torch, inspect; from torch.nn.attention.varlen import varlen_attn as v; print(torch.__version__, inspect.signature(v))"
-         timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_engine.py tests/test_model_qwen3.py tests/test_batcher.py "$@" 2>&1 | tail -30 ;;
+         timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_engine.py tests/test_cuda_ring.py tests/test_model_qwen3.py tests/test_batcher.py "$@" 2>&1 | tail -30 ;;
   bench) python3 load/bench_engine.py "$@" ;;
   e2e) python3 load/bench_e2e.py "$@" ;;
+  skinny) python3 load/bench_skinny_linear.py "$@" ;;
 esac
