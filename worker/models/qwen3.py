@@ -9,6 +9,8 @@ Checkpoint layout follows HF Qwen3Model; loader.py fills our parameters through 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -73,25 +75,18 @@ class Qwen3Encoder(EmbeddingModel):
             # Checked on the host int: an out-of-range position is a device assert on CUDA.
             raise ValueError(f"sequence of {max_seqlen} tokens exceeds {self.max_positions} positions")
         impl = kernels if ops.use_triton(input_ids) else ops  # fused Triton kernels or torch references
-        add_rms_norm, qk_norm_rope, silu_mul = impl.add_rms_norm, impl.qk_norm_rope, impl.silu_mul
-        cache = self.rope(input_ids.device)
-        tokens = input_ids.shape[0]
-        if impl is kernels and self.fits_query_kernels(tokens):
-            return self.query_hidden_states(input_ids, positions, cu_seqlens, max_seqlen, cache)
+        add_rms_norm, silu_mul = impl.add_rms_norm, impl.silu_mul
+        # Short sequences: QK-norm, RoPE and attention in one kernel per layer (launches are their cost).
+        short = impl is kernels and kernels.short_attention_fits(max_seqlen, self.layers[0].head_dim, rope=True)
+        attend = functools.partial(self.attend, impl=impl, short=short, cache=self.rope(input_ids.device),
+                                   positions=positions, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        if impl is kernels and self.fits_query_kernels(input_ids.shape[0]):
+            return self.query_hidden_states(input_ids, attend)
         norms = [layer.attn_norm.weight for layer in self.layers[1:]] + [self.norm.weight]
         x, residual = impl.embed_rms_norm(input_ids, self.embed.weight, self.layers[0].attn_norm.weight, self.eps)
-        # Queries: QK-norm, RoPE and attention in one kernel per layer (launches are their cost).
-        short = impl is kernels and kernels.short_attention_fits(max_seqlen, self.layers[0].head_dim, rope=True)
         for layer, next_norm in zip(self.layers, norms):
-            if short:
-                attn = kernels.short_qk_rope_attention(
-                    layer.qkv(x), layer.q_norm.weight, layer.k_norm.weight, cache, positions, layer.heads,
-                    layer.kv_heads, self.eps, cu_seqlens, max_seqlen, self.causal)
-            else:
-                q, k, v = qk_norm_rope(layer.qkv(x), layer.q_norm.weight, layer.k_norm.weight, cache, positions,
-                                       layer.heads, layer.kv_heads, self.eps)
-                attn = varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=self.causal)
-            x, residual = add_rms_norm(layer.o(attn.reshape(tokens, -1)), residual, layer.mlp_norm.weight, self.eps)
+            attn = attend(layer, layer.qkv(x))
+            x, residual = add_rms_norm(layer.o(attn), residual, layer.mlp_norm.weight, self.eps)
             # The next layer's input norm (or the final norm) takes this layer's residual add.
             x, residual = add_rms_norm(layer.down(silu_mul(layer.gate_up(x))), residual, next_norm, self.eps)
         return x
@@ -121,28 +116,31 @@ class Qwen3Encoder(EmbeddingModel):
                 and kernels.skinny_fits(tokens, first.gate_up.weight, swiglu=True)
                 and kernels.skinny_fits(tokens, first.down.weight))
 
-    def query_hidden_states(self, input_ids, positions, cu_seqlens, max_seqlen, cache) -> torch.Tensor:
+    def attend(self, layer: Qwen3Layer, qkv: torch.Tensor, *, impl, short: bool, cache: torch.Tensor,
+               positions: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+        """QK-norm, RoPE and attention from the fused projection qkv [T, (H + 2 KV) * D]: [T, H * D]."""
+        if short:
+            attn = kernels.short_qk_rope_attention(
+                qkv, layer.q_norm.weight, layer.k_norm.weight, cache, positions, layer.heads, layer.kv_heads,
+                self.eps, cu_seqlens, max_seqlen, self.causal)
+        else:
+            q, k, v = impl.qk_norm_rope(qkv, layer.q_norm.weight, layer.k_norm.weight, cache, positions,
+                                        layer.heads, layer.kv_heads, self.eps)
+            attn = varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=self.causal)
+        return attn.reshape(qkv.shape[0], -1)
+
+    def query_hidden_states(self, input_ids: torch.Tensor, attend) -> torch.Tensor:
         """At most 64 tokens (queries): five kernels a layer instead of eight (worker/kernels/skinny.py).
         The o and down products write the residual stream and its per-row sums of squares; the qkv
         and gate/up products read it raw and apply the norm in their epilogue (its weight is folded
-        in, see after_load), gate/up also SiLU-gate."""
-        tokens = input_ids.shape[0]
-        short = kernels.short_attention_fits(max_seqlen, self.layers[0].head_dim, rope=True)
+        in, see after_load), gate/up also SiLU-gate. `attend` is hidden_states' attention step."""
         x, residual = kernels.embed_rms_norm(input_ids, self.embed.weight, self.layers[0].attn_norm.weight, self.eps)
         parts = None  # the first layer's input is normalized already
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             qkv = kernels.skinny_linear(x if parts is None else residual, layer.qkv.weight, layer.qkv.bias,
                                         parts=parts, eps=self.eps)
-            if short:
-                attn = kernels.short_qk_rope_attention(
-                    qkv, layer.q_norm.weight, layer.k_norm.weight, cache, positions, layer.heads, layer.kv_heads,
-                    self.eps, cu_seqlens, max_seqlen, self.causal)
-            else:
-                q, k, v = kernels.qk_norm_rope(qkv, layer.q_norm.weight, layer.k_norm.weight, cache, positions,
-                                               layer.heads, layer.kv_heads, self.eps)
-                attn = varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=self.causal)
-            residual, parts = kernels.skinny_linear(attn.reshape(tokens, -1), layer.o.weight, layer.o.bias,
+            residual, parts = kernels.skinny_linear(attend(layer, qkv), layer.o.weight, layer.o.bias,
                                                     residual=residual)
             act = kernels.skinny_linear(residual, layer.gate_up.weight, parts=parts, eps=self.eps, swiglu=True)
             if i < last:
