@@ -182,7 +182,7 @@ def test_skinny_products_equal_the_separate_kernels(dtype):
         attn, r = rnd(m, n), rnd(m, k)
         cases = {}
         # o: the new residual and its per-row sums of squares
-        same = (16, 256, 4, 4)  # one tiling for both, so both sum in the same order
+        same = (16, 256, 4, 4, 1)  # one tiling for both, so both sum in the same order
         s, parts = skinny_linear(attn, w_o, b_o, residual=r, config=same)
         assert torch.equal(s, skinny_linear(attn, w_o, b_o, config=same) + r)
         torch.testing.assert_close(parts.data[:parts.count, :m].sum(0), s.float().pow(2).sum(1), rtol=1e-5, atol=1e-3)

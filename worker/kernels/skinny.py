@@ -105,8 +105,11 @@ def _epilogue(acc, acc_up, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_ptr, blo
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT) by (kind, K, N, BLOCK_M); see load/bench_skinny_linear.py.
-CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...]] = {}
+CONFIGS: dict[tuple[str, int, int, int], tuple[int, int, int, int, int]] = {}
 DEFAULT_CONFIG = (16, 256, 4, 4, 1)
+# (hidden, BLOCK_M) -> whether the five-kernel layer beat the eight separate kernels when measured;
+# a shape never measured takes it.
+LAYER_WINS: dict[tuple[int, int], bool] = {}
 
 
 def load_configs(path: str) -> None:
@@ -126,11 +129,6 @@ def load_configs_dict(configs: dict) -> None:
             CONFIGS[(kind, int(k), int(n), int(m))] = tuple(config)
 
 
-# (hidden, BLOCK_M) -> whether the five-kernel layer beat the eight separate kernels when measured;
-# a shape never measured takes it.
-LAYER_WINS: dict[tuple[int, int], bool] = {}
-
-
 def layer_wins(hidden: int, tokens: int) -> bool:
     return LAYER_WINS.get((hidden, max(16, triton.next_power_of_2(tokens))), True)
 
@@ -140,10 +138,8 @@ if os.environ.get("POLLEN_SKINNY_CONFIGS"):  # a table measured on this machine,
     load_configs(os.environ["POLLEN_SKINNY_CONFIGS"])
 
 
-
-
 def config_for(kind: str, k: int, n: int, block_m: int) -> tuple[int, int, int, int, int]:
-    block_n, block_k, warps, stages, split = (*CONFIGS.get((kind, k, n, block_m), DEFAULT_CONFIG), 1)[:5]
+    block_n, block_k, warps, stages, split = CONFIGS.get((kind, k, n, block_m), DEFAULT_CONFIG)
     if kind not in ("residual", "plain"):
         split = 1  # SWIGLU's up half and the norm's scale are not kept per split
     while k % (split * 64):
@@ -190,7 +186,7 @@ class Parts:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   residual: torch.Tensor | None = None, parts: Parts | None = None, eps: float = 0.0,
-                  swiglu: bool = False, config=None):
+                  swiglu: bool = False, config: tuple[int, int, int, int, int] | None = None):
     """y = f(x @ weight.T (+ bias)) for up to MAX_ROWS rows of x.
 
     parts (from the RESIDUAL product that wrote x): x is a raw residual, and the product is of
@@ -202,8 +198,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     m, k = x.shape
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     block_m = max(16, triton.next_power_of_2(m))
-    block_n, block_k, warps, stages, split = (*(config or config_for(kind_of(parts, residual, swiglu), k, n, block_m)),
-                                              1)[:5]
+    block_n, block_k, warps, stages, split = config or config_for(kind_of(parts, residual, swiglu), k, n, block_m)
     y = x.new_empty(m, n)
     programs = n // block_n
     parts_out = torch.empty(programs, block_m, device=x.device, dtype=torch.float32) if residual is not None else y
