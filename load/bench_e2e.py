@@ -32,8 +32,8 @@ from tests.conftest import ServerProcess  # noqa: E402
 
 
 def engine_docs(path, seqs, budget):
-    from worker.cuda_engine import CudaEngine
-    from worker.models.loader import load_model
+    from pollen.worker.cuda_engine import CudaEngine
+    from pollen.worker.models.loader import load_model
 
     # The server's defaults: graphs up to 8,192 tokens, larger batches eager.
     engine = CudaEngine(load_model(path, device="cuda", dtype=torch.bfloat16), "cuda", max_batch_tokens=budget,

@@ -29,9 +29,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from load.gpu_models import SHAPES, make_checkpoint, pplx_variant  # noqa: E402
-from worker.cuda_engine import CudaEngine  # noqa: E402
-from worker.models.loader import load_model  # noqa: E402
-from worker.packed import pack  # noqa: E402
+from pollen.worker.cuda_engine import CudaEngine  # noqa: E402
+from pollen.worker.models.loader import load_model  # noqa: E402
+from pollen.worker.packed import pack  # noqa: E402
 
 DOCS = {"qwen3-0.6b": 20000, "qwen3-4b": 5000, "bert-base": 20000}
 BUDGET = {"qwen3-0.6b": 16384, "qwen3-4b": 16384, "bert-base": 32768}

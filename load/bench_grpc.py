@@ -26,9 +26,9 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from load.results_file import write_results  # noqa: E402
 from pollen.v1 import embedder_pb2 as pb  # noqa: E402
 from pollen.v1 import embedder_pb2_grpc as pb_grpc  # noqa: E402
-from load.results_file import write_results  # noqa: E402
 from tests.conftest import ServerProcess  # noqa: E402
 from tests.texts import stsb_pairs  # noqa: E402
 
@@ -80,7 +80,7 @@ async def docs_throughput(target: str, docs: list[str], streams: int, per_messag
 def reference_throughput(docs: list[str]) -> dict:
     from sentence_transformers import SentenceTransformer
 
-    from worker.models.spec import default_model_path
+    from pollen.common.model_spec import default_model_path
 
     model = SentenceTransformer(default_model_path(), device="cpu")
     model.encode(docs[:64], batch_size=64)

@@ -30,9 +30,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from load.bench_grpc import machine  # noqa: E402
+from load.results_file import write_results  # noqa: E402
 from pollen.v1 import embedder_pb2 as pb  # noqa: E402
 from pollen.v1 import embedder_pb2_grpc as pb_grpc  # noqa: E402
-from load.results_file import write_results  # noqa: E402
 from tests.conftest import ServerProcess  # noqa: E402
 from tests.texts import stsb_pairs  # noqa: E402
 

@@ -28,10 +28,10 @@ from load.gpu_models import write_tokenizer  # noqa: E402
 from load.results_file import write_results  # noqa: E402
 from pollen.v1 import embedder_pb2 as pb  # noqa: E402
 from pollen.v1 import embedder_pb2_grpc as pb_grpc  # noqa: E402
+from pollen.worker.engine import EagerEngine  # noqa: E402
+from pollen.worker.models.loader import load_model  # noqa: E402
+from pollen.worker.packed import pack  # noqa: E402
 from tests.conftest import ServerProcess  # noqa: E402
-from worker.engine import EagerEngine  # noqa: E402
-from worker.models.loader import load_model  # noqa: E402
-from worker.packed import pack  # noqa: E402
 
 N = 300
 

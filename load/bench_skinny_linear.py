@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from load.results_file import write_results  # noqa: E402
-from worker import kernels  # noqa: E402
-from worker.kernels import skinny as sk  # noqa: E402
+from pollen.worker import kernels  # noqa: E402
+from pollen.worker.kernels import skinny as sk  # noqa: E402
 
 ALL_SHAPES = {"qwen3-0.6b": (1024, 4096, 2048, 3072), "qwen3-4b": (2560, 6144, 4096, 9728)}  # hidden, qkv, attn, inter
 LAYERS = 28

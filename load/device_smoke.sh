@@ -21,7 +21,7 @@
 set -x
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c "import grpc, google.protobuf as p, torch, transformers, tokenizers, numpy, uvloop; print('grpc', grpc.__version__, 'protobuf', p.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'tokenizers', tokenizers.__version__, 'numpy', numpy.__version__, 'uvloop', uvloop.__version__)"
 python3 -c "from torch.nn.attention.varlen import varlen_attn; print('varlen_attn ok')"

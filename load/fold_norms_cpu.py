@@ -22,9 +22,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from load.gpu_models import write_tokenizer  # noqa: E402
 from load.results_file import write_results  # noqa: E402
-from worker.engine import EagerEngine  # noqa: E402
-from worker.models.loader import load_model  # noqa: E402
-from worker.packed import pack  # noqa: E402
+from pollen.worker.engine import EagerEngine  # noqa: E402
+from pollen.worker.models.loader import load_model  # noqa: E402
+from pollen.worker.packed import pack  # noqa: E402
 
 
 def checkpoint(layers: int) -> str:

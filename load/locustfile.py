@@ -27,6 +27,7 @@ from locust import FastHttpUser, User, between, events, task  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # corpus.py beside this file
 from corpus import documents, queries  # noqa: E402
+
 from pollen.v1 import embedder_pb2 as pb  # noqa: E402
 from pollen.v1 import embedder_pb2_grpc as pb_grpc  # noqa: E402
 

@@ -18,9 +18,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from load.gpu_models import make_checkpoint  # noqa: E402
-from worker.cuda_engine import CudaEngine  # noqa: E402
-from worker.models.loader import load_model  # noqa: E402
-from worker.packed import pack  # noqa: E402
+from pollen.worker.cuda_engine import CudaEngine  # noqa: E402
+from pollen.worker.models.loader import load_model  # noqa: E402
+from pollen.worker.packed import pack  # noqa: E402
 
 
 def main():

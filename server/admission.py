@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pollen.common.model_spec import MIN_MATRYOSHKA_DIMS, ModelSpec
+from pollen.server.errors import invalid
+from pollen.server.tokenizer import TextTokenizer
+from pollen.shared_mem.records import RowPlan
 from pollen.v1 import embedder_pb2 as pb
-from server.errors import invalid
-from server.tokenizer import TextTokenizer
-from shared_mem.records import RowPlan
-from worker.models.spec import MIN_MATRYOSHKA_DIMS, ModelSpec
 
 _ENCODINGS = set(pb.Encoding.values())
 _TRUNCATES = set(pb.Truncate.values())

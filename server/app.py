@@ -16,18 +16,18 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pollen.common.model_spec import read_model_spec
+from pollen.server.admission import Admission
+from pollen.server.config import ServeConfig
+from pollen.server.http11 import HttpServer
+from pollen.server.http_door import HttpDoor, error_response
+from pollen.server.service import EmbedderService
+from pollen.server.tokenizer import TextTokenizer
+from pollen.server.workers import WorkerPool
+from pollen.shared_mem import records
+from pollen.shared_mem.ring import Ring, cleanup_stale_segments
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
-from server.admission import Admission
-from server.config import ServeConfig
-from server.http11 import HttpServer
-from server.http_door import HttpDoor, error_response
-from server.service import EmbedderService
-from server.tokenizer import TextTokenizer
-from server.workers import WorkerPool
-from shared_mem import records
-from shared_mem.ring import Ring, cleanup_stale_segments
-from worker.models.spec import read_model_spec
 
 log = logging.getLogger("pollen")
 

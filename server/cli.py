@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     if argv[0] == "embed":
-        from pollen_client.command import main as embed  # the client side only: no torch, no server
+        from pollen.client.command import main as embed  # the client side only: no torch, no server
 
         return embed(argv[1:])
     if argv[0] != "serve":
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(argv: list[str]) -> int:
-    from server.config import ServeConfig
+    from pollen.server.config import ServeConfig
 
     try:
         cfg = ServeConfig.from_args(argv)
@@ -35,7 +35,7 @@ def serve(argv: list[str]) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvloop
 
-    from server.app import serve as run_server
+    from pollen.server.app import serve as run_server
 
     try:
         uvloop.run(run_server(cfg))

@@ -5,7 +5,7 @@ import argparse
 import dataclasses
 import os
 
-from worker.models.spec import default_model_path
+from pollen.common.model_spec import default_model_path
 
 # Field annotations (strings, under `from __future__ import annotations`) to argparse types.
 _TYPES = {"str | None": str, "str": str, "int": int, "float": float}

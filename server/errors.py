@@ -14,7 +14,3 @@ class RequestError(Exception):
 def invalid(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
-
-def status_number(code: grpc.StatusCode) -> int:
-    """The numeric google.rpc.Code of a grpc.StatusCode, for EmbedResponse.error.code."""
-    return code.value[0]

@@ -22,14 +22,14 @@ from typing import Annotated, Literal, get_args, get_origin
 
 import grpc
 import msgspec
-import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from pollen.common import encodings
+from pollen.server.errors import RequestError
+from pollen.server.http11 import Request, Response
+from pollen.server.metrics import REGISTRY, count_request
+from pollen.server.service import EmbedderService
 from pollen.v1 import embedder_pb2 as pb
-from server.errors import RequestError
-from server.http11 import Request, Response
-from server.metrics import REGISTRY, count_request
-from server.service import EmbedderService
 
 log = logging.getLogger("pollen.http")
 
@@ -47,7 +47,7 @@ class EmbeddingsBody(msgspec.Struct, forbid_unknown_fields=True):
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None            # accepted and ignored
     # pollen's own options, as in EmbedRequest (lower-case enum names).
-    encoding: Literal["float32", "float16", "bfloat16", "int8", "ubinary"] = "float32"
+    encoding: Literal[encodings.NAMES] = "float32"
     normalize: bool = True             # OpenAI's vectors are unit length; gRPC's default is False
     truncate: Literal["none", "end", "start"] = "none"
     max_tokens: NonNegative = 0
@@ -63,14 +63,9 @@ _DECODER = msgspec.json.Decoder(EmbeddingsBody)
 _CHOICES = {f.name: get_args(f.type) for f in msgspec.structs.fields(EmbeddingsBody)
             if get_origin(f.type) is Literal}
 _ENCODER = msgspec.json.Encoder()
-_ENCODINGS = {"float32": pb.ENCODING_FLOAT32, "float16": pb.ENCODING_FLOAT16, "bfloat16": pb.ENCODING_BFLOAT16,
-              "int8": pb.ENCODING_INT8, "ubinary": pb.ENCODING_UBINARY}
 _TRUNCATES = {"none": pb.TRUNCATE_NONE, "end": pb.TRUNCATE_END, "start": pb.TRUNCATE_START}
 _LONG_INPUTS = {"truncate": pb.LONG_INPUT_TRUNCATE, "chunk_mean": pb.LONG_INPUT_CHUNK_MEAN}
 _PRIORITIES = {"interactive": pb.PRIORITY_INTERACTIVE, "bulk": pb.PRIORITY_BULK}
-# How each encoding's bytes read as numbers in the "float" form.
-_DTYPES = {pb.ENCODING_FLOAT32: "<f4", pb.ENCODING_FLOAT16: "<f2", pb.ENCODING_INT8: "i1",
-           pb.ENCODING_UBINARY: "u1"}
 
 # gRPC statuses to HTTP, as Google's API guidelines map them, except UNIMPLEMENTED (an option this
 # build does not offer: the client can change its request, so 400 rather than a 5xx).
@@ -167,7 +162,7 @@ def to_embed_request(request: Request) -> tuple[pb.EmbedRequest, str]:
     except msgspec.DecodeError as exc:
         raise Rejected(f"the body is not valid JSON: {exc}") from None
     message = pb.EmbedRequest(
-        dimensions=body.dimensions or 0, normalize=body.normalize, encoding=_ENCODINGS[body.encoding],
+        dimensions=body.dimensions or 0, normalize=body.normalize, encoding=encodings.BY_NAME[body.encoding],
         truncate=_TRUNCATES[body.truncate], max_tokens=body.max_tokens, prompt_name=body.prompt_name,
         prompt=body.prompt, long_input=_LONG_INPUTS[body.long_input], priority=_PRIORITIES[body.priority],
         timeout_ms=body.timeout_ms)
@@ -214,13 +209,13 @@ def _ids(ids: list[int], where: str) -> list[int]:
 
 
 def to_openai(answer: pb.EmbedResponse, encoding_format: str, model: str) -> dict:
-    rows = rows_of(answer)
+    rows = encodings.rows_of(answer.embeddings, answer.rows, answer.dims, answer.encoding)
     data = []
     for i, row in enumerate(rows):
         if encoding_format == "base64":
             vector = base64.b64encode(row.tobytes()).decode("ascii")
         elif answer.encoding == pb.ENCODING_BFLOAT16:
-            vector = (row.astype(np.uint32) << 16).view(np.float32).tolist()
+            vector = encodings.widen_bfloat16(row).tolist()
         else:
             vector = row.tolist()
         item = {"object": "embedding", "index": i, "embedding": vector}
@@ -231,8 +226,3 @@ def to_openai(answer: pb.EmbedResponse, encoding_format: str, model: str) -> dic
     return {"object": "list", "data": data, "model": model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-
-def rows_of(answer: pb.EmbedResponse) -> np.ndarray:
-    """The answer's rows as numbers in their encoding (bfloat16 as its uint16 bit patterns)."""
-    dtype = _DTYPES.get(answer.encoding, "<u2")
-    return np.frombuffer(answer.embeddings, dtype=dtype).reshape(answer.rows, -1)

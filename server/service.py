@@ -6,23 +6,21 @@ import logging
 import time
 
 import grpc
-import numpy as np
 
+from pollen.common import encodings, status
+from pollen.common.model_spec import ModelSpec
+from pollen.server import metrics
+from pollen.server.admission import Admission
+from pollen.server.config import ServeConfig
+from pollen.server.errors import RequestError, invalid
+from pollen.server.metrics import count_request
+from pollen.server.workers import WorkerPool
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
-from server.admission import Admission
-from server.config import ServeConfig
-from server import metrics
-from server.errors import RequestError, invalid, status_number
-from server.metrics import count_request
-from server.workers import WorkerPool
-from worker.models.spec import ModelSpec
-from worker.postprocess import SUPPORTED
 
 log = logging.getLogger("pollen.service")
 
 _POOLING = {"mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS, "last": pb.POOLING_LAST}
-_WORKER_STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class EmbedderService(pb_grpc.EmbedderServicer):
@@ -46,12 +44,12 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         result = await self.pool.embed(job.seqs, job.dims, job.normalize, job.encoding, rows=job.rows,
                                        priority=job.priority, deadline_ns=deadline_ns)
         if result.status:
-            raise RequestError(_WORKER_STATUS.get(result.status, grpc.StatusCode.INTERNAL),
+            raise RequestError(status.code_of(result.status, grpc.StatusCode.INTERNAL),
                                result.body.decode(errors="replace"))
         body, scales = result.body, ()
-        if result.encoding == pb.ENCODING_INT8:  # rows x dims int8 values, then one f32 scale a row
-            split = result.rows * result.dims
-            body, scales = body[:split], np.frombuffer(body, "<f4", count=result.rows, offset=split).tolist()
+        if result.encoding == pb.ENCODING_INT8:
+            body, scale_array = encodings.split_int8(body, result.rows, result.dims)
+            scales = scale_array.tolist()
         return pb.EmbedResponse(
             id=request.id, embeddings=body, rows=result.rows, dims=result.dims,
             encoding=result.encoding, usage=pb.Usage(prompt_tokens=job.tokens),
@@ -138,7 +136,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
     async def Info(self, request, context):
         return pb.InfoResponse(
             model=self.spec.name, dimensions=self.spec.hidden_size, max_tokens=self.spec.max_tokens,
-            pooling=_POOLING.get(self.spec.pooling, pb.POOLING_UNSPECIFIED), encodings=list(SUPPORTED),
+            pooling=_POOLING.get(self.spec.pooling, pb.POOLING_UNSPECIFIED), encodings=list(encodings.SUPPORTED),
             max_texts_per_request=self.cfg.max_texts_per_request, max_batch_tokens=self.cfg.max_batch_tokens,
             max_queued_tokens=self.cfg.max_queued_tokens, max_request_bytes=self.cfg.max_request_bytes,
             vocab_size=self.spec.vocab_size, workers=self.cfg.workers, device=self.cfg.device,
@@ -157,4 +155,4 @@ async def unary(context, method: str, work):
 
 
 def error_response(request_id: str, exc: RequestError) -> pb.EmbedResponse:
-    return pb.EmbedResponse(id=request_id, error=pb.Error(code=status_number(exc.code), message=exc.message))
+    return pb.EmbedResponse(id=request_id, error=pb.Error(code=status.number_of(exc.code), message=exc.message))

@@ -12,8 +12,8 @@ import os
 import numpy as np
 from tokenizers import Tokenizer
 
+from pollen.server.errors import invalid
 from pollen.v1 import embedder_pb2 as pb
-from server.errors import invalid
 
 # CHUNK_MEAN: consecutive windows share this fraction of a window's text tokens.
 WINDOW_OVERLAP_DIVISOR = 8

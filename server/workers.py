@@ -30,12 +30,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from server import metrics
-from server.config import ServeConfig
-from server.errors import RequestError
-from shared_mem import records
-from shared_mem.ring import Ring
-from worker.main import WorkerConfig
+from pollen.common import status
+from pollen.common.worker_config import WorkerConfig
+from pollen.server import metrics
+from pollen.server.config import ServeConfig
+from pollen.server.errors import RequestError
+from pollen.shared_mem import records
+from pollen.shared_mem.ring import Ring
 
 log = logging.getLogger("pollen.workers")
 
@@ -60,9 +61,8 @@ class Pending:
 
 def dropped_error(reason: str) -> RequestError:
     if reason == "deadline":
-        return RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            "the deadline passed before the request reached the model")
-    return RequestError(grpc.StatusCode.CANCELLED, "the request was cancelled before it reached the model")
+        return RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, status.DEADLINE_PASSED)
+    return RequestError(grpc.StatusCode.CANCELLED, status.CANCELLED_BEFORE_MODEL)
 
 
 class WorkerHandle:
@@ -105,7 +105,7 @@ class WorkerHandle:
             request_ring=self.requests.name, request_fds=(self.requests.data_fd, self.requests.space_fd),
             response_ring=self.responses.name, response_fds=(self.responses.data_fd, self.responses.space_fd))
         fds = [*wcfg.request_fds, *wcfg.response_fds]
-        self.proc = subprocess.Popen([sys.executable, "-m", "worker.main", wcfg.to_json()], pass_fds=fds)
+        self.proc = subprocess.Popen([sys.executable, "-m", "pollen.worker", wcfg.to_json()], pass_fds=fds)
         self.pidfd = os.pidfd_open(self.proc.pid)
         self.exited.clear()
         self.responses.set_consumer_sleeping(True)

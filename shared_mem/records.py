@@ -86,8 +86,8 @@ EMBED, STOP, RESULT, READY, CANCEL, BATCH_RESULT = 1, 2, 3, 4, 5, 6
 FLAG_NORMALIZE = 1
 FLAG_ROWS = 2
 
-# google.rpc.Code values the worker answers with.
-OK, CANCELLED, DEADLINE_EXCEEDED, INTERNAL = 0, 1, 4, 13
+# The statuses a RESULT (or a BATCH_RESULT entry) carries, google.rpc.Code numbers.
+from pollen.common.status import CANCELLED, DEADLINE_EXCEEDED, INTERNAL, OK  # noqa: E402,F401
 
 _REQUEST = struct.Struct("<QQQIIIIIIII")
 _RESULT = struct.Struct("<QIIIIQQ")

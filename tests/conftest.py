@@ -133,7 +133,7 @@ def reference():
     """sentence-transformers on the same model: the independent reference."""
     from sentence_transformers import SentenceTransformer
 
-    from worker.models.spec import default_model_path
+    from pollen.common.model_spec import default_model_path
 
     model = SentenceTransformer(default_model_path(), device="cpu")
 

@@ -9,10 +9,10 @@ import grpc
 import numpy as np
 import pytest
 
+from pollen.common.model_spec import default_model_path, read_model_spec
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
 from tests.conftest import ServerProcess, vectors
-from worker.models.spec import default_model_path, read_model_spec
 
 PROMPTS = {"query": "query: ", "document": "passage: "}
 SIZES = [64, 128, 384]

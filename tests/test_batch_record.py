@@ -18,13 +18,14 @@ import numpy as np
 import pytest
 import torch
 
+from pollen.common.encodings import row_bytes
+from pollen.shared_mem import records
+from pollen.shared_mem.ring import Ring
 from pollen.v1 import embedder_pb2 as pb
-from shared_mem import records
-from shared_mem.ring import Ring
-from worker.batch_answer import EARLIER_FAILURE, BatchAnswer
-from worker.batcher import Batcher, Job
-from worker.models.pooling import normalize_rows
-from worker.postprocess import combine, finish, row_bytes
+from pollen.worker.batch_answer import EARLIER_FAILURE, BatchAnswer
+from pollen.worker.batcher import Batcher, Job
+from pollen.worker.models.pooling import normalize_rows
+from pollen.worker.postprocess import combine, finish
 
 HIDDEN = 16
 ENCODINGS = (pb.ENCODING_FLOAT32, pb.ENCODING_FLOAT16, pb.ENCODING_BFLOAT16, pb.ENCODING_INT8,
@@ -204,9 +205,9 @@ def test_row_cap_keeps_every_record_within_max_record():
 
 
 def test_a_response_ring_too_small_for_one_request_is_refused_at_start():
-    from server.app import check_limits
-    from server.config import ServeConfig
-    from worker.models.spec import default_model_path, read_model_spec
+    from pollen.common.model_spec import default_model_path, read_model_spec
+    from pollen.server.app import check_limits
+    from pollen.server.config import ServeConfig
 
     spec = read_model_spec(default_model_path())  # 384 values a row: 20 rows fit a 64 KiB ring's record
     check_limits(ServeConfig(response_ring_bytes=64 << 10, max_texts_per_request=16), spec)
@@ -239,7 +240,7 @@ class FailingEngine:
 @pytest.fixture
 def worker():
     """A Worker without a model or a frontend: real response ring, stand-in engine."""
-    from worker.main import Worker
+    from pollen.worker.main import Worker
 
     w = object.__new__(Worker)
     w.responses = Ring.create(64 << 10, prefix="pollentest")

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared_mem import records
-from worker.batcher import Batcher, Job
+from pollen.shared_mem import records
+from pollen.worker.batcher import Batcher, Job
 
 
 def job(req_id: int, lengths: list[int]) -> Job:
@@ -48,8 +48,8 @@ def test_records_round_trip():
 def test_pack_lays_sequences_end_to_end_and_pools_spans():
     import torch
 
-    from worker.models.pooling import pool_rows
-    from worker.packed import pack
+    from pollen.worker.models.pooling import pool_rows
+    from pollen.worker.packed import pack
 
     seqs = [np.array([5, 6, 7], np.int32), np.array([8], np.int32), np.array([1, 2, 3, 4], np.int32)]
     whole = pack(seqs)
@@ -161,8 +161,9 @@ def test_records_carry_rows_priority_and_deadline():
 
 
 def test_combine_is_the_weighted_mean_and_int8_scales_round_trip():
+    from pollen.common.encodings import row_bytes
     from pollen.v1 import embedder_pb2 as pb
-    from worker.postprocess import combine, finish, row_bytes
+    from pollen.worker.postprocess import combine, finish
 
     pooled = np.array([[1, 2], [3, 4], [5, -6]], np.float32)
     got = combine(pooled, np.array([0, 0, 1]), np.array([1.0, 3.0, 2.0]), 2)

@@ -3,16 +3,15 @@ weights (all-MiniLM-L6-v2): the whole document in one forward pooled per chunk s
 documented windows embedded one by one and averaged with token weights."""
 from __future__ import annotations
 
+import grpc
 import numpy as np
 import pytest
 import torch
 
-import grpc
-
+from pollen.common.model_spec import default_model_path
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
 from tests.conftest import ServerProcess, vectors
-from worker.models.spec import default_model_path
 
 CHUNKS = ["Marie Curie was born in Warsaw in 1867.",
           "She moved to Paris to study physics and mathematics.",

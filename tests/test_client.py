@@ -9,8 +9,8 @@ import grpc
 import numpy as np
 import pytest
 
+from pollen.client import AsyncClient, Client, EmbedError, ScaledInt8Array
 from pollen.v1 import embedder_pb2 as pb
-from pollen_client import AsyncClient, Client, EmbedError, ScaledInt8Array
 from tests.conftest import ServerProcess, cosine_rows, vectors
 from tests.texts import varied_texts
 

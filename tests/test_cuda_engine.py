@@ -13,10 +13,10 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")]
 
-from worker.engine import EagerEngine  # noqa: E402
-from worker.models import ops  # noqa: E402
-from worker.models.loader import load_model  # noqa: E402
-from worker.packed import pack  # noqa: E402
+from pollen.worker.engine import EagerEngine  # noqa: E402
+from pollen.worker.models import ops  # noqa: E402
+from pollen.worker.models.loader import load_model  # noqa: E402
+from pollen.worker.packed import pack  # noqa: E402
 
 
 def cos(a, b):
@@ -27,7 +27,7 @@ def cos(a, b):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernels_equal_references(dtype):
     pytest.importorskip("triton")
-    from worker import kernels
+    from pollen.worker import kernels
 
     torch.manual_seed(0)
     t, h, heads, kv, d, inter = 333, 1024, 16, 8, 128, 3072
@@ -68,7 +68,7 @@ def seqs(lengths, vocab=1000, seed=0):
 
 @pytest.mark.parametrize("kind", ["causal", "bidirectional", "bert"])
 def test_cuda_engine_matches_cpu_reference(tmp_path, kind):
-    from worker.cuda_engine import CudaEngine
+    from pollen.worker.cuda_engine import CudaEngine
 
     path = tiny(tmp_path, kind)
     batch = pack(seqs([1, 9, 2, 40, 64, 13, 3]))
@@ -91,7 +91,7 @@ def test_cuda_engine_matches_cpu_reference(tmp_path, kind):
 def test_graphs_pool_spans_and_buckets(tmp_path):
     """Contextual-chunk spans and odd sizes through graphs equal the CPU reference; batches above
     the largest graph bucket run eagerly."""
-    from worker.cuda_engine import CudaEngine
+    from pollen.worker.cuda_engine import CudaEngine
 
     path = tiny(tmp_path, "bidirectional")
     cpu = EagerEngine(load_model(path))
@@ -110,9 +110,9 @@ def test_graphs_pool_spans_and_buckets(tmp_path):
 @pytest.mark.parametrize("causal", [False, True])
 def test_short_attention_equals_flash(causal):
     pytest.importorskip("triton")
-    from worker.kernels.norms import embed_rms_norm
-    from worker.kernels.short_attention import short_attention
-    from worker.models.attention import _torch_varlen, _torch_varlen_options
+    from pollen.worker.kernels.norms import embed_rms_norm
+    from pollen.worker.kernels.short_attention import short_attention
+    from pollen.worker.models.attention import _torch_varlen, _torch_varlen_options
 
     torch.manual_seed(1)
     cu = torch.tensor([0, 5, 5, 21, 22, 86], dtype=torch.int32, device="cuda")  # an empty and a 64-long one
@@ -139,8 +139,8 @@ def test_short_attention_equals_flash(causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_fused_short_qk_rope_attention_equals_the_separate_kernels(causal):
     pytest.importorskip("triton")
-    from worker.kernels.short_attention import short_qk_rope_attention
-    from worker.models.attention import varlen_attention
+    from pollen.worker.kernels.short_attention import short_qk_rope_attention
+    from pollen.worker.models.attention import varlen_attention
 
     torch.manual_seed(2)
     heads, kv, d = 16, 8, 128
@@ -167,7 +167,7 @@ def test_skinny_products_equal_the_separate_kernels(dtype):
     pytest.importorskip("triton")
     import torch.nn.functional as F
 
-    from worker.kernels.skinny import skinny_linear
+    from pollen.worker.kernels.skinny import skinny_linear
 
     g = torch.Generator(device="cuda").manual_seed(3)
 
@@ -221,9 +221,9 @@ def test_skinny_products_equal_the_separate_kernels(dtype):
 def test_query_path_matches_cpu_reference(tmp_path, kind, monkeypatch):
     """Batches of up to 64 tokens take the five-kernel layer (skinny products) and still equal the
     float32 CPU reference; a 65-token batch takes the general path."""
+    from pollen.worker import kernels
+    from pollen.worker.cuda_engine import CudaEngine
     from tests.test_model_qwen3 import make_tiny_qwen3
-    from worker import kernels
-    from worker.cuda_engine import CudaEngine
 
     make_tiny_qwen3(tmp_path / "m", kind, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=64, intermediate_size=512, num_hidden_layers=2, max_position_embeddings=256)

@@ -14,13 +14,13 @@ import torch  # noqa: E402
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")]
 
+from pollen.shared_mem import records  # noqa: E402
+from pollen.shared_mem.ring import Ring  # noqa: E402
 from pollen.v1 import embedder_pb2 as pb  # noqa: E402
-from shared_mem import records  # noqa: E402
-from shared_mem.ring import Ring  # noqa: E402
-from worker.engine import EagerEngine  # noqa: E402
-from worker.models.loader import load_model  # noqa: E402
-from worker.packed import pack  # noqa: E402
-from worker.postprocess import finish  # noqa: E402
+from pollen.worker.engine import EagerEngine  # noqa: E402
+from pollen.worker.models.loader import load_model  # noqa: E402
+from pollen.worker.packed import pack  # noqa: E402
+from pollen.worker.postprocess import finish  # noqa: E402
 
 HIDDEN = 32  # tests.test_model_bert.make_tiny
 
@@ -46,8 +46,8 @@ def ring():
 
 @pytest.mark.parametrize("dtype, graphs", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
 def test_d2h_lands_in_the_registered_ring_and_equals_the_cpu(tmp_path, ring, dtype, graphs):
+    from pollen.worker.cuda_engine import CudaEngine
     from tests.test_model_bert import make_tiny
-    from worker.cuda_engine import CudaEngine
 
     make_tiny(tmp_path / "m", pooling="cls")  # cls: no atomics in pooling, so runs repeat exactly
     path = str(tmp_path / "m")

@@ -13,11 +13,11 @@ import asyncio
 import grpc
 import numpy as np
 
+from pollen.server import metrics
+from pollen.server.app import serve
+from pollen.server.config import ServeConfig
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
-from server import metrics
-from server.app import serve
-from server.config import ServeConfig
 from tests.conftest import free_port
 
 BACKLOG_REQUESTS, BACKLOG_TEXTS = 6, 16

@@ -32,7 +32,7 @@ def test_the_set_holds_one_token_and_over_512_token_texts(stub):
     """The accuracy test above must cover the extremes the issue names."""
     from tokenizers import Tokenizer
 
-    from worker.models.spec import default_model_path
+    from pollen.common.model_spec import default_model_path
 
     tok = Tokenizer.from_file(f"{default_model_path()}/tokenizer.json")
     tok.no_truncation()

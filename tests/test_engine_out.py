@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from pollen.v1 import embedder_pb2 as pb
-from worker.engine import EagerEngine
-from worker.models.loader import load_model
-from worker.models.pooling import normalize_rows
-from worker.packed import pack
-from worker.postprocess import finish
+from pollen.worker.engine import EagerEngine
+from pollen.worker.models.loader import load_model
+from pollen.worker.models.pooling import normalize_rows
+from pollen.worker.packed import pack
+from pollen.worker.postprocess import finish
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_cuda_engine_layout_and_forward_on_the_cpu(model, padded):
     """CudaEngine.fill packs ids, spans and normalize flags into its compact int32 layout (padded
     to a graph bucket or not); its forward over that layout, here on a CPU model, equals the
     eager engine with the same flags."""
-    from worker.cuda_engine import CudaEngine, token_buckets
+    from pollen.worker.cuda_engine import CudaEngine, token_buckets
 
     engine = CudaEngine.__new__(CudaEngine)  # no device: only the layout and the forward
     engine.model, engine.pooling, engine.max_positions = model, model.spec.pooling, model.spec.max_tokens

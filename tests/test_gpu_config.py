@@ -7,9 +7,10 @@ import os
 
 import pytest
 
-from server.config import ServeConfig
-from server.workers import core_share
-from worker.main import WorkerConfig, visible_device
+from pollen.common.worker_config import WorkerConfig
+from pollen.server.config import ServeConfig
+from pollen.server.workers import core_share
+from pollen.worker.main import visible_device
 
 
 def test_devices_give_one_worker_each():

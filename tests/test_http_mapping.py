@@ -6,9 +6,9 @@ import json
 import msgspec
 import pytest
 
+from pollen.server.http11 import Request
+from pollen.server.http_door import EmbeddingsBody, Rejected, to_embed_request
 from pollen.v1 import embedder_pb2 as pb
-from server.http11 import Request
-from server.http_door import EmbeddingsBody, Rejected, to_embed_request
 
 # EmbedRequest fields whose HTTP name differs, or that HTTP has no use for.
 _HTTP_NAME = {"texts": "input", "token_ids": "input"}
@@ -62,7 +62,7 @@ def test_refusals_name_the_field(body, param):
 
 
 def test_http_listen_flag_and_variable():
-    from server.config import ServeConfig
+    from pollen.server.config import ServeConfig
 
     assert ServeConfig.from_args([], environ={}).http_listen == "127.0.0.1:8080"
     assert ServeConfig.from_args(["--http-listen", ""], environ={}).http_listen == ""  # no HTTP door

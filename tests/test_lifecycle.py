@@ -102,14 +102,14 @@ def test_reflection_lists_the_services(channel):
 
 def test_bad_model_directory_exits_with_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
-    run = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(tmp_path),
+    run = subprocess.run([sys.executable, "-m", "pollen.server.cli", "serve", "--model", str(tmp_path),
                           "--listen", "127.0.0.1:0"], capture_output=True, text=True, timeout=60)
     assert run.returncode != 0
     assert "gpt2" in run.stderr
 
 
 def test_flags_read_pollen_environment_variables():
-    from server.config import ServeConfig
+    from pollen.server.config import ServeConfig
 
     cfg = ServeConfig.from_args([], environ={"POLLEN_WORKERS": "3", "POLLEN_MAX_BATCH_TOKENS": "4096",
                                              "POLLEN_LISTEN": "unix:/tmp/x.sock"})

@@ -15,11 +15,11 @@ import sys
 import pytest
 import torch
 
-from worker.models.attention import varlen_attention
-from worker.models.loader import load_model
-from worker.models.packing import positions
-from worker.models.pooling import pool
-from worker.models.spec import UnsupportedModel, default_model_path, read_model_spec
+from pollen.common.model_spec import UnsupportedModel, default_model_path, read_model_spec
+from pollen.worker.models.attention import varlen_attention
+from pollen.worker.models.loader import load_model
+from pollen.worker.models.packing import positions
+from pollen.worker.models.pooling import pool
 
 LENGTHS = [1, 7, 2, 33, 64, 12, 5]  # one packed batch; 64 is the tiny model's position limit
 
@@ -326,6 +326,6 @@ def test_spec_defaults_without_sentence_transformers_files(tiny_dir):
 
 
 def test_spec_module_does_not_import_torch():
-    code = "import sys, worker.models.spec; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, pollen.common.model_spec; assert 'torch' not in sys.modules, 'torch imported'"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)

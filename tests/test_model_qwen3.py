@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from worker.engine import EagerEngine
-from worker.models import ops
-from worker.models.loader import load_model
-from worker.models.spec import UnsupportedModel, read_model_spec
-from worker.packed import pack
+from pollen.common.model_spec import UnsupportedModel, read_model_spec
+from pollen.worker.engine import EagerEngine
+from pollen.worker.models import ops
+from pollen.worker.models.loader import load_model
+from pollen.worker.packed import pack
 
 LENGTHS = [1, 9, 2, 40, 64, 13]
 
@@ -172,7 +172,7 @@ def test_reference_ops_match_hf_pieces():
 def test_folding_the_norms_changes_weights_not_results(tmp_path, monkeypatch):
     """after_load folds each pre-norm's weight into the product that reads it; POLLEN_FOLD_NORMS=0
     keeps the checkpoint's weights. Both give the same embeddings (float32)."""
-    from worker.models.loader import load_model
+    from pollen.worker.models.loader import load_model
 
     make_tiny_qwen3(tmp_path / "m", "causal")
     seqs = [torch.randint(0, 1000, (n,), dtype=torch.int32) for n in (5, 17, 2)]

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
+from pollen.common.model_spec import default_model_path, read_model_spec
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
 from tests.conftest import ServerProcess
-from worker.models.spec import default_model_path, read_model_spec
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("worker.models.qwen3") is None,
                                 reason="worker.models.qwen3 (the Qwen3 family) is not in this build yet")

@@ -9,13 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
+from pollen.common.model_spec import default_model_path, read_model_spec
+from pollen.server.admission import INLINE_CHARS, Admission
+from pollen.server.config import ServeConfig
+from pollen.server.tokenizer import TextTokenizer
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
-from server.admission import INLINE_CHARS, Admission
-from server.config import ServeConfig
-from server.tokenizer import TextTokenizer
 from tests.conftest import ServerProcess, cosine_rows, vectors
-from worker.models.spec import default_model_path, read_model_spec
 
 
 class CountingPool(ThreadPoolExecutor):

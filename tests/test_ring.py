@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from shared_mem.ring import SHM_DIR, CommitFirst, Ring, cleanup_stale_segments
+from pollen.shared_mem.ring import SHM_DIR, CommitFirst, Ring, cleanup_stale_segments
 
 PREFIX = "pollentest"
 
@@ -304,7 +304,7 @@ def test_cleanup_stale_segments_removes_dead_pids_only():
 # The child sleeps in wait_readable with a huge WAIT_SLICE, so only the eventfd can wake it soon.
 WAKE_CHILD = """
 import sys, time
-from shared_mem.ring import Ring
+from pollen.shared_mem.ring import Ring
 ring = Ring.attach(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
 Ring.WAIT_SLICE = 30.0
 print("ready", flush=True)

@@ -22,7 +22,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-from shared_mem.ring import CommitFirst, Ring
+from pollen.shared_mem.ring import CommitFirst, Ring
 
 N_RECORDS = 100_000
 CAPACITY = 64 * 1024

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pollen.common.encodings import row_bytes
+from pollen.shared_mem import records
 from pollen.v1 import embedder_pb2 as pb
-from shared_mem import records
-from worker.batcher import Job
-from worker.postprocess import combine, finish, row_bytes
+from pollen.worker.batcher import Job
+from pollen.worker.postprocess import combine, finish
 
 EARLIER_FAILURE = "the model failed on an earlier batch of this request"
 

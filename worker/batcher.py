@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared_mem.records import RequestRecord
+from pollen.shared_mem.records import RequestRecord
 
 INTERACTIVE, BULK = 0, 1
 

@@ -28,10 +28,10 @@ import time
 import numpy as np
 import torch
 
-from worker.lazy import LazyTensor
-from worker.models.base import EmbeddingModel
-from worker.models.pooling import normalize_rows, pool_rows
-from worker.packed import PackedBatch, warm_up_batch
+from pollen.worker.lazy import LazyTensor
+from pollen.worker.models.base import EmbeddingModel
+from pollen.worker.models.pooling import normalize_rows, pool_rows
+from pollen.worker.packed import PackedBatch, warm_up_batch
 
 
 def token_buckets(limit: int) -> list[int]:

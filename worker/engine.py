@@ -21,9 +21,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from worker.models.base import EmbeddingModel
-from worker.models.pooling import normalize_rows, pool_rows
-from worker.packed import PackedBatch, warm_up_batch
+from pollen.worker.models.base import EmbeddingModel
+from pollen.worker.models.pooling import normalize_rows, pool_rows
+from pollen.worker.packed import PackedBatch, warm_up_batch
 
 
 class Done:
@@ -74,7 +74,7 @@ class EagerEngine:
 def make_engine(model: EmbeddingModel, device: str, **options) -> EagerEngine:
     """options (max_batch_tokens, cuda_graphs, graph_max_tokens) matter to the CUDA engine only."""
     if device.startswith("cuda"):
-        from worker.cuda_engine import CudaEngine
+        from pollen.worker.cuda_engine import CudaEngine
 
         return CudaEngine(model, device, **options)
     return EagerEngine(model)

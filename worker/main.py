@@ -1,6 +1,6 @@
 """The worker process: drain the request ring, batch by tokens, run the model, answer.
 
-Started by the frontend as `python -m worker.main '<WorkerConfig as JSON>'` with the rings'
+Started by the frontend as `python -m pollen.worker '<WorkerConfig as JSON>'` with the rings'
 eventfds passed down (pass_fds). One worker per device; it names itself in its process title,
 dies with its parent, and says READY on the response ring once the model is loaded.
 
@@ -22,11 +22,13 @@ import sys
 import time
 from collections import deque
 
-from shared_mem import records
-from shared_mem.ring import CommitFirst, Reservation, Ring
-from worker.batch_answer import BatchAnswer
-from worker.batcher import Batcher, Job
-from worker.packed import pack
+from pollen.common import status
+from pollen.common.worker_config import WorkerConfig
+from pollen.shared_mem import records
+from pollen.shared_mem.ring import CommitFirst, Reservation, Ring
+from pollen.worker.batch_answer import BatchAnswer
+from pollen.worker.batcher import Batcher, Job
+from pollen.worker.packed import pack
 
 
 @dataclasses.dataclass(slots=True)
@@ -44,38 +46,6 @@ class InFlight:
     def computed(self) -> bool:
         """True when the engine already holds the result (the CPU engine computes in submit)."""
         return self.error is not None or getattr(self.pending, "computed", False)
-
-
-@dataclasses.dataclass(slots=True)
-class WorkerConfig:
-    index: int
-    model: str
-    device: str
-    threads: int
-    max_batch_tokens: int
-    parent_pid: int
-    request_ring: str
-    request_fds: tuple[int, int]   # (data_fd, space_fd)
-    response_ring: str
-    response_fds: tuple[int, int]
-    gpu: int = -1                 # cuda: the physical GPU index this worker owns; -1 on the cpu
-    cpu_cores: list = dataclasses.field(default_factory=list)  # affinity; empty: leave as is
-    dtype: str = "float32"
-    cuda_graphs: bool = True
-    graph_max_tokens: int = 8192
-    pooling: str | None = None
-    attention: str | None = None
-    bulk_batch_tokens: int = 0  # cap on bulk tokens per batch; 0: max_batch_tokens
-    spin_us: int = 0  # poll the request ring this long before sleeping (ServeConfig.worker_spin_us)
-
-    def __post_init__(self) -> None:
-        self.request_fds = tuple(self.request_fds)
-        self.response_fds = tuple(self.response_fds)
-        if self.threads < 1 or self.max_batch_tokens < 1:
-            raise ValueError(f"threads and max_batch_tokens must be positive: {self}")
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
 
 
 def visible_device(gpu: int, inherited: str | None) -> str:
@@ -102,8 +72,8 @@ class Worker:
     def __init__(self, cfg: WorkerConfig):
         import torch
 
-        from worker.engine import make_engine
-        from worker.models.loader import load_model
+        from pollen.worker.engine import make_engine
+        from pollen.worker.models.loader import load_model
 
         self.cfg = cfg
         torch.set_num_threads(cfg.threads)
@@ -178,7 +148,7 @@ class Worker:
             elif kind == records.CANCEL:
                 job = self.batcher.cancel(records.decode_cancel(view))
                 if job is not None:
-                    self.write_error(job, "the client cancelled the request before it reached the model",
+                    self.write_error(job, status.CANCELLED_BEFORE_MODEL,
                                      records.CANCELLED)
             elif kind == records.STOP:
                 self.stopping = True
@@ -189,7 +159,7 @@ class Worker:
         """Answer DEADLINE_EXCEEDED for requests whose deadline passed before they were batched."""
         dropped = self.batcher.expire(time.monotonic_ns())
         for job in dropped:
-            self.write_error(job, "the deadline passed before the request reached the model",
+            self.write_error(job, status.DEADLINE_PASSED,
                              records.DEADLINE_EXCEEDED)
         if dropped:
             self.responses.notify_consumer()
@@ -269,6 +239,10 @@ class Worker:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m pollen.worker '<WorkerConfig as JSON>' (the server starts workers; see "
+              "pollen.common.worker_config)", file=sys.stderr)
+        return 2
     cfg = WorkerConfig(**json.loads(argv[0]))
     die_with_parent()
     if cfg.gpu >= 0:

@@ -11,29 +11,14 @@ int8 comes in two kinds (docs/architecture.md, "Encodings"):
 - any other model: a symmetric per-vector scale, scale = max|x| / 127 and q = round(x / scale),
   x being the cut (and, if asked, normalized) vector; q * scale approximates x. A zero vector
   gets scale 0 and q = 0.
-The body is rows x dims int8 values, then rows float32 scales.
+The body is laid out as pollen/common/encodings.py draws it.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from pollen.common.encodings import to_bfloat16_bits
 from pollen.v1 import embedder_pb2 as pb
-
-# Encodings this build computes.
-SUPPORTED = (pb.ENCODING_FLOAT32, pb.ENCODING_FLOAT16, pb.ENCODING_BFLOAT16, pb.ENCODING_INT8,
-             pb.ENCODING_UBINARY)
-
-
-def row_bytes(dims: int, encoding: int) -> int:
-    if encoding == pb.ENCODING_FLOAT32:
-        return 4 * dims
-    if encoding in (pb.ENCODING_FLOAT16, pb.ENCODING_BFLOAT16):
-        return 2 * dims
-    if encoding == pb.ENCODING_INT8:
-        return dims + 4  # its values, and its share of the scales that follow all rows
-    if encoding == pb.ENCODING_UBINARY:
-        return (dims + 7) // 8
-    raise ValueError(f"unknown encoding {encoding}")
 
 
 def combine(pooled: np.ndarray, out_index: np.ndarray, weights: np.ndarray, n_out: int) -> np.ndarray:
@@ -78,11 +63,3 @@ def write_int8(q: np.ndarray, scales: np.ndarray, out: memoryview) -> None:
     np.copyto(np.frombuffer(out, dtype=np.int8, count=n).reshape(q.shape), np.clip(q, -127, 127), casting="unsafe")
     np.copyto(np.frombuffer(out, dtype="<f4", count=len(scales), offset=n), scales, casting="same_kind")
 
-
-def to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns, rounding to nearest even (as torch does)."""
-    bits = x.view(np.uint32)
-    rounded = bits + (((bits >> 16) & 1) + 0x7FFF)
-    out = (rounded >> 16).astype(np.uint16)
-    # Keep NaNs NaN (rounding could carry a NaN's payload into the infinity pattern).
-    return np.where(np.isnan(x), np.uint16(0x7FC0), out)

@@ -19,19 +19,19 @@ def available() -> bool:
 
 
 def add_rms_norm(x, residual, weight, eps):
-    from worker.kernels.norms import add_rms_norm as impl
+    from pollen.worker.kernels.norms import add_rms_norm as impl
 
     return impl(x, residual, weight, eps)
 
 
 def embed_rms_norm(ids, table, weight, eps):
-    from worker.kernels.norms import embed_rms_norm as impl
+    from pollen.worker.kernels.norms import embed_rms_norm as impl
 
     return impl(ids, table, weight, eps)
 
 
 def qk_norm_rope(qkv, q_weight, k_weight, cache, positions, heads, kv_heads, eps):
-    from worker.kernels.rope import qk_norm_rope as impl
+    from pollen.worker.kernels.rope import qk_norm_rope as impl
 
     return impl(qkv, q_weight, k_weight, cache, positions, heads, kv_heads, eps)
 
@@ -51,7 +51,7 @@ def short_attention_fits(max_seqlen: int, head_dim: int, rope: bool = False) -> 
 
 def short_qk_rope_attention(qkv, q_weight, k_weight, cache, positions, heads, kv_heads, eps, cu_seqlens,
                             max_seqlen, causal):
-    from worker.kernels.short_attention import short_qk_rope_attention as impl
+    from pollen.worker.kernels.short_attention import short_qk_rope_attention as impl
 
     return impl(qkv, q_weight, k_weight, cache, positions, heads, kv_heads, eps, cu_seqlens, max_seqlen, causal)
 
@@ -60,24 +60,24 @@ def skinny_fits(tokens, weight, swiglu=False):
     """Whether a product of `tokens` rows takes worker/kernels/skinny.py (POLLEN_SKINNY=0: never)."""
     import os
 
-    from worker.kernels.skinny import fits
+    from pollen.worker.kernels.skinny import fits
 
     return os.environ.get("POLLEN_SKINNY", "1") != "0" and fits(tokens, weight, swiglu)
 
 
 def skinny_layer_wins(hidden, tokens):
-    from worker.kernels.skinny import layer_wins
+    from pollen.worker.kernels.skinny import layer_wins
 
     return layer_wins(hidden, tokens)
 
 
 def skinny_linear(x, weight, bias=None, **options):
-    from worker.kernels.skinny import skinny_linear as impl
+    from pollen.worker.kernels.skinny import skinny_linear as impl
 
     return impl(x, weight, bias, **options)
 
 
 def silu_mul(gate_up):
-    from worker.kernels.activations import silu_mul as impl
+    from pollen.worker.kernels.activations import silu_mul as impl
 
     return impl(gate_up)

@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def _softmax_times_v(s, v, live, m, CAUSAL: tl.constexpr):
     """softmax(s) @ v over one sequence's scores s [BLOCK, BLOCK], keys limited to the live rows

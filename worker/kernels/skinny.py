@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels.skinny_configs import MEASURED
+from pollen.worker.kernels.skinny_configs import MEASURED
 
 MAX_ROWS = 64  # batches of up to this many tokens take these kernels (one row block: tl.dot's M)
 

@@ -31,8 +31,8 @@ except ImportError:
 
 
 def _short_kernels(q: torch.Tensor, max_seqlen: int) -> bool:
-    from worker import kernels
-    from worker.models import ops
+    from pollen.worker import kernels
+    from pollen.worker.models import ops
 
     return ops.use_triton(q) and kernels.short_attention_fits(max_seqlen, q.shape[2])
 
@@ -63,7 +63,7 @@ def varlen_attention(
     gqa = k.shape[1] != q.shape[1]
     if kind != "sdpa_loop" and _short_kernels(q, max_seqlen):
         # Queries: a register-resident Triton kernel beats a flash launch sized for long inputs.
-        from worker.kernels.short_attention import short_attention
+        from pollen.worker.kernels.short_attention import short_attention
 
         return short_attention(q, k, v, cu_seqlens, max_seqlen, causal)
     if kind == "flash_attn":

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from worker.models.packing import positions as packed_positions
-from worker.models.pooling import pool
-from worker.models.spec import ModelSpec
+from pollen.common.model_spec import ModelSpec
+from pollen.worker.models.packing import positions as packed_positions
+from pollen.worker.models.pooling import pool
 
 
 class EmbeddingModel(torch.nn.Module):

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.models.attention import varlen_attention
-from worker.models.base import EmbeddingModel
-from worker.models.spec import ModelSpec, position_offset
+from pollen.common.model_spec import ModelSpec, position_offset
+from pollen.worker.models.attention import varlen_attention
+from pollen.worker.models.base import EmbeddingModel
 
 
 class BertLayer(nn.Module):

@@ -10,10 +10,10 @@ import os
 import torch
 from safetensors import safe_open
 
-from worker.models.base import EmbeddingModel
-from worker.models.bert import BertEncoder
-from worker.models.qwen3 import Qwen3Encoder
-from worker.models.spec import UnsupportedModel, read_config, read_model_spec
+from pollen.common.model_spec import UnsupportedModel, read_config, read_model_spec
+from pollen.worker.models.base import EmbeddingModel
+from pollen.worker.models.bert import BertEncoder
+from pollen.worker.models.qwen3 import Qwen3Encoder
 
 FAMILIES: dict[str, type[EmbeddingModel]] = {"bert": BertEncoder, "qwen3": Qwen3Encoder}
 

@@ -69,6 +69,6 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
 def use_triton(x: torch.Tensor) -> bool:
     if not x.is_cuda or os.environ.get("POLLEN_TRITON", "1") == "0":
         return False
-    from worker import kernels
+    from pollen.worker import kernels
 
     return kernels.available()

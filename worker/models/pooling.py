@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.models.packing import segment_ids
+from pollen.worker.models.packing import segment_ids
 
 POOLING_MODES = ("mean", "cls", "last")
 

@@ -14,11 +14,11 @@ import functools
 import torch
 from torch import nn
 
-from worker import kernels
-from worker.models import ops
-from worker.models.attention import varlen_attention
-from worker.models.base import EmbeddingModel
-from worker.models.spec import ModelSpec
+from pollen.common.model_spec import ModelSpec
+from pollen.worker import kernels
+from pollen.worker.models import ops
+from pollen.worker.models.attention import varlen_attention
+from pollen.worker.models.base import EmbeddingModel
 
 
 class RMSNormWeight(nn.Module):

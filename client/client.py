@@ -7,10 +7,10 @@ from collections.abc import Iterable, Iterator, Sequence
 import grpc
 import numpy as np
 
+from pollen.client.messages import EmbedError, build_request, concatenate, decode, split
+from pollen.client.ordering import StreamOrder
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
-from pollen_client.messages import EmbedError, build_request, concatenate, decode, split
-from pollen_client.ordering import StreamOrder
 
 # Reconnect quickly after a server restart (gRPC's default back-off grows to two minutes).
 CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),

@@ -7,11 +7,11 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 import grpc
 import numpy as np
 
+from pollen.client.client import CHANNEL_OPTIONS
+from pollen.client.messages import EmbedError, build_request, concatenate, decode, split
+from pollen.client.ordering import StreamOrder
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
-from pollen_client.client import CHANNEL_OPTIONS
-from pollen_client.messages import EmbedError, build_request, concatenate, decode, split
-from pollen_client.ordering import StreamOrder
 
 
 class AsyncClient:

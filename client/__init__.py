@@ -1,13 +1,13 @@
 """pollen's Python client: `Client` (blocking) and `AsyncClient` (asyncio) over gRPC.
 
-    from pollen_client import Client
+    from pollen.client import Client
     with Client("127.0.0.1:50051") as client:
         vectors = client.embed(["hello", "world"], dimensions=128)        # numpy (2, 128) float32
         for vector in client.embed_stream(texts, in_flight=32):           # input order, reconnecting
             ...
 """
-from pollen_client.aio import AsyncClient
-from pollen_client.client import Client
-from pollen_client.messages import EmbedError, ScaledInt8Array, build_request, decode
+from pollen.client.aio import AsyncClient
+from pollen.client.client import Client
+from pollen.client.messages import EmbedError, ScaledInt8Array, build_request, decode
 
 __all__ = ["AsyncClient", "Client", "EmbedError", "ScaledInt8Array", "build_request", "decode"]

@@ -7,10 +7,9 @@ import sys
 
 import numpy as np
 
-from pollen_client.client import Client
-from pollen_client.messages import EmbedError, ScaledInt8Array
-
-ENCODINGS = ("float32", "float16", "bfloat16", "int8", "ubinary")
+from pollen.client.client import Client
+from pollen.client.messages import EmbedError, ScaledInt8Array
+from pollen.common import encodings
 
 
 def parser() -> argparse.ArgumentParser:
@@ -23,7 +22,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("json", "npy"), default="json", help="output format [json]")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     p.add_argument("--dimensions", type=int, default=0, help="Matryoshka prefix length (0: the model's size)")
-    p.add_argument("--encoding", choices=ENCODINGS, default="float32")
+    p.add_argument("--encoding", choices=encodings.NAMES, default="float32")
     p.add_argument("--no-normalize", dest="normalize", action="store_false", help="keep the raw pooled vectors")
     p.add_argument("--truncate", choices=("none", "end", "start"), default="none",
                    help="too long texts: error (none), keep the start (end) or keep the end (start)")

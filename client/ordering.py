@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from pollen.client.messages import build_request, decode
 from pollen.v1 import embedder_pb2 as pb
-from pollen_client.messages import build_request, decode
 
 
 class StreamOrder:

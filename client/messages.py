@@ -6,13 +6,13 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
+from pollen.common import encodings, status
 from pollen.v1 import embedder_pb2 as pb
 
 _ENUMS = {
     "encoding": ("ENCODING_", pb.Encoding), "truncate": ("TRUNCATE_", pb.Truncate),
     "long_input": ("LONG_INPUT_", pb.LongInput), "priority": ("PRIORITY_", pb.Priority),
 }
-_STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class EmbedError(Exception):
@@ -76,21 +76,15 @@ def decode(response: pb.EmbedResponse) -> np.ndarray:
     """The answer's rows: float32/float16 as they are, bfloat16 widened to float32 (exactly),
     int8 as a ScaledInt8Array, ubinary as packed uint8 rows (least-significant bit first)."""
     if response.HasField("error"):
-        raise EmbedError(_STATUS.get(response.error.code, grpc.StatusCode.UNKNOWN), response.error.message,
-                         response.id)
-    rows, raw = response.rows, response.embeddings
-    if response.encoding == pb.ENCODING_FLOAT32:
-        return np.frombuffer(raw, "<f4").reshape(rows, response.dims).copy()
-    if response.encoding == pb.ENCODING_FLOAT16:
-        return np.frombuffer(raw, "<f2").reshape(rows, response.dims).copy()
+        raise EmbedError(status.code_of(response.error.code), response.error.message, response.id)
+    if response.encoding not in encodings.DTYPES:
+        raise ValueError(f"unknown encoding {response.encoding} in the answer")
+    rows = encodings.rows_of(response.embeddings, response.rows, response.dims, response.encoding)
     if response.encoding == pb.ENCODING_BFLOAT16:
-        bits = np.frombuffer(raw, "<u2").reshape(rows, response.dims)
-        return (bits.astype(np.uint32) << 16).view(np.float32)
+        return encodings.widen_bfloat16(rows)
     if response.encoding == pb.ENCODING_INT8:
-        return ScaledInt8Array(np.frombuffer(raw, np.int8).reshape(rows, response.dims), list(response.scales))
-    if response.encoding == pb.ENCODING_UBINARY:
-        return np.frombuffer(raw, np.uint8).reshape(rows, (response.dims + 7) // 8).copy()
-    raise ValueError(f"unknown encoding {response.encoding} in the answer")
+        return ScaledInt8Array(rows, list(response.scales))
+    return rows.copy()
 
 
 def concatenate(parts: list[np.ndarray]) -> np.ndarray:
