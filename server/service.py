@@ -14,7 +14,7 @@ from pollen.server.admission import Admission
 from pollen.server.config import ServeConfig
 from pollen.server.errors import RequestError, invalid
 from pollen.server.metrics import count_request
-from pollen.server.workers import WorkerPool
+from pollen.server.router import Router
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -24,11 +24,11 @@ _POOLING = {"mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS, "last": pb.POOLING_L
 
 
 class EmbedderService(pb_grpc.EmbedderServicer):
-    def __init__(self, cfg: ServeConfig, spec: ModelSpec, admission: Admission, pool: WorkerPool):
+    def __init__(self, cfg: ServeConfig, spec: ModelSpec, admission: Admission, router: Router):
         self.cfg = cfg
         self.spec = spec
         self.admission = admission
-        self.pool = pool
+        self.router = router
 
     async def embed(self, request: pb.EmbedRequest, *, deadline_ns: int = 0) -> pb.EmbedResponse:
         """deadline_ns: CLOCK_MONOTONIC ns by which the request must reach the model (0: none);
@@ -41,7 +41,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         except asyncio.CancelledError:
             metrics.DROPPED.labels(reason="cancelled").inc()  # the client left while we tokenized
             raise
-        result = await self.pool.embed(job.seqs, job.dims, job.normalize, job.encoding, rows=job.rows,
+        result = await self.router.embed(job.seqs, job.dims, job.normalize, job.encoding, rows=job.rows,
                                        priority=job.priority, deadline_ns=deadline_ns)
         if result.status:
             raise RequestError(status.code_of(result.status, grpc.StatusCode.INTERNAL),

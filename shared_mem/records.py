@@ -179,9 +179,10 @@ def decode_cancel(view: memoryview) -> int:
     return _CANCEL.unpack_from(view, 0)[0]
 
 
-def pack_result_header(buf: memoryview, req_id: int, status: int, rows: int, dims: int, encoding: int,
-                       queue_us: int, inference_us: int) -> None:
-    _RESULT.pack_into(buf, 0, req_id, status, rows, dims, encoding, queue_us, inference_us)
+def result_header(req_id: int, status: int, rows: int, dims: int, encoding: int, queue_us: int,
+                  inference_us: int) -> bytes:
+    """A RESULT record's header; its body follows."""
+    return _RESULT.pack(req_id, status, rows, dims, encoding, queue_us, inference_us)
 
 
 @dataclass(slots=True)

@@ -25,16 +25,17 @@ An asyncio consumer does not block in ``wait_readable``; it watches ``data_fd``:
     ring.set_consumer_sleeping(True)   # before add_reader, or no wake-up ever comes
 
 Because a wake-up can (rarely) be lost, see ``Ring``, it should also call ``on_readable`` every
-``Ring.WAIT_SLICE`` or so while it awaits answers.
+``ring.wait_slice`` or so while it awaits answers.
 
-A producer that must claim a record's space before it can fill it (the worker reserves a batch's
-answer when it launches the batch, and a second batch's while the first still runs) *holds* it::
+A producer writes a record in one call (``write``/``try_write``), or reserves its space first and
+fills it later (the worker reserves a batch's answer when it launches the batch, and a second
+batch's while the first still runs)::
 
-    first = ring.hold(n1)              # Reservation: first.view is the payload, writable
-    second = ring.hold(n2)             # placed after the first
-    ring.write(RESULT, error_bytes)    # a plain record goes after both; published with them
-    ring.commit_held(first, KIND)      # publishes `first`
-    ring.commit_held(second, KIND)     # publishes `second`, then the plain record
+    first = ring.reserve(n1)           # Reservation: first.view is the payload, writable
+    second = ring.reserve(n2)          # placed after the first
+    ring.write(RESULT, error_bytes)    # goes after both; committed now, published with them
+    ring.commit(first, KIND)           # publishes `first`
+    ring.commit(second, KIND)          # publishes `second`, then the RESULT record
 
 Records are always published in the order their space was taken (see ``Ring``).
 """
@@ -59,6 +60,7 @@ _VERSION = 1
 _WRAP = 0xFFFFFFFF  # record length value meaning "no record here, continue at data offset 0"
 _REC = struct.Struct("<II")  # record header: payload length, kind
 _ONE = (1).to_bytes(8, "little")  # what an eventfd write adds to the counter
+DEFAULT_WAIT_SLICE = 0.002  # seconds; the safety net for a lost wake-up (see Ring)
 
 _STATIC = struct.Struct("<QI4xQ")  # magic, version, capacity: written once, before any sharing
 # Element indices of the shared positions and flags in numpy views of the header (see Ring).
@@ -66,30 +68,26 @@ _I_WRITE_POS, _I_READ_POS = 8, 16  # u64 words at byte 64 and 128
 _I_PRODUCER_SLEEPING, _I_CONSUMER_SLEEPING = 18, 34  # u32 words at byte 72 and 136
 
 
-class RingFull(Exception):
-    """No room for a record right now; raised by callers that prefer it to ``try_write``'s False."""
-
-
-class CommitFirst(RingFull):
+class CommitFirst(Exception):
     """The record cannot fit until the producer commits reservations it holds open.
 
-    Raised by the blocking ``reserve``/``hold``/``write`` instead of waiting: the consumer can only
-    release published records, so waiting would wait forever.
+    Raised by the blocking ``reserve``/``write`` instead of waiting: the consumer can only release
+    published records, so waiting would wait forever.
     """
 
 
 class Reservation:
-    """Space for one record, taken in ring order and published by ``Ring.commit_held``."""
+    """Space for one record, taken in ring order, filled through ``view``, published by
+    ``Ring.commit`` (once; in ring order: after every reservation taken before it)."""
 
-    __slots__ = ("view", "offset", "nbytes", "end", "kind", "held")
+    __slots__ = ("view", "offset", "nbytes", "end", "kind")
 
-    def __init__(self, view: memoryview, offset: int, nbytes: int, end: int, held: bool):
+    def __init__(self, view: memoryview, offset: int, nbytes: int, end: int):
         self.view = view      # the payload, writable until committed
         self.offset = offset  # data offset of the record header
         self.nbytes = nbytes
         self.end = end        # write_pos once this record is published
         self.kind = -1        # set at commit; -1 while open
-        self.held = held      # taken by hold() (committed by commit_held) rather than try_reserve()
 
 
 class Ring:
@@ -129,15 +127,14 @@ class Ring:
     the ring drains (and the producer holds no reservation open), before the end or else at 0; a
     larger one might never fit. Hence ``max_record = capacity // 2 - RECORD_HEADER``.
 
-    Reservations: the producer takes a record's space (``try_reserve``/``reserve`` for the record
-    it writes next, ``try_hold``/``hold`` for one it fills later) at a private cursor, the *tail*,
-    which runs ahead of ``write_pos`` while reservations are open. Space is taken in order, wrap
-    markers included, and records are published in that same order: ``write_pos`` moves over a
-    record only once it and every record before it are committed. So a plain record committed
-    while an earlier held one is open waits behind it, and held records must be committed in the
-    order they were held (``commit_held`` refuses any other). Free space counts the open
-    reservations (``free_bytes``). Bytes between ``write_pos`` and the tail are the producer's
-    alone: the consumer never looks past ``write_pos``.
+    Reservations: the producer takes a record's space (``try_reserve``/``reserve``; ``write`` is a
+    reservation filled and committed at once) at a private cursor, the *tail*, which runs ahead of
+    ``write_pos`` while reservations are open. Space is taken in order, wrap markers included, and
+    records are published in that same order: ``write_pos`` moves over a record only once it and
+    every record before it are committed. So a record committed while an earlier one is open
+    waits behind it. Free space counts the open reservations (``free_bytes``). Bytes between
+    ``write_pos`` and the tail are the producer's alone: the consumer never looks past
+    ``write_pos``.
 
     Publication order, and why it is safe:
 
@@ -161,17 +158,18 @@ class Ring:
     does let a store be delayed past a later load, and Python has no memory fence, so in the sleep
     protocol "set flag, load position" on one side and "store position, load flag" on the other
     can both miss: a wake-up is lost. Blocking waits therefore poll in bounded slices of
-    ``WAIT_SLICE`` seconds, which caps the cost of that rare race at one slice.
+    ``wait_slice`` seconds (a constructor argument), which caps the cost of that rare race at one
+    slice.
 
     Capacity is rounded up to a multiple of 4096 bytes (the page size), at least 4096.
     """
 
     HEADER_BYTES = 192
     RECORD_HEADER = 8
-    WAIT_SLICE = 0.002  # seconds; the safety net for a lost wake-up (see above)
-
-    def __init__(self, name: str, mm: mmap.mmap, data_fd: int, space_fd: int, own_fds: bool):
+    def __init__(self, name: str, mm: mmap.mmap, data_fd: int, space_fd: int, own_fds: bool,
+                 wait_slice: float = DEFAULT_WAIT_SLICE):
         self.name = name
+        self.wait_slice = wait_slice  # seconds a blocking wait polls before looking again
         self.data_fd = data_fd
         self.space_fd = space_fd
         self._own_fds = own_fds
@@ -185,7 +183,6 @@ class Ring:
         self._wpos = int(self._u64[_I_WRITE_POS])  # producer: == shared write_pos
         self._tail = self._wpos  # producer: where the next reservation starts (>= _wpos)
         self._open: deque[Reservation] = deque()  # producer: not yet published, in ring order
-        self._plain: Reservation | None = None  # producer: try_reserve()'s, for commit()
         self._rcur = int(self._u64[_I_READ_POS])  # consumer: >= read_pos (read, not released)
         self._data_poll = select.poll()
         self._data_poll.register(data_fd, select.POLLIN)
@@ -194,7 +191,7 @@ class Ring:
         self._closed = False
 
     @classmethod
-    def create(cls, capacity: int, prefix: str = "pollen") -> Ring:
+    def create(cls, capacity: int, prefix: str = "pollen", wait_slice: float = DEFAULT_WAIT_SLICE) -> Ring:
         """New segment of ``capacity`` data bytes (rounded up to 4096) with its two eventfds."""
         if capacity <= 0 or capacity > 2**32:
             raise ValueError(f"ring capacity must be in 1..2**32 bytes, got {capacity}")
@@ -216,10 +213,11 @@ class Ring:
             raise
         finally:
             os.close(fd)  # the mapping keeps the segment alive
-        return cls(name, mm, fds[0], fds[1], own_fds=True)
+        return cls(name, mm, fds[0], fds[1], own_fds=True, wait_slice=wait_slice)
 
     @classmethod
-    def attach(cls, name: str, data_fd: int, space_fd: int, own_fds: bool = True) -> Ring:
+    def attach(cls, name: str, data_fd: int, space_fd: int, own_fds: bool = True,
+               wait_slice: float = DEFAULT_WAIT_SLICE) -> Ring:
         """Map an existing segment by basename, using eventfds inherited from its creator.
 
         With ``own_fds`` (the default, right for a child that got them through ``pass_fds``),
@@ -242,7 +240,7 @@ class Ring:
                 f"{name} is not a pollen ring v{_VERSION}: magic={magic:#x} version={version} "
                 f"capacity={capacity} size={size}"
             )
-        return cls(name, mm, data_fd, space_fd, own_fds=own_fds)
+        return cls(name, mm, data_fd, space_fd, own_fds=own_fds, wait_slice=wait_slice)
 
     # --- producer side ---
 
@@ -252,54 +250,75 @@ class Ring:
         in_use_to = max(self._tail, int(self._u64[_I_WRITE_POS]))  # a consumer's _tail is stale
         return self.capacity - (in_use_to - int(self._u64[_I_READ_POS]))
 
-    def try_reserve(self, nbytes: int) -> memoryview | None:
-        """Writable view of ``nbytes`` contiguous bytes for the next record's payload; None if full.
+    def try_reserve(self, nbytes: int) -> Reservation | None:
+        """Space for a record of ``nbytes``, placed after every reservation still open; None if the
+        ring is full. Nothing is visible to the consumer until ``commit``."""
+        return self._take(nbytes, int(self._u64[_I_READ_POS]))
 
-        Placed after any held reservations. Nothing is visible to the consumer until ``commit()``
-        (and until the held reservations before it are committed). One at a time: commit it
-        before reserving another.
-        """
-        if self._plain is not None:
-            raise RuntimeError("Ring.try_reserve() again before commit(); commit the record reserved first")
-        res = self._take(nbytes, int(self._u64[_I_READ_POS]), held=False)
+    def reserve(self, nbytes: int, timeout: float | None = None) -> Reservation:
+        """Blocking ``try_reserve``: TimeoutError after ``timeout`` s, and ``CommitFirst`` at once
+        if only the commit of this producer's own open reservations could make room."""
+        if (res := self.try_reserve(nbytes)) is not None:
+            return res
+        if self._place(nbytes, self._wpos) is None:
+            # Even with every published record released there is no room: the rest is held by
+            # our own open reservations, which the consumer cannot release.
+            raise CommitFirst(f"ring {self.name}: a record of {nbytes} bytes fits only after the "
+                              f"{len(self._open)} open reservations are committed")
+        self.notify_consumer()  # records committed with notify=False must not wait on us
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._u32[_I_PRODUCER_SLEEPING] = 1
+        try:
+            # Re-check after setting the flag: the consumer may have released just before.
+            while (res := self.try_reserve(nbytes)) is None:
+                if not self._wait(self._space_poll, self.space_fd, deadline):
+                    raise TimeoutError(f"ring {self.name}: no space for a record in {timeout} s")
+            return res
+        finally:
+            self._u32[_I_PRODUCER_SLEEPING] = 0
+
+    def commit(self, res: Reservation, kind: int, notify: bool = True) -> None:
+        """Tag an open reservation ``kind`` (0..2**32-1) and publish it, now or, if reservations
+        taken before it are still open, together with the last of them."""
+        if not 0 <= kind <= 0xFFFFFFFF:
+            raise ValueError(f"record kind must be in 0..2**32-1, got {kind}")
+        if res.kind >= 0 or res not in self._open:
+            raise RuntimeError("Ring.commit(): that reservation is committed already (or not this ring's)")
+        res.kind = kind
+        res.view = None
+        _REC.pack_into(self._mm, self.HEADER_BYTES + res.offset, res.nbytes, kind)
+        published = self._wpos
+        while self._open and self._open[0].kind >= 0:
+            published = self._open.popleft().end
+        if published == self._wpos:
+            return  # behind an open reservation: published with it
+        self._u64[_I_WRITE_POS] = published  # publish last: the records are complete before this
+        self._wpos = published
+        if notify:
+            self.notify_consumer()
+
+    def try_write(self, kind: int, *parts, notify: bool = True) -> bool:
+        """Gather-write the bytes-like ``parts`` as one record; False (nothing written) if full."""
+        views = [memoryview(p).cast("B") for p in parts]
+        res = self.try_reserve(sum(v.nbytes for v in views))
         if res is None:
-            return None
-        self._plain = res
-        return res.view
+            return False
+        self._fill(res, views, kind, notify)
+        return True
 
-    def commit(self, kind: int, notify: bool = True) -> None:
-        """Commit the record reserved by ``try_reserve``/``reserve``, tagged ``kind`` (0..2**32-1).
+    def write(self, kind: int, *parts, timeout: float | None = None, notify: bool = True) -> None:
+        """Blocking ``try_write`` (waits as ``reserve`` does)."""
+        views = [memoryview(p).cast("B") for p in parts]
+        self._fill(self.reserve(sum(v.nbytes for v in views), timeout), views, kind, notify)
 
-        It is published now, or once the held reservations before it are committed.
-        """
-        if self._plain is None:
-            raise RuntimeError("Ring.commit() without a successful try_reserve()")
-        res, self._plain = self._plain, None
-        self._commit(res, kind, notify)
+    def _fill(self, res: Reservation, views: list[memoryview], kind: int, notify: bool) -> None:
+        pos = 0
+        for v in views:
+            res.view[pos : pos + v.nbytes] = v
+            pos += v.nbytes
+        self.commit(res, kind, notify)
 
-    def try_hold(self, nbytes: int) -> Reservation | None:
-        """Take space for a record filled and committed later (``commit_held``); None if full.
-
-        Several may be open at once; they are placed, and must be committed, in the order held.
-        """
-        return self._take(nbytes, int(self._u64[_I_READ_POS]), held=True)
-
-    def hold(self, nbytes: int, timeout: float | None = None) -> Reservation:
-        """Blocking ``try_hold``; TimeoutError after ``timeout`` s, ``CommitFirst`` if only the
-        commit of reservations already open could make room."""
-        return self._wait_for_space(lambda: self.try_hold(nbytes), nbytes, timeout)
-
-    def commit_held(self, res: Reservation, kind: int, notify: bool = True) -> None:
-        """Commit a held record, tagged ``kind``; it must be the oldest held one still open.
-
-        Publishes it and every committed record after it, up to the next open reservation.
-        """
-        oldest = next((r for r in self._open if r.held and r.kind < 0), None)
-        if res is not oldest:
-            raise RuntimeError("Ring.commit_held(): held records are committed in the order they were held")
-        self._commit(res, kind, notify)
-
-    def _take(self, nbytes: int, read_pos: int, held: bool) -> Reservation | None:
+    def _take(self, nbytes: int, read_pos: int) -> Reservation | None:
         """Place a record at the tail if it fits with the consumer at ``read_pos``."""
         place = self._place(nbytes, read_pos)
         if place is None:
@@ -308,7 +327,7 @@ class Ring:
         if wraps:  # the skipped tail is ours until published, so the marker can go in now
             _REC.pack_into(self._mm, self.HEADER_BYTES + self._tail % self.capacity, _WRAP, 0)
         start = self.HEADER_BYTES + offset + self.RECORD_HEADER
-        res = Reservation(self._mv[start : start + nbytes], offset, nbytes, end, held)
+        res = Reservation(self._mv[start : start + nbytes], offset, nbytes, end)
         self._open.append(res)
         self._tail = end
         return res
@@ -326,79 +345,6 @@ class Ring:
             return (offset, tail + size, False) if size <= free else None
         # Does not fit before the end: a wrap marker, and the record at offset 0.
         return (0, tail + room + size, True) if room + size <= free else None
-
-    def _commit(self, res: Reservation, kind: int, notify: bool) -> None:
-        if not 0 <= kind <= 0xFFFFFFFF:
-            raise ValueError(f"record kind must be in 0..2**32-1, got {kind}")
-        res.kind = kind
-        res.view = None
-        _REC.pack_into(self._mm, self.HEADER_BYTES + res.offset, res.nbytes, kind)
-        published = self._wpos
-        while self._open and self._open[0].kind >= 0:
-            published = self._open.popleft().end
-        if published == self._wpos:
-            return  # behind an open reservation: published with it
-        self._u64[_I_WRITE_POS] = published  # publish last: the records are complete before this
-        self._wpos = published
-        if notify:
-            self.notify_consumer()
-
-    def try_write(self, kind: int, *parts, notify: bool = True) -> bool:
-        """Gather-write the bytes-like ``parts`` as one record; False (nothing written) if full."""
-        views = [memoryview(p).cast("B") for p in parts]
-        dst = self.try_reserve(sum(v.nbytes for v in views))
-        if dst is None:
-            return False
-        pos = 0
-        for v in views:
-            dst[pos : pos + v.nbytes] = v
-            pos += v.nbytes
-        del dst
-        self.commit(kind, notify)
-        return True
-
-    def write(self, kind: int, *parts, timeout: float | None = None, notify: bool = True) -> None:
-        """Blocking ``try_write`` for a plain producer; raises TimeoutError after ``timeout`` s
-        (and ``CommitFirst`` as ``reserve`` does)."""
-        views = [memoryview(p).cast("B") for p in parts]
-        dst = self.reserve(sum(v.nbytes for v in views), timeout)
-        pos = 0
-        for v in views:
-            dst[pos : pos + v.nbytes] = v
-            pos += v.nbytes
-        del dst
-        self.commit(kind, notify)
-
-    def reserve(self, nbytes: int, timeout: float | None = None) -> memoryview:
-        """Blocking ``try_reserve``; raises TimeoutError after ``timeout`` s, and ``CommitFirst``
-        at once if only the commit of this producer's open reservations could make room."""
-        return self._wait_for_space(lambda: self.try_reserve(nbytes), nbytes, timeout)
-
-    def _wait_for_space(self, attempt, nbytes: int, timeout: float | None):
-        if (got := attempt()) is not None:
-            return got
-        if self._place(nbytes, self._wpos) is None:
-            # Even with every published record released there is no room: the rest is held by
-            # our own open reservations, which the consumer cannot release.
-            raise CommitFirst(f"ring {self.name}: a record of {nbytes} bytes fits only after the "
-                              f"{len(self._open)} open reservations are committed")
-        self.notify_consumer()  # records committed with notify=False must not wait on us
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self._u32[_I_PRODUCER_SLEEPING] = 1
-        try:
-            # Re-check after setting the flag: the consumer may have released just before.
-            while (got := attempt()) is None:
-                wait = self.WAIT_SLICE
-                if deadline is not None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise TimeoutError(f"ring {self.name}: no space for a record in {timeout} s")
-                    wait = min(wait, left)
-                self._space_poll.poll(wait * 1000)
-                self.drain_signal(self.space_fd)
-            return got
-        finally:
-            self._u32[_I_PRODUCER_SLEEPING] = 0
 
     def set_producer_sleeping(self, sleeping: bool) -> None:
         """Mark an event-loop producer as waiting for space (True) or not (False).
@@ -461,7 +407,7 @@ class Ring:
         """Block until a record is available or ``timeout`` s pass (None: forever); True if data.
 
         Sets ``consumer_sleeping`` while it waits, so the producer writes ``data_fd``. Polls in
-        slices of at most ``WAIT_SLICE`` s because a wake-up can be lost (see the class docstring).
+        slices of at most ``wait_slice`` s because a wake-up can be lost (see the class docstring).
         """
         if self.has_data():
             return True
@@ -469,17 +415,23 @@ class Ring:
         self._u32[_I_CONSUMER_SLEEPING] = 1
         try:
             while not self.has_data():  # re-check after setting the flag: no lost wake-up
-                wait = self.WAIT_SLICE
-                if deadline is not None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return False
-                    wait = min(wait, left)
-                self._data_poll.poll(wait * 1000)
-                self.drain_signal(self.data_fd)  # before the re-check, so no signal is eaten
+                if not self._wait(self._data_poll, self.data_fd, deadline):
+                    return False
             return True
         finally:
             self._u32[_I_CONSUMER_SLEEPING] = 0
+
+    def _wait(self, poll: select.poll, fd: int, deadline: float | None) -> bool:
+        """One slice of a blocking wait on eventfd ``fd``: False once ``deadline`` has passed."""
+        wait = self.wait_slice
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            wait = min(wait, left)
+        poll.poll(wait * 1000)
+        self.drain_signal(fd)  # before the caller's re-check, so no signal is eaten
+        return True
 
     def set_consumer_sleeping(self, sleeping: bool) -> None:
         """Mark an event-loop consumer idle (True) or busy (False); see the module docstring."""
@@ -514,7 +466,6 @@ class Ring:
             return
         self._closed = True
         self._open.clear()
-        self._plain = None
         self._u64 = self._u32 = None
         self._mv.release()
         try:

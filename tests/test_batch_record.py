@@ -28,6 +28,7 @@ from pollen.worker.models.pooling import normalize_rows
 from pollen.worker.postprocess import combine, finish
 
 HIDDEN = 16
+PROGRESSES: dict = {}  # the tests' requests spread over batches, as a worker keeps them
 ENCODINGS = (pb.ENCODING_FLOAT32, pb.ENCODING_FLOAT16, pb.ENCODING_BFLOAT16, pb.ENCODING_INT8,
              pb.ENCODING_UBINARY)
 
@@ -64,7 +65,7 @@ def pooled_rows(job: Job) -> np.ndarray:
 
 def run_batch(spans, error: Exception | None = None) -> tuple[BatchAnswer, bytearray, list[Job]]:
     """Plan a batch, let the stand-in engine write its raw area, fill and return the record."""
-    plan = BatchAnswer(spans, HIDDEN)
+    plan = BatchAnswer(spans, HIDDEN, PROGRESSES)
     buf = bytearray(plan.nbytes)
     raw = plan.raw_rows(memoryview(buf))
     for (job, a, b), row in zip(spans, plan.first_row):
@@ -138,7 +139,7 @@ def test_every_kind_of_request_equals_finish_on_its_rows():
 
 def test_native_int8_rows_are_never_normalized():
     job = make_job(1, [3, 3], normalize=True, encoding=pb.ENCODING_INT8)
-    plan = BatchAnswer([(job, 0, 2)], HIDDEN, native_int8=True)
+    plan = BatchAnswer([(job, 0, 2)], HIDDEN, {}, native_int8=True)
     assert not plan.normalize.any() and not plan.entries[0].direct
     buf = bytearray(plan.nbytes)
     plan.raw_rows(memoryview(buf))[:] = pooled_rows(job)
@@ -194,13 +195,13 @@ def test_row_cap_keeps_every_record_within_max_record():
             job = make_job(req_id, rng.integers(1, 20, int(rng.integers(1, 64))).tolist(), priority=priority)
         batcher.add(job)
         while batcher and (rng.random() < 0.02 or req_id == 2999):
-            plan = BatchAnswer(batcher.next_batch(), HIDDEN)
+            plan = BatchAnswer(batcher.next_batch(), HIDDEN, {})
             assert plan.nbytes <= max_record
             largest = max(largest, plan.rows)
     assert largest == cap
     for req_id in range(5000, 5000 + 2 * cap):
         batcher.add(make_job(req_id, [1]))
-    plan = BatchAnswer(batcher.next_batch(), HIDDEN)
+    plan = BatchAnswer(batcher.next_batch(), HIDDEN, {})
     assert max_record - (4 * HIDDEN + records.ENTRY.itemsize) < plan.nbytes <= max_record
 
 
@@ -229,7 +230,8 @@ class FailingEngine:
         out[:] = 1.0
 
         class Done:
-            computed = True
+            def done(self):
+                return True
 
             def result(self):
                 return out
@@ -246,6 +248,7 @@ def worker():
     w.responses = Ring.create(64 << 10, prefix="pollentest")
     w.hidden, w.native_int8 = HIDDEN, False
     w.open = deque()
+    w.progresses = {}
     w.cfg = type("Cfg", (), {"index": 0, "parent_pid": os.getppid()})()
     yield w
     w.responses.close()

@@ -61,7 +61,7 @@ def test_d2h_lands_in_the_registered_ring_and_equals_the_cpu(tmp_path, ring, dty
     engine.register_host_memory(*ring.mapped_memory())
     try:
         # Two records held at once, as the worker holds batch N's and N+1's.
-        held = [ring.hold(4 * batch.rows * HIDDEN) for _ in range(2)]
+        held = [ring.reserve(4 * batch.rows * HIDDEN) for _ in range(2)]
         outs = [np.frombuffer(h.view, np.float32).reshape(batch.rows, HIDDEN) for h in held]
         for out in outs:
             out[:] = np.nan
@@ -77,7 +77,7 @@ def test_d2h_lands_in_the_registered_ring_and_equals_the_cpu(tmp_path, ring, dty
         np.testing.assert_allclose(device_normalized[~on], raw[~on], rtol=1e-6, atol=1e-7)
         expected = [bytes(out.tobytes()) for out in outs]
         for h in held:
-            ring.commit_held(h, records.BATCH_RESULT)
+            ring.commit(h, records.BATCH_RESULT)
         got = []
         while (item := ring.read()) is not None:
             got.append(bytes(item[1]))

@@ -151,7 +151,7 @@ def test_requests_expire_in_the_frontend_backlog_when_the_ring_is_full():
     seen_backlog = []
 
     async def scenario_fn(pool, reports):
-        handle = pool.handles[0]
+        handle = pool.channels[0]
 
         def backlogged() -> int:
             return sum(len(lane) for lane in handle.backlog)

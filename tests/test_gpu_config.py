@@ -9,7 +9,7 @@ import pytest
 
 from pollen.common.worker_config import WorkerConfig
 from pollen.server.config import ServeConfig
-from pollen.server.workers import core_share
+from pollen.server.supervisor import core_share
 from pollen.worker.main import visible_device
 
 

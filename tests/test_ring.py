@@ -57,9 +57,9 @@ def test_round_trip_kinds_and_gather(ring):
 
 
 def test_reserve_commit_and_views_stay_valid_until_release(ring):
-    view = ring.try_reserve(3)
-    view[:] = b"xyz"
-    ring.commit(9)
+    res = ring.try_reserve(3)
+    res.view[:] = b"xyz"
+    ring.commit(res, 9)
     ring.try_write(1, b"second")
     kind, first = ring.read()
     kind2, second = ring.read()
@@ -70,7 +70,7 @@ def test_reserve_commit_and_views_stay_valid_until_release(ring):
     ring.release()
     assert ring.free_bytes() == ring.capacity
     with pytest.raises(RuntimeError):
-        ring.commit(1)  # nothing reserved
+        ring.commit(res, 1)  # committed already
 
 
 def test_wrap_around_keeps_records_whole(ring):
@@ -109,8 +109,8 @@ def test_record_exactly_max_record_at_every_kind_of_offset(ring):
 
 def test_full_ring_returns_none_then_succeeds_after_release(ring):
     n = 0
-    while ring.try_reserve(100) is not None:
-        ring.commit(n, notify=False)
+    while (res := ring.try_reserve(100)) is not None:
+        ring.commit(res, n, notify=False)
         n += 1
     assert n == ring.capacity // 112
     assert ring.try_reserve(100) is None
@@ -150,38 +150,28 @@ def test_blocking_write_times_out_then_wakes_on_release(ring):
     assert drain(ring) == [(5, b"a" * 1000)]
 
 
-def test_held_records_publish_in_the_order_their_space_was_taken(ring):
-    first = ring.try_hold(10)
-    second = ring.hold(3)
-    ring.write(7, b"plain")  # behind the open holds: committed, not yet visible
+def test_records_publish_in_the_order_their_space_was_taken(ring):
+    first = ring.try_reserve(10)
+    second = ring.reserve(3)
+    ring.write(7, b"plain")  # behind the open reservations: committed, not yet visible
     assert ring.read() is None
     assert ring.free_bytes() == ring.capacity - (24 + 16 + 16)  # open and unpublished space counts as used
-    with pytest.raises(RuntimeError):
-        ring.commit_held(second, 2)  # the older one is still open
     second.view[:] = b"two"
+    ring.commit(second, 2)  # committed before `first`: waits behind it
+    assert ring.read() is None
     first.view[:] = b"0123456789"  # filled after later records were placed
-    ring.commit_held(first, 1)
-    assert drain(ring) == [(1, b"0123456789")]
-    ring.commit_held(second, 2)  # publishes the plain record behind it too
-    assert drain(ring) == [(2, b"two"), (7, b"plain")]
+    third = ring.reserve(4)
+    ring.commit(first, 1)  # publishes `first` and every committed record up to the open `third`
+    assert drain(ring) == [(1, b"0123456789"), (2, b"two"), (7, b"plain")]
+    ring.commit(third, 4)
+    assert drain(ring) == [(4, bytes(4))]
     assert ring.free_bytes() == ring.capacity
     with pytest.raises(RuntimeError):
-        ring.commit_held(second, 2)  # committed already
+        ring.commit(second, 2)  # committed already
 
 
-def test_one_plain_reservation_at_a_time(ring):
-    ring.try_reserve(4)
-    with pytest.raises(RuntimeError):
-        ring.try_reserve(4)
-    held = ring.try_hold(4)  # a hold may still be taken; it goes after the plain record
-    ring.commit(3)
-    assert drain(ring) == [(3, bytes(4))]
-    ring.commit_held(held, 4)
-    assert drain(ring) == [(4, bytes(4))]
-
-
-def test_held_records_wrap_and_fill_the_ring_exactly(ring):
-    """Random sizes, up to three holds open, plain records between them; every byte and the
+def test_reservations_wrap_and_fill_the_ring_exactly(ring):
+    """Random sizes, up to three reservations open, written records between them; every byte and the
     order are checked while the ring wraps many times, and free_bytes stays exact."""
     rng = np.random.default_rng(7)
     held, expected, got = [], [], []
@@ -191,7 +181,7 @@ def test_held_records_wrap_and_fill_the_ring_exactly(ring):
         payload = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
         before = ring._tail
         if rng.random() < 0.5:
-            res = ring.try_hold(n)
+            res = ring.try_reserve(n)
             ok = res is not None
             if ok:
                 held.append((i, res, payload))
@@ -201,11 +191,11 @@ def test_held_records_wrap_and_fill_the_ring_exactly(ring):
             expected.append((i, payload))
             in_use += ring._tail - before  # header, padding and any skipped tail
         if not ok or len(held) > 3 or rng.random() < 0.3:
-            # Commit the oldest hold (or release what was read) and go on.
+            # Commit the oldest reservation (or release what was read) and go on.
             if held:
                 j, res, data = held.pop(0)
                 res.view[:] = data
-                ring.commit_held(res, j)
+                ring.commit(res, j)
             while (rec := ring.read()) is not None:
                 got.append((rec[0], bytes(rec[1])))
             released_to = ring._rcur
@@ -214,31 +204,32 @@ def test_held_records_wrap_and_fill_the_ring_exactly(ring):
         assert ring.free_bytes() == ring.capacity - in_use
     for j, res, data in held:
         res.view[:] = data
-        ring.commit_held(res, j)
+        ring.commit(res, j)
     got += drain(ring)
     assert got == expected and len(got) > 1000
     assert ring._wpos > 20 * ring.capacity  # wrapped many times
     assert ring.free_bytes() == ring.capacity
 
 
-def test_blocking_calls_refuse_to_wait_on_their_own_holds(ring):
-    held = ring.hold(ring.max_record)  # half the ring, open
+def test_blocking_calls_refuse_to_wait_on_their_own_reservations(ring):
+    held = ring.reserve(ring.max_record)  # half the ring, open
     ring.write(1, bytes(1000))
-    assert drain(ring) == []  # nothing published: it all waits behind the hold
+    assert drain(ring) == []  # nothing published: it all waits behind the reservation
     with pytest.raises(CommitFirst):
-        ring.hold(ring.max_record)
+        ring.reserve(ring.max_record)
     with pytest.raises(CommitFirst):
         ring.write(2, bytes(1500), timeout=5)  # would wait forever: only our commit frees space
-    assert ring.try_reserve(100) is not None  # what does fit is still handed out
-    ring.commit(3)
-    ring.commit_held(held, 4)
+    small = ring.try_reserve(100)  # what does fit is still handed out
+    assert small is not None
+    ring.commit(small, 3)
+    ring.commit(held, 4)
     assert [k for k, _ in drain(ring)] == [4, 1, 3]
     # Published but unread records are the consumer's to free: then the blocking calls wait.
     ring.write(5, bytes(ring.max_record))
     with pytest.raises(TimeoutError):
-        ring.hold(ring.max_record, timeout=0.05)
+        ring.reserve(ring.max_record, timeout=0.05)
     drain(ring)
-    assert ring.hold(ring.max_record, timeout=0.05).nbytes == ring.max_record
+    assert ring.reserve(ring.max_record, timeout=0.05).nbytes == ring.max_record
 
 
 def test_mapped_memory_is_the_segment_a_device_would_write(ring):
@@ -248,10 +239,10 @@ def test_mapped_memory_is_the_segment_a_device_would_write(ring):
 
     address, length = ring.mapped_memory()
     assert length == Ring.HEADER_BYTES + ring.capacity
-    held = ring.hold(4)
+    held = ring.reserve(4)
     ctypes.memmove(address + Ring.HEADER_BYTES + held.offset + Ring.RECORD_HEADER, b"dma!", 4)
     assert bytes(held.view) == b"dma!"
-    ring.commit_held(held, 6)
+    ring.commit(held, 6)
     assert drain(ring) == [(6, b"dma!")]
 
 
@@ -301,12 +292,11 @@ def test_cleanup_stale_segments_removes_dead_pids_only():
         live.unlink()
 
 
-# The child sleeps in wait_readable with a huge WAIT_SLICE, so only the eventfd can wake it soon.
+# The child sleeps in wait_readable with a huge wait slice, so only the eventfd can wake it soon.
 WAKE_CHILD = """
 import sys, time
 from pollen.shared_mem.ring import Ring
-ring = Ring.attach(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
-Ring.WAIT_SLICE = 30.0
+ring = Ring.attach(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), wait_slice=30.0)
 print("ready", flush=True)
 assert ring.wait_readable(timeout=20)
 woke = time.monotonic()

@@ -5,9 +5,10 @@ constantly. Record i is derived from (seed, i) alone: its size from the seed's p
 slice of a seeded random pool with i stamped into the first 8 bytes, its kind i & 0xffffffff.
 Set POLLEN_RING_SEED to replay a failure; the seed is printed.
 
-In the "held" variant the producer works as the worker does: it holds some records' space open
-(up to three at once), fills them later, writes plain records between them, and commits the holds
-in order; the consumer must still see record i, whole, at place i.
+In the "held" variant the producer works as the worker does: it reserves some records' space
+(up to three open at once), fills them later, writes records between them, and commits the open
+reservations in any order (the oldest when only that frees room); the consumer must still see
+record i, whole, at place i.
 
 Child usage: python tests/test_ring_stress.py {produce|produce-held|consume} NAME DATA_FD SPACE_FD SEED
 """
@@ -92,36 +93,37 @@ def produce_held(ring: Ring, seed: int, peer_alive) -> None:
     sizes, pool = plan(seed, ring.max_record)
     pool, maybe_pause = memoryview(pool), pauser(seed + 1)
     rng = np.random.default_rng(seed + 4)
-    choices = iter(rng.random(2 * N_RECORDS).tolist())
+    choices = iter(rng.random(4 * N_RECORDS).tolist())
     deadline = time.monotonic() + TIME_LIMIT
     held: deque = deque()  # (i, Reservation), oldest first
 
-    def commit_oldest():
-        i, res = held.popleft()
+    def commit_one(at: int = 0):
+        i, res = held[at]
+        del held[at]
         stamp, rest = parts(i, int(sizes[i]), pool)
         res.view[: len(stamp)] = stamp
         res.view[len(stamp) :] = rest
-        ring.commit_held(res, i & 0xFFFFFFFF)
+        ring.commit(res, i & 0xFFFFFFFF)
 
     for i, size in enumerate(sizes.tolist()):
         hold_it = next(choices) < 0.3
         while True:
             try:
                 if hold_it:
-                    held.append((i, ring.hold(size, timeout=1.0)))
+                    held.append((i, ring.reserve(size, timeout=1.0)))
                 else:
                     ring.write(i & 0xFFFFFFFF, *parts(i, size, pool), timeout=1.0, notify=i % 5 != 0)
                 break
-            except CommitFirst:  # only our own open holds are in the way
-                commit_oldest()
+            except CommitFirst:  # only our own open reservations are in the way
+                commit_one(0)
             except TimeoutError:
                 assert peer_alive(), f"consumer died; producer at record {i}"
                 assert time.monotonic() < deadline, f"producer stuck at record {i}"
         while len(held) > 3 or (held and next(choices) < 0.3):
-            commit_oldest()
+            commit_one(int(next(choices) * len(held)))  # any open one: publication stays in order
         maybe_pause()
     while held:
-        commit_oldest()
+        commit_one(len(held) - 1)
     ring.notify_consumer()
 
 

@@ -10,7 +10,8 @@ normalizes: those of requests whose answer is their raw rows as they are.
 When the batch is done, `fill` writes the header and one entry per completed request, and the
 CPU makes the answers that are not raw rows (worker/postprocess.py): Matryoshka cuts, other
 encodings, chunk and CHUNK_MEAN combines, native int8, and requests that span several batches,
-whose rows gather in `job.pooled` batch by batch.
+whose rows gather batch by batch in their `Progress`, kept in the worker's `Progresses` from
+the request's first batch to its last.
 """
 from __future__ import annotations
 
@@ -37,6 +38,18 @@ class Entry:
     body_len: int
 
 
+@dataclass(slots=True)
+class Progress:
+    """A request whose sequences run in several batches, between its first batch and its last."""
+
+    first_start_ns: int
+    pooled: np.ndarray | None = None  # [n_rows, hidden] float32: its rows, gathered batch by batch
+    failed: bool = False              # a batch holding some of it failed; it has been answered INTERNAL
+
+
+Progresses = dict[Job, Progress]  # the worker's one table of them; a request leaves it with its last batch
+
+
 def answered_by_raw_rows(job: Job, whole: bool, hidden: int) -> bool:
     """The common case: all its rows in this batch, one row per output, float32 at full size
     (so native int8, which needs ENCODING_INT8, never is)."""
@@ -45,9 +58,11 @@ def answered_by_raw_rows(job: Job, whole: bool, hidden: int) -> bool:
 
 
 class BatchAnswer:
-    def __init__(self, spans: list[tuple[Job, int, int]], hidden: int, native_int8: bool = False):
+    def __init__(self, spans: list[tuple[Job, int, int]], hidden: int, progresses: Progresses,
+                 native_int8: bool = False):
         self.spans = spans
         self.hidden = hidden
+        self.progresses = progresses
         self.native_int8 = native_int8
         self.tokens = sum(job.tokens(a, b) for job, a, b in spans)
         self.seqs = sum(b - a for _, a, b in spans)
@@ -63,25 +78,24 @@ class BatchAnswer:
         self.raw_at = records.raw_at(completed)
         end = self.raw_at + 4 * hidden * rows
         for (job, a, b), row in zip(spans, self.first_row):
-            if b != job.n_seqs:
-                self.entry_of.append(None)
-                continue
-            n = int(job.row_offsets[b] - job.row_offsets[a])
-            slice_at, slice_len = self.raw_at + 4 * hidden * row, 4 * hidden * n
-            if answered_by_raw_rows(job, a == 0, hidden):
-                entry = Entry(job, True, slice_at, slice_len)
-                self.normalize[row:row + n] = job.rec.normalize
-            else:
-                rec = job.rec
-                length = rec.n_out * row_bytes(rec.dims or hidden, rec.encoding)
-                if a == 0 and length <= slice_len:
-                    entry = Entry(job, False, slice_at, length)  # over its own raw rows
-                else:  # it began in an earlier batch: an area of its own
-                    entry = Entry(job, False, end, length)
-                    end += records.align8(length)
+            entry, end = self.plan_entry(job, a, b, row, end) if b == job.n_seqs else (None, end)
             self.entry_of.append(entry)
         self.entries = [e for e in self.entry_of if e is not None]
         self.nbytes = end
+
+    def plan_entry(self, job: Job, a: int, b: int, row: int, end: int) -> tuple[Entry, int]:
+        """Where the answer of a request this batch completes goes; and the record's new end."""
+        hidden = self.hidden
+        n = int(job.row_offsets[b] - job.row_offsets[a])
+        slice_at, slice_len = self.raw_at + 4 * hidden * row, 4 * hidden * n
+        if answered_by_raw_rows(job, a == 0, hidden):
+            self.normalize[row:row + n] = job.rec.normalize
+            return Entry(job, True, slice_at, slice_len), end
+        rec = job.rec
+        length = rec.n_out * row_bytes(rec.dims or hidden, rec.encoding)
+        if a == 0 and length <= slice_len:
+            return Entry(job, False, slice_at, length), end  # over its own raw rows
+        return Entry(job, False, end, length), end + records.align8(length)  # an area of its own
 
     def raw_rows(self, record: memoryview) -> np.ndarray:
         """The record's raw area as a writable float32 [rows, hidden] view: the engine's `out`."""
@@ -100,47 +114,51 @@ class BatchAnswer:
         index = 0
         for (job, a, b), row, entry in zip(self.spans, self.first_row, self.entry_of):
             rec = job.rec
-            if job.first_start_ns == 0:
-                job.first_start_ns = start_ns
-            job.last_start_ns, job.last_end_ns = start_ns, end_ns
-            failed = error is not None or job.done_seqs < 0
-            if failed and entry is None:
-                if job.done_seqs >= 0:
-                    unanswered.append(job)
-                job.done_seqs = -1  # answered (or about to be); its later spans are dropped
-                continue
-            if failed:
+            whole = a == 0 and b == job.n_seqs
+            progress = None if whole else self.progress_of(job, a, b, start_ns)
+            if error is not None or (progress is not None and progress.failed):
+                if entry is None:
+                    if not progress.failed:
+                        unanswered.append(job)
+                    progress.failed = True  # answered now (or about to be); its later spans are dropped
+                    continue
                 if message is None:
                     message = self.write_message(record, f"model failed on this batch: {error}"
                                                  if error is not None else EARLIER_FAILURE)
-                job.done_seqs = -1
                 table[index] = (rec.req_id, records.INTERNAL, 0, 0, rec.encoding, 0, 0, *message)
                 index += 1
                 continue
-            n = int(job.row_offsets[b] - job.row_offsets[a])
-            rows = raw[row:row + n]
-            whole = a == 0 and b == job.n_seqs
-            if not whole:
-                if job.pooled is None:
-                    job.pooled = np.empty((job.n_rows, self.hidden), dtype=np.float32)
-                job.pooled[job.row_offsets[a]:job.row_offsets[b]] = rows
-            job.done_seqs += b - a
+            rows = raw[row:row + int(job.row_offsets[b] - job.row_offsets[a])]
+            if progress is not None:
+                if progress.pooled is None:
+                    progress.pooled = np.empty((job.n_rows, self.hidden), dtype=np.float32)
+                progress.pooled[job.row_offsets[a]:job.row_offsets[b]] = rows
             if entry is None:
                 continue
-            dims = rec.dims or self.hidden
             if not entry.direct:
                 # A private copy first: an answer written over its own raw rows overwrites them.
-                vectors = np.array(rows) if whole else job.pooled
-                if rec.rows is not None:  # contextual chunks (weights 1) or CHUNK_MEAN windows
-                    vectors = combine(vectors, rec.rows.out.astype(np.int64), rec.rows.weight.astype(np.float64),
-                                      rec.n_out)
-                finish(vectors, rec.dims, rec.normalize, rec.encoding,
-                       record[entry.body_at:entry.body_at + entry.body_len], self.native_int8)
-            table[index] = (rec.req_id, records.OK, rec.n_out, dims, rec.encoding,
-                            max(0, job.last_start_ns - rec.admit_ns) // 1000,
-                            (job.last_end_ns - job.first_start_ns) // 1000, entry.body_at, entry.body_len)
+                self.encode(job, np.array(rows) if whole else progress.pooled, record, entry)
+            first_start_ns = start_ns if whole else progress.first_start_ns
+            table[index] = (rec.req_id, records.OK, rec.n_out, rec.dims or self.hidden, rec.encoding,
+                            max(0, start_ns - rec.admit_ns) // 1000, (end_ns - first_start_ns) // 1000,
+                            entry.body_at, entry.body_len)
             index += 1
         return unanswered
+
+    def progress_of(self, job: Job, a: int, b: int, start_ns: int) -> Progress:
+        """The Progress of a request spread over batches: made by its first batch, dropped by its last."""
+        progress = self.progresses.setdefault(job, Progress(start_ns)) if a == 0 else self.progresses[job]
+        if b == job.n_seqs:
+            del self.progresses[job]
+        return progress
+
+    def encode(self, job: Job, vectors: np.ndarray, record: memoryview, entry: Entry) -> None:
+        """Combine (chunks, CHUNK_MEAN), cut, normalize and encode a request's rows into its answer."""
+        rec = job.rec
+        if rec.rows is not None:
+            vectors = combine(vectors, rec.rows.out.astype(np.int64), rec.rows.weight.astype(np.float64), rec.n_out)
+        finish(vectors, rec.dims, rec.normalize, rec.encoding, record[entry.body_at:entry.body_at + entry.body_len],
+               self.native_int8)
 
     def write_message(self, record: memoryview, text: str) -> tuple[int, int]:
         """Put a failure message into the error room; (offset, length) for the entries."""

@@ -31,19 +31,15 @@ from pollen.shared_mem.records import RequestRecord
 INTERACTIVE, BULK = 0, 1
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared (and hashed) by identity: one object per request
 class Job:
-    """One request inside the worker, collecting its pooled rows as batches finish."""
+    """One request waiting in the batcher: its record and how far batches have taken it. What its
+    answer has gathered so far belongs to worker/batch_answer.py (`Progress`)."""
 
     rec: RequestRecord
     offsets: np.ndarray      # start of each sequence in rec.ids, plus the end: [n_seqs + 1]
     row_offsets: np.ndarray  # first row of each sequence, plus the end: [n_seqs + 1]
-    pooled: np.ndarray | None = None  # [n_rows, hidden] float32, allocated by the first batch
-    next_seq: int = 0                 # first sequence not yet handed to a batch
-    done_seqs: int = 0
-    first_start_ns: int = 0
-    last_start_ns: int = 0
-    last_end_ns: int = 0
+    next_seq: int = 0        # first sequence not yet handed to a batch
 
     @classmethod
     def of(cls, rec: RequestRecord) -> "Job":

@@ -54,6 +54,9 @@ class Pending:
     def __init__(self, lazy: LazyTensor):
         self.lazy = lazy
 
+    def done(self) -> bool:
+        return self.lazy.ready()
+
     def result(self) -> np.ndarray:
         """Wait for the D2H copy; the rows it wrote (the caller's `out`, or the engine's own)."""
         return self.lazy.wait().numpy()

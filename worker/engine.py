@@ -30,10 +30,12 @@ class Done:
     """A result that is already computed (the CPU engine's pending handle)."""
 
     __slots__ = ("rows",)
-    computed = True  # the worker answers it at once instead of after the next batch
 
     def __init__(self, rows: np.ndarray):
         self.rows = rows
+
+    def done(self) -> bool:
+        return True  # the worker answers it at once instead of after the next batch
 
     def result(self) -> np.ndarray:
         return self.rows

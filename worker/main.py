@@ -26,7 +26,7 @@ from pollen.common import status
 from pollen.common.worker_config import WorkerConfig
 from pollen.shared_mem import records
 from pollen.shared_mem.ring import CommitFirst, Reservation, Ring
-from pollen.worker.batch_answer import BatchAnswer
+from pollen.worker.batch_answer import BatchAnswer, Progresses
 from pollen.worker.batcher import Batcher, Job
 from pollen.worker.packed import pack
 
@@ -43,9 +43,9 @@ class InFlight:
     start_ns: int
 
     @property
-    def computed(self) -> bool:
-        """True when the engine already holds the result (the CPU engine computes in submit)."""
-        return self.error is not None or getattr(self.pending, "computed", False)
+    def done(self) -> bool:
+        """True when the result is there already (the CPU engine computes in submit)."""
+        return self.error is not None or self.pending.done()
 
 
 def visible_device(gpu: int, inherited: str | None) -> str:
@@ -85,10 +85,9 @@ class Worker:
         self.engine = make_engine(self.model, device, max_batch_tokens=cfg.max_batch_tokens,
                                   cuda_graphs=cfg.cuda_graphs, graph_max_tokens=cfg.graph_max_tokens or None)
         self.engine.warm_up()  # pay first-call costs before READY, not on a client
-        self.requests = Ring.attach(cfg.request_ring, *cfg.request_fds)
         # An idle worker sleeps in long slices: the frontend re-signals a lost wake-up every
         # few ms while it has requests out (server/workers.py, tick), so a laptop stays quiet.
-        self.requests.WAIT_SLICE = 0.5
+        self.requests = Ring.attach(cfg.request_ring, *cfg.request_fds, wait_slice=0.5)
         self.responses = Ring.attach(cfg.response_ring, *cfg.response_fds)
         # The device copies each batch's rows straight into the response ring's memory.
         self.engine.register_host_memory(*self.responses.mapped_memory())
@@ -98,6 +97,7 @@ class Worker:
         max_rows = records.max_batch_rows(self.responses.max_record, self.hidden)
         self.batcher = Batcher(cfg.max_batch_tokens, cfg.bulk_batch_tokens, max_rows)
         self.native_int8 = self.model.spec.native_int8
+        self.progresses: Progresses = {}  # requests spread over batches, between their first and last
         self.open: deque[InFlight] = deque()  # submitted, record not yet committed; oldest first
         self.stopping = False
 
@@ -113,7 +113,7 @@ class Worker:
             newest = self.submit(self.batcher.next_batch()) if self.batcher else None
             while self.open and self.open[0] is not newest:
                 self.answer(self.open.popleft())
-            if self.open and self.open[0].computed:
+            if self.open and self.open[0].done:
                 # A synchronous engine (the CPU) has finished already: answer now rather than
                 # after the next batch, which would add a whole batch to this one's latency.
                 self.answer(self.open.popleft())
@@ -166,12 +166,12 @@ class Worker:
 
     def submit(self, spans: list[tuple[Job, int, int]]) -> InFlight:
         start_ns = time.monotonic_ns()
-        plan = BatchAnswer(spans, self.hidden, self.native_int8)
+        plan = BatchAnswer(spans, self.hidden, self.progresses, self.native_int8)
         if plan.nbytes > self.responses.max_record:
             raise RuntimeError(f"a batch of {plan.rows} rows needs a {plan.nbytes}-byte record, over the response "
                                f"ring's {self.responses.max_record}; the batcher's row cap should prevent it. "
                                "This is a bug.")
-        record = self.room(lambda: self.responses.hold(plan.nbytes, timeout=1.0))
+        record = self.room(lambda: self.responses.reserve(plan.nbytes, timeout=1.0))
         sequences = [job.rec.ids[job.offsets[i]:job.offsets[i + 1]] for job, a, b in spans for i in range(a, b)]
         # Rows differ from sequences only for contextual chunks and CHUNK_MEAN windows.
         plain = all(job.rec.rows is None for job, _, _ in spans)
@@ -196,24 +196,16 @@ class Worker:
         if error is not None:
             print(f"pollen-worker[{self.cfg.index}]: batch failed: {error!r}", file=sys.stderr, flush=True)
         unanswered = batch.plan.fill(batch.record.view, error, batch.start_ns, time.monotonic_ns())
-        self.responses.commit_held(batch.record, records.BATCH_RESULT, notify=False)
+        self.responses.commit(batch.record, records.BATCH_RESULT, notify=False)
         for job in unanswered:  # their last rows were due in a later batch
             self.write_error(job, f"model failed on this batch: {error}")
         # One wake-up per batch at most, and none if the frontend is busy reading.
         self.responses.notify_consumer()
 
     def write_error(self, job: Job, message: str, status: int = records.INTERNAL) -> None:
-        rec = job.rec
-        text = message.encode()[:4096]
-        buf = self.reserve(records.RESULT_HEADER + len(text))
-        records.pack_result_header(buf, rec.req_id, status, 0, 0, rec.encoding, 0, 0)
-        buf[records.RESULT_HEADER:] = text
-        del buf
-        self.responses.commit(records.RESULT, notify=False)
-
-    def reserve(self, nbytes: int) -> memoryview:
-        """Space in the response ring for a record written now (see `room`)."""
-        return self.room(lambda: self.responses.reserve(nbytes, timeout=1.0))
+        head = records.result_header(job.rec.req_id, status, 0, 0, job.rec.encoding, 0, 0)
+        self.room(lambda: self.responses.write(records.RESULT, head, message.encode()[:4096], timeout=1.0,
+                                               notify=False))
 
     def room(self, take):
         """take() space in the response ring, waiting for the frontend to read if it is full.

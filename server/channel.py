@@ -1,0 +1,267 @@
+"""The frontend's request channel to one worker: send requests, read answers, resend after a death.
+
+A `WorkerChannel` owns every request it routed to its worker until the answer arrives: the
+request record (kept for a resend), the future its caller awaits, its place in the backlog. The
+worker process itself belongs to the supervisor (server/supervisor.py), which hands the channel
+the rings of each (re)started worker (`attach`) and takes them back when it dies (`detach`).
+
+Flow: `submit` puts a request in the backlog, one FIFO lane per priority, and `flush` moves the
+backlog into the request ring while it has room (interactive first, so bulk never holds an
+interactive request back here). The worker's answers arrive on the response ring's eventfd
+(`read_answers`); each resolves its request's future. When the worker dies the channel reads the
+answers it finished, then puts every unanswered request back into the backlog in its original
+order, and the next worker gets them once it says READY: the client sees no error. A request in
+flight during MAX_ATTEMPTS deaths in a row is answered INTERNAL instead, so one poisonous input
+cannot crash-loop a worker forever.
+
+Drops (docs/architecture.md, "Deadlines and cancellation"): a request whose deadline passed or
+whose client left is dropped before it reaches the model: here while it waits in the backlog, or
+in the worker (the deadline travels in the record; a CANCEL record forgets a request not yet
+batched), which answers it DEADLINE_EXCEEDED or CANCELLED. Each drop is counted once in
+metrics.DROPPED: here for the backlog, on the worker's answer otherwise.
+
+Everything here runs on the event loop's thread: answers arrive through loop.add_reader on the
+response ring's eventfd.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import grpc
+
+from pollen.common import status
+from pollen.server import metrics
+from pollen.server.errors import RequestError
+from pollen.shared_mem import records
+from pollen.shared_mem.ring import Ring
+
+log = logging.getLogger("pollen.channel")
+
+MAX_ATTEMPTS = 3
+IDLE_TICK = 0.05  # seconds between safety-net looks while nothing is outstanding
+
+_DROP_REASONS = {records.DEADLINE_EXCEEDED: "deadline", records.CANCELLED: "cancelled"}
+
+
+@dataclass(slots=True)
+class SentRequest:
+    """A request routed to this channel's worker and not yet answered."""
+
+    record: bytes  # the request record, kept for a resend
+    tokens: int
+    future: asyncio.Future
+    attempts: int = 0
+    deadline_ns: int = 0  # CLOCK_MONOTONIC; 0: none
+    priority: int = 0     # the backlog lane: 0 interactive, 1 bulk
+    sent: bool = False    # in the ring (or the worker) rather than the backlog
+    drop_reason: str = ""  # set when the frontend asked the worker to forget it
+
+
+def dropped_error(reason: str) -> RequestError:
+    if reason == "deadline":
+        return RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, status.DEADLINE_PASSED)
+    return RequestError(grpc.StatusCode.CANCELLED, status.CANCELLED_BEFORE_MODEL)
+
+
+class WorkerChannel:
+    def __init__(self, index: int):
+        self.index = index
+        self.loop = asyncio.get_running_loop()
+        self.inflight: dict[int, SentRequest] = {}
+        # Request ids admitted but not yet in the ring, one FIFO lane per priority.
+        self.backlog: tuple[deque[int], deque[int]] = (deque(), deque())
+        self.queued_tokens = 0
+        self.requests: Ring | None = None
+        self.responses: Ring | None = None
+        self.ready = asyncio.Event()
+        self.generation = 0  # bumped at each attach, so the ticks of a dead worker's rings stop
+        # Called with (worker index, BatchReport) for every batch the worker ran (tests, tools).
+        self.batch_listener = None
+
+    # ---- the worker's rings ----
+
+    def attach(self, requests: Ring, responses: Ring) -> None:
+        """Use the rings of a newly started worker; requests flow once it says READY."""
+        self.requests, self.responses = requests, responses
+        responses.set_consumer_sleeping(True)  # before add_reader, or no wake-up ever comes
+        self.loop.add_reader(responses.data_fd, self.read_answers)
+        self.loop.add_reader(requests.space_fd, self.flush)
+        self.generation += 1
+        self.loop.call_later(requests.wait_slice, self.tick, self.generation)
+
+    def detach(self, requeue: bool) -> None:
+        """The worker is gone (or stopping): read what it answered, stop using its rings and,
+        with `requeue`, put every unanswered request back into the backlog for the next one."""
+        if self.responses is None:
+            return
+        self.ready.clear()
+        self.read_answers()  # answers the worker finished before it went still count
+        self.loop.remove_reader(self.responses.data_fd)
+        self.loop.remove_reader(self.requests.space_fd)
+        self.requests = self.responses = None
+        if requeue:
+            self.requeue()
+
+    def requeue(self) -> None:
+        """After a death: every unanswered request goes again, in the order it was first
+        admitted, except those whose client left and those that reached MAX_ATTEMPTS."""
+        for req_id, sent in list(self.inflight.items()):
+            if sent.drop_reason:  # its client left: nobody wants it any more
+                self.drop(req_id, sent.drop_reason)
+                continue
+            sent.attempts += 1
+            sent.sent = False
+            if sent.attempts >= MAX_ATTEMPTS:
+                self.fail(req_id, RequestError(grpc.StatusCode.INTERNAL,
+                                               f"the worker died {sent.attempts} times while holding this request"))
+        self.backlog = (deque(), deque())
+        for req_id in sorted(self.inflight):
+            self.backlog[self.inflight[req_id].priority].append(req_id)
+
+    def ask_to_stop(self) -> bool:
+        """Ask the worker to finish what it holds and exit (a STOP record); False if the ring is full."""
+        return self.requests is None or self.requests.try_write(records.STOP)
+
+    def tick(self, generation: int) -> None:
+        """The safety net for a lost wake-up (see shared_mem/ring.py): look again every few ms
+        while work is outstanding. Nothing to do when idle, so an idle server stays quiet."""
+        if generation != self.generation or self.responses is None:
+            return  # these rings are gone; the next worker's run their own tick
+        if self.inflight:
+            self.read_answers()
+            self.expire_backlog()
+            self.flush()
+            # The worker's wake-up can be lost the same way; it sleeps in long slices and
+            # relies on this nudge while it holds unread requests.
+            if self.requests.free_bytes() < self.requests.capacity:
+                self.requests.notify_consumer()
+        self.loop.call_later(self.requests.wait_slice if self.inflight else IDLE_TICK, self.tick, generation)
+
+    # ---- requests ----
+
+    def submit(self, req_id: int, record: bytes, tokens: int, deadline_ns: int = 0,
+               priority: int = 0) -> asyncio.Future:
+        future = self.loop.create_future()
+        self.inflight[req_id] = SentRequest(record, tokens, future, deadline_ns=deadline_ns, priority=priority)
+        self.queued_tokens += tokens
+        self.backlog[priority].append(req_id)
+        self.flush()
+        return future
+
+    def cancel(self, req_id: int, reason: str) -> None:
+        """The client left (or its deadline passed): drop the request if it has not reached the model."""
+        sent = self.inflight.get(req_id)
+        if sent is None or sent.drop_reason:
+            return
+        if not sent.sent:
+            self.backlog[sent.priority].remove(req_id)
+            self.drop(req_id, reason)
+            return
+        # In the ring or the worker: the worker answers CANCELLED if it had not batched it yet,
+        # else the answer comes as usual and is thrown away (the future is already done).
+        sent.drop_reason = reason
+        if self.requests is not None:
+            self.requests.try_write(records.CANCEL, records.encode_cancel(req_id))
+
+    def drop(self, req_id: int, reason: str) -> None:
+        metrics.DROPPED.labels(reason=reason).inc()
+        self.fail(req_id, dropped_error(reason))
+
+    def expire_backlog(self) -> None:
+        """Drop backlogged requests whose deadline passed (the ring may be full for a while)."""
+        now = time.monotonic_ns()
+        for lane in self.backlog:
+            expired = [r for r in lane if r in self.inflight and 0 < self.inflight[r].deadline_ns <= now]
+            for req_id in expired:
+                lane.remove(req_id)
+                self.drop(req_id, "deadline")
+
+    def flush(self) -> None:
+        """Move backlogged requests into the ring while it has room: interactive ones first,
+        FIFO within a lane; one whose deadline passed is dropped instead."""
+        ring = self.requests
+        if ring is None or not self.ready.is_set():
+            return
+        Ring.drain_signal(ring.space_fd)
+        for first_try in (True, False):
+            self.flush_lanes(ring)
+            if not any(self.backlog):
+                ring.set_producer_sleeping(False)
+                return
+            if first_try:
+                # Ask the worker to signal space_fd when it frees room, then try once more: it
+                # may have freed some before it saw the flag.
+                ring.set_producer_sleeping(True)
+
+    def flush_lanes(self, ring: Ring) -> None:
+        now = time.monotonic_ns()
+        for lane in self.backlog:
+            while lane:
+                sent = self.inflight.get(lane[0])
+                if sent is not None:
+                    if 0 < sent.deadline_ns <= now:
+                        self.drop(lane.popleft(), "deadline")
+                        continue
+                    if not ring.try_write(records.EMBED, sent.record):
+                        return  # the ring is full; bulk must not pass interactive work
+                    sent.sent = True
+                lane.popleft()
+
+    # ---- answers ----
+
+    def read_answers(self) -> None:
+        ring = self.responses
+        Ring.drain_signal(ring.data_fd)
+        while True:
+            ring.set_consumer_sleeping(False)
+            while (item := ring.read()) is not None:
+                kind, view = item
+                if kind == records.RESULT:
+                    self.answer(records.decode_result(view))
+                elif kind == records.BATCH_RESULT:
+                    report, results = records.decode_batch_result(view)  # bodies copied out
+                    self.on_batch(report)
+                    for result in results:
+                        self.answer(result)
+                elif kind == records.READY:
+                    self.on_ready(json.loads(bytes(view)))
+                del view
+            ring.release()
+            ring.set_consumer_sleeping(True)
+            if not ring.has_data():  # checked after the flag, so no wake-up is lost
+                return
+
+    def on_ready(self, info: dict) -> None:
+        self.ready.set()
+        log.info("worker %d ready: %s", self.index, info)
+        self.flush()
+
+    def on_batch(self, report: records.BatchReport) -> None:
+        metrics.BATCH_TOKENS.observe(report.tokens)
+        if self.batch_listener is not None:
+            self.batch_listener(self.index, report)
+
+    def answer(self, result: records.ResultRecord) -> None:
+        sent = self.inflight.pop(result.req_id, None)
+        if sent is None:
+            return
+        self.queued_tokens -= sent.tokens
+        reason = _DROP_REASONS.get(result.status)
+        if reason:  # the worker dropped it before the model; count it once, here
+            metrics.DROPPED.labels(reason=sent.drop_reason or reason).inc()
+        elif result.status == records.OK:
+            metrics.QUEUE_SECONDS.observe(result.queue_us / 1e6)
+            metrics.INFERENCE_SECONDS.observe(result.inference_us / 1e6)
+        if not sent.future.done():
+            sent.future.set_result(result)
+
+    def fail(self, req_id: int, error: Exception) -> None:
+        sent = self.inflight.pop(req_id)
+        self.queued_tokens -= sent.tokens
+        if not sent.future.done():
+            sent.future.set_exception(error)

@@ -1,0 +1,71 @@
+"""Admitted requests to workers: the queued-token limit, deadlines, and the least-loaded worker.
+
+The router turns an admitted request into its request record (shared_mem/records.py), sends it
+through the channel of the ready worker with the fewest queued tokens (server/channel.py), and
+awaits the answer. `--max-queued-tokens` bounds the tokens admitted and not yet answered, over
+all workers; past it a request is refused RESOURCE_EXHAUSTED with the figures.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import grpc
+
+from pollen.server import metrics
+from pollen.server.channel import WorkerChannel, dropped_error
+from pollen.server.config import ServeConfig
+from pollen.server.errors import RequestError
+from pollen.shared_mem import records
+from pollen.shared_mem.ring import Ring
+
+# gRPC core's deadline timer can fire a little before our copy of the deadline (taken from
+# time_remaining() when the handler started): a client that leaves this close to its deadline
+# counts as the deadline's drop.
+DEADLINE_SLACK_NS = 50_000_000
+
+
+class Router:
+    def __init__(self, cfg: ServeConfig, channels: list[WorkerChannel]):
+        self.cfg = cfg
+        self.channels = channels
+        self.ids = itertools.count(1)
+        self.max_record = Ring.max_record_for(cfg.request_ring_bytes)
+        metrics.QUEUED_TOKENS.set_function(lambda: self.queued_tokens)
+
+    def set_batch_listener(self, listener) -> None:
+        """listener(worker index, BatchReport) for every batch a worker runs (tests, tools)."""
+        for channel in self.channels:
+            channel.batch_listener = listener
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(c.queued_tokens for c in self.channels)
+
+    async def embed(self, seqs, dims: int, normalize: bool, encoding: int, *, rows: records.RowPlan | None = None,
+                    priority: int = 0, deadline_ns: int = 0) -> records.ResultRecord:
+        tokens = sum(len(s) for s in seqs)
+        if self.queued_tokens + tokens > self.cfg.max_queued_tokens:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the server holds {self.queued_tokens} queued tokens and this request adds "
+                               f"{tokens}, over --max-queued-tokens {self.cfg.max_queued_tokens}; retry later")
+        now = time.monotonic_ns()
+        if deadline_ns and deadline_ns <= now:
+            metrics.DROPPED.labels(reason="deadline").inc()
+            raise dropped_error("deadline")
+        channel = min(self.channels, key=lambda c: (not c.ready.is_set(), c.queued_tokens))
+        req_id = next(self.ids)
+        record = records.encode_request(req_id, now, seqs, dims, normalize, encoding, deadline_ns=deadline_ns,
+                                        priority=priority, rows=rows)
+        if len(record) > self.max_record:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"the request holds {tokens} tokens in {len(seqs)} sequences, more than one "
+                               f"request record can carry ({self.max_record} bytes); split it")
+        try:
+            return await channel.submit(req_id, record, tokens, deadline_ns, priority)
+        except asyncio.CancelledError:
+            # The client left (a unary call cancelled or past its gRPC deadline, a stream closed).
+            late = deadline_ns and time.monotonic_ns() >= deadline_ns - DEADLINE_SLACK_NS
+            channel.cancel(req_id, "deadline" if late else "cancelled")
+            raise
