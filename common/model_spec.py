@@ -46,9 +46,7 @@ class ModelSpec:
     max_tokens: int  # limit per text, special tokens included
     vocab_size: int
     pooling: str  # "mean" | "cls" | "last"
-    normalize_default: bool  # modules.json lists a Normalize module
     causal: bool = False  # attention mode: causal (Qwen3-Embedding) or bidirectional
-    # Added by the API issue (defaults keep other constructors working):
     # int8 is the model's own round(127 * tanh(mean pool)) (pplx-embed), not a per-vector scale.
     native_int8: bool = False
     # sentence-transformers prompts (name -> prefix) and the name applied when a request names none.
@@ -69,19 +67,7 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
         raise UnsupportedModel(f"{path}: no config.json (expected a Hugging Face model directory)")
 
     model_type = config.get("model_type")
-    if model_type in ENCODER_TYPES:
-        family, causal, default_pooling = "bert", False, "mean"
-        _check_encoder_config(path, config)
-    elif model_type in QWEN3_TYPES:
-        # pplx-embed-v1 reads bidirectionally and mean-pools; Qwen3-Embedding reads causally and
-        # takes the last token (its tokenizer appends <|endoftext|> for that purpose).
-        family, causal = "qwen3", model_type == "qwen3"
-        default_pooling = "last" if causal else "mean"
-        _check_qwen3_config(path, config)
-    else:
-        raise UnsupportedModel(
-            f"{path}: model_type {model_type!r} is not supported; supported: {ENCODER_TYPES + QWEN3_TYPES}"
-        )
+    family, causal, default_pooling = _family(path, config)
     _check_weights(path)
 
     modules = _read_json(path, "modules.json") or []
@@ -97,7 +83,6 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
         if family == "bert" and attention == "causal":
             raise UnsupportedModel(f"{path}: BERT-family encoders are bidirectional; causal attention is not offered")
         causal = attention == "causal"
-    normalize = any(_module_kind(m) == "Normalize" for m in modules)
 
     # Usable positions: RoBERTa-style models reserve the first pad_token_id + 1 rows.
     positions = int(config["max_position_embeddings"]) - position_offset(config)
@@ -106,48 +91,65 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
     if st.get("max_seq_length"):
         max_tokens = min(int(st["max_seq_length"]), positions)
 
-    return with_api_fields(ModelSpec(
+    prompts, default_prompt = _read_prompts(path)
+    hidden = int(config["hidden_size"])
+    return ModelSpec(
         path=path,
         name=_display_name(path),
         family=family,
-        hidden_size=int(config["hidden_size"]),
+        hidden_size=hidden,
         max_tokens=max_tokens,
         vocab_size=int(config["vocab_size"]),
         pooling=chosen_pooling,
-        normalize_default=normalize,
         causal=causal,
-    ), config)
+        # A config key "pollen_native_int8": true forces the pplx int8 path on any checkpoint (tests).
+        native_int8=model_type == "bidirectional_pplx_qwen3" or bool(config.get("pollen_native_int8")),
+        prompts=prompts,
+        default_prompt_name=default_prompt,
+        matryoshka_dimensions=_matryoshka_sizes(path, config, hidden),
+    )
+
+
+def _family(path: str, config: dict) -> tuple[str, bool, str]:
+    """(engine family, causal attention, default pooling) of a checked config."""
+    model_type = config.get("model_type")
+    if model_type in ENCODER_TYPES:
+        _check_encoder_config(path, config)
+        return "bert", False, "mean"
+    if model_type in QWEN3_TYPES:
+        # pplx-embed-v1 reads bidirectionally and mean-pools; Qwen3-Embedding reads causally and
+        # takes the last token (its tokenizer appends <|endoftext|> for that purpose).
+        _check_qwen3_config(path, config)
+        causal = model_type == "qwen3"
+        return "qwen3", causal, "last" if causal else "mean"
+    raise UnsupportedModel(
+        f"{path}: model_type {model_type!r} is not supported; supported: {ENCODER_TYPES + QWEN3_TYPES}")
 
 
 # The smallest Matryoshka prefix offered when a checkpoint declares no sizes of its own.
 MIN_MATRYOSHKA_DIMS = 32
 
 
-def with_api_fields(spec: ModelSpec, config: dict) -> ModelSpec:
-    """Fill the fields the request options need (int8 kind, prompts, Matryoshka sizes).
-
-    Read from config.json and config_sentence_transformers.json:
-    - native_int8: model_type "bidirectional_pplx_qwen3" (pplx-embed), or a config key
-      "pollen_native_int8": true (lets a test force the pplx int8 path on any checkpoint).
-    - prompts, default_prompt_name: sentence-transformers' "prompts" and "default_prompt_name".
-    - matryoshka_dimensions: a "matryoshka_dimensions" list in config.json or
-      config_sentence_transformers.json (sizes above hidden_size are dropped; the full size is
-      always allowed).
-    """
-    import dataclasses
-
-    st = _read_json(spec.path, "config_sentence_transformers.json") or {}
-    native = config.get("model_type") == "bidirectional_pplx_qwen3" or bool(config.get("pollen_native_int8"))
+def _read_prompts(path: str) -> tuple[tuple, str]:
+    """sentence-transformers' "prompts" (name -> prefix, as sorted pairs) and "default_prompt_name"
+    from config_sentence_transformers.json."""
+    st = _read_json(path, "config_sentence_transformers.json") or {}
     prompts = st.get("prompts") or {}
     if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
-        raise UnsupportedModel(f"{spec.path}: config_sentence_transformers.json 'prompts' must map names to strings")
+        raise UnsupportedModel(f"{path}: config_sentence_transformers.json 'prompts' must map names to strings")
     default = st.get("default_prompt_name") or ""
     if default and default not in prompts:
-        raise UnsupportedModel(f"{spec.path}: default_prompt_name {default!r} is not among the prompts {sorted(prompts)}")
+        raise UnsupportedModel(f"{path}: default_prompt_name {default!r} is not among the prompts {sorted(prompts)}")
+    return tuple(sorted(prompts.items())), default
+
+
+def _matryoshka_sizes(path: str, config: dict, hidden: int) -> tuple:
+    """A "matryoshka_dimensions" list in config.json or config_sentence_transformers.json; sizes
+    above the hidden size are dropped and the full size is always allowed. Empty: none declared."""
+    st = _read_json(path, "config_sentence_transformers.json") or {}
     declared = config.get("matryoshka_dimensions") or st.get("matryoshka_dimensions") or ()
-    sizes = sorted({int(d) for d in declared if 0 < int(d) <= spec.hidden_size} | ({spec.hidden_size} if declared else set()))
-    return dataclasses.replace(spec, native_int8=native, prompts=tuple(sorted(prompts.items())),
-                               default_prompt_name=default, matryoshka_dimensions=tuple(sizes))
+    sizes = {int(d) for d in declared if 0 < int(d) <= hidden} | ({hidden} if declared else set())
+    return tuple(sorted(sizes))
 
 
 def read_config(path: str) -> dict:

@@ -237,7 +237,7 @@ def test_minilm_spec():
     spec = read_model_spec(default_model_path())
     assert spec.family == "bert" and spec.name
     assert (spec.hidden_size, spec.max_tokens, spec.vocab_size) == (384, 256, 30522)
-    assert spec.pooling == "mean" and spec.normalize_default is True
+    assert spec.pooling == "mean"
 
 
 def test_minilm_matches_sentence_transformers(minilm):
@@ -319,7 +319,7 @@ def test_spec_defaults_without_sentence_transformers_files(tiny_dir):
     shutil.rmtree(tiny_dir / "1_Pooling")
     (tiny_dir / "modules.json").unlink()
     spec = read_model_spec(str(tiny_dir))
-    assert (spec.pooling, spec.normalize_default, spec.max_tokens, spec.hidden_size) == ("mean", False, 64, 32)
+    assert (spec.pooling, spec.max_tokens, spec.hidden_size) == ("mean", 64, 32)
     (tiny_dir / "1_Pooling").mkdir()  # the new sentence-transformers form of the pooling config
     (tiny_dir / "1_Pooling" / "config.json").write_text('{"pooling_mode": "lasttoken"}')
     assert read_model_spec(str(tiny_dir)).pooling == "last"
