@@ -13,11 +13,11 @@ class WorkerConfig:
     threads: int
     max_batch_tokens: int
     parent_pid: int
-    request_ring: str
-    request_fds: tuple[int, int]   # (data_fd, space_fd)
-    response_ring: str
-    response_fds: tuple[int, int]
-    gpu: int = -1                 # cuda: the physical GPU index this worker owns; -1 on the cpu
+    control_fd: int               # the worker's end of its control link (common/control.py), inherited
+    state: str                    # the server state segment (shared_mem/server_state.py)
+    response_ring_bytes: int      # every response ring's size (the batcher's row cap follows from it)
+    gpu: int = -1                 # cuda: the GPU index this worker owns, as the server numbers them; -1 on the cpu
+    cuda_device: str = ""         # cuda: CUDA_VISIBLE_DEVICES for the worker (the physical GPU)
     cpu_cores: list = dataclasses.field(default_factory=list)  # affinity; empty: leave as is
     dtype: str = "float32"
     cuda_graphs: bool = True
@@ -25,11 +25,9 @@ class WorkerConfig:
     pooling: str | None = None
     attention: str | None = None
     bulk_batch_tokens: int = 0  # cap on bulk tokens per batch; 0: max_batch_tokens
-    spin_us: int = 0  # poll the request ring this long before sleeping (ServeConfig.worker_spin_us)
+    spin_us: int = 0  # poll the request rings this long before sleeping (ServeConfig.worker_spin_us)
 
     def __post_init__(self) -> None:
-        self.request_fds = tuple(self.request_fds)
-        self.response_fds = tuple(self.response_fds)
         if self.threads < 1 or self.max_batch_tokens < 1:
             raise ValueError(f"threads and max_batch_tokens must be positive: {self}")
 

@@ -10,9 +10,13 @@ backlog into the request ring while it has room (interactive first, so bulk neve
 interactive request back here). The worker's answers arrive on the response ring's eventfd
 (`read_answers`); each resolves its request's future. When the worker dies the channel reads the
 answers it finished, then puts every unanswered request back into the backlog in its original
-order, and the next worker gets them once it says READY: the client sees no error. A request in
-flight during MAX_ATTEMPTS deaths in a row is answered INTERNAL instead, so one poisonous input
-cannot crash-loop a worker forever.
+order, and the next worker gets them once it says READY: the client sees no error. A request the
+worker had read from the ring when it died, MAX_ATTEMPTS times in a row, is answered INTERNAL
+instead, so one poisonous input cannot crash-loop a worker forever (a request still in the ring,
+or in the backlog, was never held and does not count).
+
+The channel publishes its queued tokens and backlog in the server state (shared_mem/server_state.py),
+where admission and routing read them summed over every frontend.
 
 Drops (docs/architecture.md, "Deadlines and cancellation"): a request whose deadline passed or
 whose client left is dropped before it reaches the model: here while it waits in the backlog, or
@@ -39,6 +43,7 @@ from pollen.server import metrics
 from pollen.server.errors import RequestError
 from pollen.shared_mem import records
 from pollen.shared_mem.ring import Ring
+from pollen.shared_mem.server_state import ServerState
 
 log = logging.getLogger("pollen.channel")
 
@@ -55,7 +60,8 @@ class SentRequest:
     record: bytes  # the request record, kept for a resend
     tokens: int
     future: asyncio.Future
-    attempts: int = 0
+    attempts: int = 0     # deaths of a worker that held it
+    ring_end: int = 0     # the request ring's write position after its record: held once read past
     deadline_ns: int = 0  # CLOCK_MONOTONIC; 0: none
     priority: int = 0     # the backlog lane: 0 interactive, 1 bulk
     sent: bool = False    # in the ring (or the worker) rather than the backlog
@@ -69,8 +75,10 @@ def dropped_error(reason: str) -> RequestError:
 
 
 class WorkerChannel:
-    def __init__(self, index: int):
+    def __init__(self, index: int, frontend: int, state: ServerState):
         self.index = index
+        self.frontend = frontend
+        self.state = state
         self.loop = asyncio.get_running_loop()
         self.inflight: dict[int, SentRequest] = {}
         # Request ids admitted but not yet in the ring, one FIFO lane per priority.
@@ -80,8 +88,7 @@ class WorkerChannel:
         self.responses: Ring | None = None
         self.ready = asyncio.Event()
         self.generation = 0  # bumped at each attach, so the ticks of a dead worker's rings stop
-        # Called with (worker index, BatchReport) for every batch the worker ran (tests, tools).
-        self.batch_listener = None
+        self.on_ready_change = lambda: None  # the frontend's health follows its workers
 
     # ---- the worker's rings ----
 
@@ -100,21 +107,26 @@ class WorkerChannel:
         if self.responses is None:
             return
         self.ready.clear()
+        self.on_ready_change()
         self.read_answers()  # answers the worker finished before it went still count
+        read_to = self.requests.read_pos  # how far the worker had read our requests
         self.loop.remove_reader(self.responses.data_fd)
         self.loop.remove_reader(self.requests.space_fd)
+        self.requests.close()
+        self.responses.close()
         self.requests = self.responses = None
         if requeue:
-            self.requeue()
+            self.requeue(read_to)
 
-    def requeue(self) -> None:
+    def requeue(self, read_to: int) -> None:
         """After a death: every unanswered request goes again, in the order it was first
         admitted, except those whose client left and those that reached MAX_ATTEMPTS."""
         for req_id, sent in list(self.inflight.items()):
             if sent.drop_reason:  # its client left: nobody wants it any more
                 self.drop(req_id, sent.drop_reason)
                 continue
-            sent.attempts += 1
+            if sent.sent and sent.ring_end <= read_to:
+                sent.attempts += 1  # the worker had it: it may be what killed the worker
             sent.sent = False
             if sent.attempts >= MAX_ATTEMPTS:
                 self.fail(req_id, RequestError(grpc.StatusCode.INTERNAL,
@@ -122,10 +134,12 @@ class WorkerChannel:
         self.backlog = (deque(), deque())
         for req_id in sorted(self.inflight):
             self.backlog[self.inflight[req_id].priority].append(req_id)
+        self.publish()
 
-    def ask_to_stop(self) -> bool:
-        """Ask the worker to finish what it holds and exit (a STOP record); False if the ring is full."""
-        return self.requests is None or self.requests.try_write(records.STOP)
+    def publish(self) -> None:
+        """Store this channel's queued tokens and backlog in the server state."""
+        self.state.queued[self.frontend, self.index] = self.queued_tokens
+        self.state.backlog[self.frontend, self.index] = len(self.backlog[0]) + len(self.backlog[1])
 
     def tick(self, generation: int) -> None:
         """The safety net for a lost wake-up (see shared_mem/ring.py): look again every few ms
@@ -151,6 +165,7 @@ class WorkerChannel:
         self.queued_tokens += tokens
         self.backlog[priority].append(req_id)
         self.flush()
+        self.publish()
         return future
 
     def cancel(self, req_id: int, reason: str) -> None:
@@ -161,6 +176,7 @@ class WorkerChannel:
         if not sent.sent:
             self.backlog[sent.priority].remove(req_id)
             self.drop(req_id, reason)
+            self.publish()
             return
         # In the ring or the worker: the worker answers CANCELLED if it had not batched it yet,
         # else the answer comes as usual and is thrown away (the future is already done).
@@ -180,6 +196,7 @@ class WorkerChannel:
             for req_id in expired:
                 lane.remove(req_id)
                 self.drop(req_id, "deadline")
+        self.publish()
 
     def flush(self) -> None:
         """Move backlogged requests into the ring while it has room: interactive ones first,
@@ -192,11 +209,13 @@ class WorkerChannel:
             self.flush_lanes(ring)
             if not any(self.backlog):
                 ring.set_producer_sleeping(False)
+                self.publish()
                 return
             if first_try:
                 # Ask the worker to signal space_fd when it frees room, then try once more: it
                 # may have freed some before it saw the flag.
                 ring.set_producer_sleeping(True)
+        self.publish()
 
     def flush_lanes(self, ring: Ring) -> None:
         now = time.monotonic_ns()
@@ -210,6 +229,7 @@ class WorkerChannel:
                     if not ring.try_write(records.EMBED, sent.record):
                         return  # the ring is full; bulk must not pass interactive work
                     sent.sent = True
+                    sent.ring_end = ring.write_pos
                 lane.popleft()
 
     # ---- answers ----
@@ -239,18 +259,20 @@ class WorkerChannel:
     def on_ready(self, info: dict) -> None:
         self.ready.set()
         log.info("worker %d ready: %s", self.index, info)
+        self.on_ready_change()
         self.flush()
 
     def on_batch(self, report: records.BatchReport) -> None:
-        metrics.BATCH_TOKENS.observe(report.tokens)
-        if self.batch_listener is not None:
-            self.batch_listener(self.index, report)
+        if report.batch_tokens:  # the batch's first part: count the batch once
+            metrics.BATCH_TOKENS.observe(report.batch_tokens)
+        metrics.SEQUENCES.inc(report.seqs)
 
     def answer(self, result: records.ResultRecord) -> None:
         sent = self.inflight.pop(result.req_id, None)
         if sent is None:
             return
         self.queued_tokens -= sent.tokens
+        self.publish()
         reason = _DROP_REASONS.get(result.status)
         if reason:  # the worker dropped it before the model; count it once, here
             metrics.DROPPED.labels(reason=sent.drop_reason or reason).inc()
@@ -263,5 +285,6 @@ class WorkerChannel:
     def fail(self, req_id: int, error: Exception) -> None:
         sent = self.inflight.pop(req_id)
         self.queued_tokens -= sent.tokens
+        self.publish()
         if not sent.future.done():
             sent.future.set_exception(error)

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import secrets
+import shutil
 import sys
 
 USAGE = """usage: pollen serve [flags]            serve embeddings over gRPC and HTTP (pollen serve --help)
@@ -33,15 +36,22 @@ def serve(argv: list[str]) -> int:
         return 2
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Every process of this server counts its metrics here, for /metrics to sum (server/metrics.py);
+    # set before prometheus_client is imported, here and in the children that inherit it.
+    metrics_dir = os.path.join("/dev/shm", f"pollen-{os.getpid()}-{secrets.token_hex(16)}")
+    os.mkdir(metrics_dir, 0o700)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     import uvloop
 
     from pollen.server.app import serve as run_server
 
     try:
-        uvloop.run(run_server(cfg))
+        uvloop.run(run_server(cfg, metrics_dir))
     except (ValueError, OSError, RuntimeError) as exc:
         logging.getLogger("pollen").error("%s", exc)
         return 1
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
 
 

@@ -30,7 +30,11 @@ class ServeConfig:
     pooling: str | None = _flag(None, "override the checkpoint's pooling: mean, cls or last")
     attention: str | None = _flag(None, "override the checkpoint's attention: causal or bidirectional")
     workers: int = _flag(1, "CPU worker processes (they share the cores); with cuda, one per GPU")
-    listen: str = _flag("127.0.0.1:50051", "gRPC address: host:port or unix:/path")
+    frontends: int = _flag(0, "frontend processes that serve gRPC and HTTP on the shared addresses (0: 1 on cpu; "
+                           "with cuda, one per 2 cores the workers leave, at most 16)")
+    listen: str = _flag("127.0.0.1:50051", "gRPC address: host:port or unix:/path (a unix path is served by "
+                        "one frontend process: Linux cannot share one between listeners)")
+    listen_mode: str = _flag("0660", "file mode of a unix:/path socket (octal)")
     http_listen: str = _flag("127.0.0.1:8080", "HTTP address (OpenAI-compatible /v1/embeddings, /health, /metrics): "
                              "host:port, or an empty string for no HTTP door")
     max_batch_tokens: int = _flag(8192, "token budget of one model batch (sequences are packed, never padded)")
@@ -49,6 +53,8 @@ class ServeConfig:
                                 "the eventfd: a query then skips a wake-up, at the cost of a busy core "
                                 "(-1: 5000 with --device cuda, where each GPU's worker owns its cores; 0 on cpu)")
     shutdown_grace: float = _flag(30.0, "seconds SIGTERM waits for in-flight work before cancelling it")
+    worker_hang_timeout: float = _flag(60.0, "seconds a worker may go without progress (its loop's heartbeat) "
+                                       "before it is killed and restarted, its requests sent again")
     request_ring_bytes: int = _flag(32 << 20, "size of each worker's request ring in shared memory")
     response_ring_bytes: int = _flag(64 << 20, "size of each worker's response ring in shared memory")
     log_level: str = _flag("INFO", "logging level")
@@ -81,6 +87,17 @@ class ServeConfig:
             self.worker_spin_us = 5000 if self.device == "cuda" else 0
         if self.worker_threads == 0:
             self.worker_threads = max(1, (os.cpu_count() or 1) // self.workers)
+        if self.frontends < 0:
+            raise ValueError(f"--frontends must be 0 (auto) or more, got {self.frontends}")
+        if self.frontends == 0:
+            self.frontends = default_frontends(self.device, self.workers)
+        try:
+            if not 0 <= int(self.listen_mode, 8) <= 0o777:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"--listen-mode must be an octal file mode like 0660, got {self.listen_mode!r}") from None
+        if self.worker_hang_timeout <= 0:
+            raise ValueError("--worker-hang-timeout must be more than 0")
         if self.max_queued_tokens < self.max_batch_tokens:
             raise ValueError("--max-queued-tokens must be at least --max-batch-tokens")
         if self.http_listen:
@@ -102,6 +119,15 @@ class ServeConfig:
             return gpus
         return list(range(visible_gpus()))
 
+    def cuda_device(self, index: int) -> str:
+        """CUDA_VISIBLE_DEVICES for worker `index`: its GPU as this process numbers them (within
+        this process's own CUDA_VISIBLE_DEVICES when set)."""
+        return visible_device(self.gpu_list()[index], os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+    def to_dict(self) -> dict:
+        """Every field, for a child process to build the same config (ServeConfig(**d))."""
+        return dataclasses.asdict(self)
+
     def worker_dtype(self) -> str:
         if self.dtype != "auto":
             return self.dtype
@@ -112,6 +138,26 @@ class ServeConfig:
         parser = argparse.ArgumentParser(prog="pollen serve", description="Serve embeddings over gRPC.")
         add_flags(parser, environ if environ is not None else os.environ)
         return cls(**vars(parser.parse_args(argv)))
+
+
+def visible_device(gpu: int, inherited: str | None) -> str:
+    """The physical GPU of the server's GPU `gpu`: the gpu-th entry of the server's own
+    CUDA_VISIBLE_DEVICES when it has one, else `gpu` itself."""
+    if not inherited:
+        return str(gpu)
+    entries = [v.strip() for v in inherited.split(",") if v.strip()]
+    if gpu >= len(entries):
+        raise ValueError(f"GPU {gpu} is not among CUDA_VISIBLE_DEVICES={inherited!r}")
+    return entries[gpu]
+
+
+def default_frontends(device: str, workers: int) -> int:
+    """One frontend on the CPU (the workers need the cores); with GPUs, enough to keep them fed:
+    one per two cores left after each GPU worker's two (its loop and the driver's threads)."""
+    if device != "cuda":
+        return 1
+    spare = len(os.sched_getaffinity(0)) - 2 * workers
+    return max(1, min(16, spare // 2))
 
 
 def visible_gpus() -> int:

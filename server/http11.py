@@ -79,15 +79,22 @@ class HttpServer:
         self._server: asyncio.base_events.Server | None = None
         self._connections: dict[asyncio.Task, bool] = {}  # connection task -> busy with a request
         self._stopping = False
+        self._draining = False
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> None:
         # The stream's limit bounds readuntil(): a head over it raises LimitOverrunError (431).
         self._server = await asyncio.start_server(self._serve_connection, host.strip("[]"), port,
-                                                  limit=self.max_head_bytes, reuse_address=True)
+                                                  limit=self.max_head_bytes, reuse_address=True,
+                                                  reuse_port=reuse_port)
 
     @property
     def port(self) -> int:
         return self._server.sockets[0].getsockname()[1]
+
+    def drain(self) -> None:
+        """Shutting down soon: keep answering, but close each connection after its answer
+        (Connection: close), so clients reconnect to a server that stays."""
+        self._draining = True
 
     async def stop(self, grace: float) -> None:
         """Stop accepting, close idle connections now, let busy ones finish (up to `grace` s)."""
@@ -150,7 +157,7 @@ class HttpServer:
                 response = await self._handle(request, next_byte)
                 if response is None:
                     return  # the client closed the connection: nobody to answer
-                keep_alive = keep_alive and not self._stopping
+                keep_alive = keep_alive and not (self._stopping or self._draining)
                 writer.write(_encode(response, keep_alive))
                 await writer.drain()
                 self._connections[task] = False

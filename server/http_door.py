@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pollen.common import encodings
 from pollen.server.errors import RequestError
 from pollen.server.http11 import Request, Response
-from pollen.server.metrics import REGISTRY, count_request
+from pollen.server.metrics import count_request
 from pollen.server.service import EmbedderService
 from pollen.v1 import embedder_pb2 as pb
 
@@ -103,8 +103,9 @@ class Rejected(Exception):
 
 
 class HttpDoor:
-    def __init__(self, service: EmbedderService):
+    def __init__(self, service: EmbedderService, registry):
         self.service = service
+        self.registry = registry  # what /metrics serializes (server/metrics.py, exposition)
         self.model = service.spec.name
         self.created = int(time.time())
         self.serving = False  # mirrors the gRPC health status: set by server/app.py
@@ -127,7 +128,7 @@ class HttpDoor:
         if request.path == "/health":
             status = "SERVING" if self.serving else "NOT_SERVING"
             return Response(200 if self.serving else 503, _ENCODER.encode({"status": status}))
-        return Response(200, generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)
+        return Response(200, generate_latest(self.registry), content_type=CONTENT_TYPE_LATEST)
 
     async def embeddings(self, request: Request) -> Response:
         try:

@@ -2,16 +2,26 @@
 
 Defined here, in one place, and incremented where the event happens:
 - the doors count requests, texts, tokens and errors (label `door`: "grpc" or "http");
-- the worker pool observes queue and inference times from each answer, and batch sizes from the
-  workers' batch reports;
+- each frontend's channels observe queue and inference times from each answer, and batch sizes
+  and sequences from the workers' batch records;
 - drops (deadline passed, client gone) are counted once, where the request is dropped or where the
-  worker reports that it dropped it.
+  worker reports that it dropped it;
+- the supervisor counts worker restarts.
+
+The figures are whole-server figures although several processes count them: `pollen serve` sets
+PROMETHEUS_MULTIPROC_DIR for itself and its frontends (before prometheus_client is imported), each
+process writes its counts there, and /metrics sums them (prometheus_client's multiprocess mode).
+`pollen_queued_tokens` is read from the server state at each scrape (shared_mem/server_state.py).
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 REGISTRY = CollectorRegistry(auto_describe=True)
+MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
 # Latency buckets from 100 µs (one graphed query on a GPU) to 30 s (a full queue).
 _SECONDS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -29,9 +39,51 @@ INFERENCE_SECONDS = Histogram("pollen_inference_seconds", "First batch start to 
                               buckets=_SECONDS, registry=REGISTRY)
 BATCH_TOKENS = Histogram("pollen_batch_tokens", "Tokens in each batch a worker ran.", buckets=_TOKENS,
                          registry=REGISTRY)
-QUEUED_TOKENS = Gauge("pollen_queued_tokens", "Tokens admitted and not yet answered, over all workers.",
-                      registry=REGISTRY)
-WORKER_RESTARTS = Counter("pollen_worker_restarts", "Worker processes restarted after dying.", registry=REGISTRY)
+SEQUENCES = Counter("pollen_sequences", "Sequences (texts, windows, chunk documents) the workers ran.",
+                    registry=REGISTRY)
+WORKER_RESTARTS = Counter("pollen_worker_restarts", "Worker processes restarted after dying (or hanging).",
+                          registry=REGISTRY)
+
+
+class StateCollector:
+    """Figures read from the server state at each scrape: queued tokens and ready workers."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def collect(self):
+        yield GaugeMetricFamily("pollen_queued_tokens", "Tokens admitted and not yet answered, over all workers.",
+                                value=self.state.queued_total())
+        yield GaugeMetricFamily("pollen_backlog_requests", "Requests waiting in the frontends for room in a "
+                                "request ring.", value=self.state.backlog_total())
+        yield GaugeMetricFamily("pollen_ready_workers", "Workers loaded and serving.",
+                                value=sum(self.state.ready(w) for w in range(self.state.workers)))
+
+
+def exposition(state=None) -> CollectorRegistry:
+    """The registry /metrics serializes: every process's counts summed (multiprocess mode), or
+    this process's own; plus the server state's figures."""
+    if MULTIPROCESS:
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+    else:
+        registry = CollectorRegistry()
+        registry.register(_Forward(REGISTRY))
+    if state is not None:
+        registry.register(StateCollector(state))
+    return registry
+
+
+class _Forward:
+    """Another registry's metrics, collected into this one."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self):
+        return self.registry.collect()
 
 
 def count_request(door: str, outcome: str, texts: int = 0, tokens: int = 0) -> None:

@@ -3,7 +3,8 @@
 The router turns an admitted request into its request record (shared_mem/records.py), sends it
 through the channel of the ready worker with the fewest queued tokens (server/channel.py), and
 awaits the answer. `--max-queued-tokens` bounds the tokens admitted and not yet answered, over
-all workers; past it a request is refused RESOURCE_EXHAUSTED with the figures.
+all workers and all frontends (the server state sums them: shared_mem/server_state.py); past it
+a request is refused RESOURCE_EXHAUSTED with the figures.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pollen.server.config import ServeConfig
 from pollen.server.errors import RequestError
 from pollen.shared_mem import records
 from pollen.shared_mem.ring import Ring
+from pollen.shared_mem.server_state import ServerState
 
 # gRPC core's deadline timer can fire a little before our copy of the deadline (taken from
 # time_remaining() when the handler started): a client that leaves this close to its deadline
@@ -27,34 +29,31 @@ DEADLINE_SLACK_NS = 50_000_000
 
 
 class Router:
-    def __init__(self, cfg: ServeConfig, channels: list[WorkerChannel]):
+    def __init__(self, cfg: ServeConfig, channels: list[WorkerChannel], state: ServerState):
         self.cfg = cfg
         self.channels = channels
+        self.state = state
         self.ids = itertools.count(1)
         self.max_record = Ring.max_record_for(cfg.request_ring_bytes)
-        metrics.QUEUED_TOKENS.set_function(lambda: self.queued_tokens)
-
-    def set_batch_listener(self, listener) -> None:
-        """listener(worker index, BatchReport) for every batch a worker runs (tests, tools)."""
-        for channel in self.channels:
-            channel.batch_listener = listener
 
     @property
     def queued_tokens(self) -> int:
-        return sum(c.queued_tokens for c in self.channels)
+        """Tokens admitted and not yet answered, over the whole server."""
+        return self.state.queued_total()
 
     async def embed(self, seqs, dims: int, normalize: bool, encoding: int, *, rows: records.RowPlan | None = None,
                     priority: int = 0, deadline_ns: int = 0) -> records.ResultRecord:
         tokens = sum(len(s) for s in seqs)
-        if self.queued_tokens + tokens > self.cfg.max_queued_tokens:
+        queued = self.queued_tokens
+        if queued + tokens > self.cfg.max_queued_tokens:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"the server holds {self.queued_tokens} queued tokens and this request adds "
+                               f"the server holds {queued} queued tokens and this request adds "
                                f"{tokens}, over --max-queued-tokens {self.cfg.max_queued_tokens}; retry later")
         now = time.monotonic_ns()
         if deadline_ns and deadline_ns <= now:
             metrics.DROPPED.labels(reason="deadline").inc()
             raise dropped_error("deadline")
-        channel = min(self.channels, key=lambda c: (not c.ready.is_set(), c.queued_tokens))
+        channel = min(self.channels, key=lambda c: (not c.ready.is_set(), self.state.queued_on(c.index)))
         req_id = next(self.ids)
         record = records.encode_request(req_id, now, seqs, dims, normalize, encoding, deadline_ns=deadline_ns,
                                         priority=priority, rows=rows)

@@ -24,11 +24,14 @@ _POOLING = {"mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS, "last": pb.POOLING_L
 
 
 class EmbedderService(pb_grpc.EmbedderServicer):
-    def __init__(self, cfg: ServeConfig, spec: ModelSpec, admission: Admission, router: Router):
+    def __init__(self, cfg: ServeConfig, spec: ModelSpec, admission: Admission, router: Router, frontend: int = 0):
         self.cfg = cfg
         self.spec = spec
         self.admission = admission
         self.router = router
+        self.frontend = frontend  # this process's index among the frontends
+        self.active = 0       # embedding calls in progress (both doors)
+        self.last_call = 0.0  # time.monotonic() when the last one began
 
     async def embed(self, request: pb.EmbedRequest, *, deadline_ns: int = 0) -> pb.EmbedResponse:
         """deadline_ns: CLOCK_MONOTONIC ns by which the request must reach the model (0: none);
@@ -55,8 +58,14 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             encoding=result.encoding, usage=pb.Usage(prompt_tokens=job.tokens),
             timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us), scales=scales)
 
+    def quiet_for(self, seconds: float) -> bool:
+        """No call in progress, and none begun in the last `seconds` (a draining frontend's test)."""
+        return self.active == 0 and time.monotonic() - self.last_call >= seconds
+
     async def counted_embed(self, request: pb.EmbedRequest, door: str, **kwargs) -> pb.EmbedResponse:
         """embed(), counted in the door's request, text and token metrics."""
+        self.active += 1
+        self.last_call = time.monotonic()
         try:
             response = await self.embed(request, **kwargs)
         except RequestError as exc:
@@ -68,6 +77,8 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         except Exception:
             count_request(door, grpc.StatusCode.INTERNAL.name)
             raise
+        finally:
+            self.active -= 1
         count_request(door, "ok", response.rows, response.usage.prompt_tokens)
         return response
 
@@ -140,6 +151,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             max_texts_per_request=self.cfg.max_texts_per_request, max_batch_tokens=self.cfg.max_batch_tokens,
             max_queued_tokens=self.cfg.max_queued_tokens, max_request_bytes=self.cfg.max_request_bytes,
             vocab_size=self.spec.vocab_size, workers=self.cfg.workers, device=self.cfg.device,
+            frontends=self.cfg.frontends, frontend=self.frontend,
             prompts=dict(self.spec.prompts), matryoshka_dimensions=list(self.spec.matryoshka_dimensions))
 
 

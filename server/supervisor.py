@@ -1,37 +1,55 @@
-"""Worker processes: start, watch, restart after a death, stop.
+"""`pollen serve` itself: the supervisor of the frontend and worker processes.
 
-The supervisor owns each worker's process and its two rings; the requests belong to the
-worker's `WorkerChannel` (server/channel.py). Starting a worker creates fresh rings, starts
-`python -m pollen.worker` with their eventfds passed down, and attaches the rings to the
-channel. A pidfd tells the supervisor when a worker exits: the channel detaches (reading what
-the worker finished and queueing the rest again), the rings are removed, and a new worker starts
-at once, or after a back-off (0.5 s doubling, at most 30 s) while workers die before READY.
+The supervisor holds no client connection and runs no model. It claims the listening addresses
+(server/address.py), creates the server state (shared_mem/server_state.py) and one ring pair per
+(frontend, worker), starts --frontends frontend processes (server/frontend.py) and one worker per
+device (worker/), hands each side its rings over the control links (common/control.py), and then
+watches: a child that dies is started again; a worker whose heartbeat stops for
+--worker-hang-timeout is killed first. When a worker dies every frontend is told (worker_down):
+it reads what the worker finished and sends the rest again to the next worker; when a frontend
+dies every worker forgets its requests (drop_link) — its clients' connections died with it.
 
-Everything here runs on the event loop's thread.
+Restarts: a worker dead before READY waits 0.5 s doubling (at most 30 s) before the next try; one
+that was serving is restarted at once. A frontend is restarted after 0.5 s.
+
+SIGTERM or SIGINT: every frontend drains and answers what it received (server/frontend.py), then
+each worker is told to finish what it holds and exit, and the shared memory is removed.
+
+Everything here runs on one asyncio loop; children are watched through pidfds.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
 
+from pollen.common import control
 from pollen.common.worker_config import WorkerConfig
 from pollen.server import metrics
-from pollen.server.channel import WorkerChannel
+from pollen.server.address import Claim, claim
 from pollen.server.config import ServeConfig
+from pollen.server.frontend import FrontendConfig
 from pollen.shared_mem.ring import Ring
+from pollen.shared_mem.server_state import ServerState
 
 log = logging.getLogger("pollen.supervisor")
 
 MAX_BACKOFF_S = 30.0
+FRONTEND_RESTART_S = 0.5
+HANG_CHECK_S = 0.5
+START_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 10.0
 
 
 def core_share(index: int, workers: int) -> list[int]:
-    """Worker `index`'s CPU cores: the frontend's allowed cores cut into `workers` even slices, so
-    GPU feeders never fight over a core (a lone worker takes them all)."""
+    """Worker `index`'s CPU cores on the CPU: the allowed cores cut into `workers` even slices (a
+    lone worker takes them all)."""
     cores = sorted(os.sched_getaffinity(0))
     if workers <= 1 or len(cores) < workers:
         return cores
@@ -39,14 +57,25 @@ def core_share(index: int, workers: int) -> list[int]:
     return cores[index * size:(index + 1) * size]
 
 
-class WorkerProcess:
-    """One running worker: its process, its pidfd and the rings it was started with."""
+def worker_cores(cfg: ServeConfig, index: int) -> list[int]:
+    """A GPU worker's two cores (its loop and the driver's threads), taken from the end of the
+    allowed cores so the frontends keep the rest; CPU workers share every core (core_share)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if cfg.device != "cuda" or len(cores) < 2 * cfg.workers + 1:
+        return core_share(index, cfg.workers)
+    return cores[len(cores) - 2 * (index + 1):len(cores) - 2 * index]
 
-    def __init__(self, cfg: WorkerConfig, requests: Ring, responses: Ring, on_exit):
-        self.requests, self.responses = requests, responses
-        fds = [requests.data_fd, requests.space_fd, responses.data_fd, responses.space_fd]
-        self.proc = subprocess.Popen([sys.executable, "-m", "pollen.worker", cfg.to_json()], pass_fds=fds)
-        self.pidfd = os.pidfd_open(self.proc.pid)
+
+class Child:
+    """A frontend or worker process: its control link and its pidfd."""
+
+    def __init__(self, name: str, argv: list[str], theirs: socket.socket, ours: socket.socket, on_exit):
+        self.name = name
+        self.control = ours
+        self.proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()])
+        theirs.close()  # the child has its copy
+        self.pid = self.proc.pid
+        self.pidfd = os.pidfd_open(self.pid)
         self.exited = asyncio.Event()
         self.loop = asyncio.get_running_loop()
         self.loop.add_reader(self.pidfd, self._on_exit, on_exit)
@@ -56,106 +85,232 @@ class WorkerProcess:
         os.close(self.pidfd)
         code = self.proc.wait()
         self.exited.set()
+        self.loop.remove_reader(self.control.fileno())
+        self.control.close()
         on_exit(self, code)
 
-    def remove_rings(self) -> None:
-        for ring in (self.requests, self.responses):
-            ring.close()
-            ring.unlink()
-
     @property
-    def running(self) -> bool:
-        return self.proc.poll() is None
+    def alive(self) -> bool:
+        return not self.exited.is_set()
+
+    def send(self, message: dict, fds: tuple[int, ...] = ()) -> None:
+        if self.alive:
+            try:
+                control.send(self.control, message, fds)
+            except OSError:
+                pass  # it is dying; its pidfd will say so
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.alive:
+            self.proc.send_signal(sig)
 
 
 class Supervisor:
-    def __init__(self, cfg: ServeConfig, channels: list[WorkerChannel]):
+    def __init__(self, cfg: ServeConfig, metrics_dir: str | None = None):
         self.cfg = cfg
-        self.channels = channels
-        self.loop = asyncio.get_running_loop()
-        self.processes: list[WorkerProcess | None] = [None] * len(channels)
-        self.early_deaths = [0] * len(channels)  # deaths before READY in a row, for the back-off
+        self.metrics_dir = metrics_dir
+        self.state = ServerState.create(cfg.frontends, cfg.workers)
+        self.claims: list[Claim] = []
+        self.workers: list[Child | None] = [None] * cfg.workers
+        self.frontends: list[Child | None] = [None] * cfg.frontends
+        self.pairs: dict[tuple[int, int], tuple[str, str]] = {}  # (frontend, worker) -> ring names
+        self.listening: set[int] = set()
+        self.failure: str | None = None  # why the start failed
+        self.started = False
+        self.early_deaths = [0] * cfg.workers  # deaths before READY in a row, for the back-off
         self.restarts = 0
         self.stopping = False
+        self.loop = asyncio.get_running_loop()
+        self.listen = self.http_listen = ""
 
-    def worker_config(self, index: int, requests: Ring, responses: Ring) -> WorkerConfig:
+    # ---- start ----
+
+    async def start(self) -> None:
+        """Claim the addresses, start every child; return once all listen and every worker is ready."""
+        grpc_claim = claim(self.cfg.listen, "gRPC")
+        self.claims.append(grpc_claim)
+        self.listen = grpc_claim.address
+        if self.cfg.http_listen:
+            http_claim = claim(self.cfg.http_listen, "HTTP")
+            self.claims.append(http_claim)
+            self.http_listen = http_claim.address
+        for w in range(self.cfg.workers):
+            self.spawn_worker(w)
+        for f in range(self.cfg.frontends):
+            self.spawn_frontend(f)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.failure and not self.all_up():
+            if time.monotonic() > deadline:
+                self.failure = f"the server did not start in {START_TIMEOUT_S:.0f} s"
+            await asyncio.sleep(0.02)
+        if self.failure:
+            raise RuntimeError(self.failure)
+        self.started = True
+        self.loop.call_later(HANG_CHECK_S, self.check_hangs)
+
+    def all_up(self) -> bool:
+        return (len(self.listening) == self.cfg.frontends
+                and all(self.state.ready(w) for w in range(self.cfg.workers)))
+
+    # ---- children ----
+
+    def spawn_worker(self, w: int) -> None:
         cfg = self.cfg
-        return WorkerConfig(
-            index=index, model=cfg.model, device=cfg.device, threads=cfg.worker_threads,
+        ours, theirs = control.pair()
+        wcfg = WorkerConfig(
+            index=w, model=cfg.model, device=cfg.device, threads=cfg.worker_threads,
             max_batch_tokens=cfg.max_batch_tokens, bulk_batch_tokens=cfg.bulk_batch_tokens, parent_pid=os.getpid(),
-            gpu=cfg.gpu_list()[index] if cfg.device == "cuda" else -1, cpu_cores=core_share(index, cfg.workers),
-            dtype=cfg.worker_dtype(), cuda_graphs=cfg.cuda_graphs == "on", graph_max_tokens=cfg.graph_max_tokens,
-            pooling=cfg.pooling, attention=cfg.attention, spin_us=cfg.worker_spin_us,
-            request_ring=requests.name, request_fds=(requests.data_fd, requests.space_fd),
-            response_ring=responses.name, response_fds=(responses.data_fd, responses.space_fd))
+            control_fd=theirs.fileno(), state=self.state.name, response_ring_bytes=cfg.response_ring_bytes,
+            gpu=cfg.gpu_list()[w] if cfg.device == "cuda" else -1,
+            cuda_device=cfg.cuda_device(w) if cfg.device == "cuda" else "",
+            cpu_cores=worker_cores(cfg, w), dtype=cfg.worker_dtype(), cuda_graphs=cfg.cuda_graphs == "on",
+            graph_max_tokens=cfg.graph_max_tokens, pooling=cfg.pooling, attention=cfg.attention,
+            spin_us=cfg.worker_spin_us)
+        argv = [sys.executable, "-m", "pollen.worker", wcfg.to_json()]
+        self.workers[w] = child = Child(f"worker {w}", argv, theirs, ours, lambda c, code: self.on_worker_exit(w, code))
+        log.info("worker %d started (pid %d)", w, child.pid)
+        for f, frontend in enumerate(self.frontends):
+            if frontend is not None and frontend.alive:
+                self.connect(f, w)
 
-    def spawn(self, index: int) -> None:
+    def spawn_frontend(self, f: int) -> None:
+        ours, theirs = control.pair()
+        listen = self.listen if f == 0 or not self.listen.startswith("unix:") else ""
+        fcfg = FrontendConfig(index=f, serve=self.cfg.to_dict(), listen=listen, http_listen=self.http_listen,
+                              control_fd=theirs.fileno(), state=self.state.name, parent_pid=os.getpid())
+        argv = [sys.executable, "-m", "pollen.server.frontend", fcfg.to_json()]
+        self.frontends[f] = child = Child(f"frontend {f}", argv, theirs, ours,
+                                          lambda c, code: self.on_frontend_exit(f, c, code))
+        self.loop.add_reader(child.control.fileno(), self.on_frontend_message, f, child)
+        for w, worker in enumerate(self.workers):
+            if worker is not None and worker.alive:
+                self.connect(f, w)
+
+    def connect(self, f: int, w: int) -> None:
+        """A fresh ring pair between frontend f and worker w, handed to both."""
         requests = Ring.create(self.cfg.request_ring_bytes)
         responses = Ring.create(self.cfg.response_ring_bytes)
-        process = WorkerProcess(self.worker_config(index, requests, responses), requests, responses,
-                                lambda p, code: self.on_exit(index, p, code))
-        self.processes[index] = process
-        self.channels[index].attach(requests, responses)
-        log.info("worker %d started (pid %d)", index, process.proc.pid)
+        fds = (requests.data_fd, requests.space_fd, responses.data_fd, responses.space_fd)
+        names = {"requests": requests.name, "responses": responses.name}
+        self.pairs[f, w] = (requests.name, responses.name)
+        self.workers[w].send({"kind": "add_link", "frontend": f, **names}, fds)
+        self.frontends[f].send({"kind": "worker_up", "worker": w, **names}, fds)
+        for ring in (requests, responses):
+            ring.close()  # both peers hold their own fds and mappings now
 
-    async def start(self, timeout: float = 300.0) -> None:
-        """Start every worker; return once all say READY (RuntimeError if one exits first)."""
-        await asyncio.gather(*(self.start_one(i, timeout) for i in range(len(self.channels))))
+    def disconnect(self, f: int, w: int) -> None:
+        for name in self.pairs.pop((f, w), ()):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except FileNotFoundError:
+                pass
 
-    async def start_one(self, index: int, timeout: float) -> None:
-        self.spawn(index)
-        ready = asyncio.ensure_future(self.channels[index].ready.wait())
-        died = asyncio.ensure_future(self.processes[index].exited.wait())
-        done, _ = await asyncio.wait({ready, died}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        ready.cancel()
-        died.cancel()
-        if not self.channels[index].ready.is_set():
-            raise RuntimeError(f"worker {index} did not become ready "
-                               f"({'it exited' if died in done else f'in {timeout} s'}); see its log above")
+    def on_frontend_message(self, f: int, child: Child) -> None:
+        try:
+            while (message := control.receive(child.control)) is not None:
+                body, fds = message
+                control.close_fds(fds)
+                if body["kind"] == "listening":
+                    self.listening.add(f)
+                elif body["kind"] == "failed" and not self.started:
+                    self.failure = f"frontend {f} could not start: {body.get('error')}"
+        except (EOFError, OSError):
+            self.loop.remove_reader(child.control.fileno())
 
-    def on_exit(self, index: int, process: WorkerProcess, code: int) -> None:
-        channel = self.channels[index]
-        was_ready = channel.ready.is_set()
-        channel.detach(requeue=not self.stopping)
+    def on_worker_exit(self, w: int, code: int) -> None:
+        was_ready = self.state.ready(w)
+        self.state.clear_worker(w)
+        for f, frontend in enumerate(self.frontends):
+            if frontend is not None:
+                frontend.send({"kind": "worker_down", "worker": w})
+            self.disconnect(f, w)
         if self.stopping:
-            log.info("worker %d exited (code %s)", index, code)
+            log.info("worker %d exited (code %s)", w, code)
             return
-        process.remove_rings()
+        if not self.started:
+            self.failure = f"worker {w} exited (code {code}) before it was ready; see its log above"
+            return
         self.restarts += 1
         metrics.WORKER_RESTARTS.inc()
-        self.early_deaths[index] = 0 if was_ready else self.early_deaths[index] + 1
-        log.error("worker %d died (code %s) with %d requests unanswered; restart #%d",
-                  index, code, len(channel.inflight), self.restarts)
-        delay = 0.0 if was_ready else min(MAX_BACKOFF_S, 0.5 * 2 ** self.early_deaths[index])
-        self.loop.call_later(delay, self.respawn, index)
+        self.early_deaths[w] = 0 if was_ready else self.early_deaths[w] + 1
+        log.error("worker %d died (code %s); restart #%d", w, code, self.restarts)
+        delay = 0.0 if was_ready else min(MAX_BACKOFF_S, 0.5 * 2 ** self.early_deaths[w])
+        self.loop.call_later(delay, self.respawn, self.spawn_worker, w)
 
-    def respawn(self, index: int) -> None:
+    def on_frontend_exit(self, f: int, child: Child, code: int) -> None:
+        self.listening.discard(f)
+        if metrics.MULTIPROCESS:
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(child.pid)
+        self.state.clear_frontend(f)
+        for w, worker in enumerate(self.workers):
+            if worker is not None:
+                worker.send({"kind": "drop_link", "frontend": f})
+            self.disconnect(f, w)
+        if self.stopping:
+            return
+        if not self.started:
+            self.failure = self.failure or f"frontend {f} exited (code {code}) before it listened"
+            return
+        log.error("frontend %d died (code %s); restarting it", f, code)
+        self.loop.call_later(FRONTEND_RESTART_S, self.respawn, self.spawn_frontend, f)
+
+    def respawn(self, spawn, index: int) -> None:
         if self.stopping:
             return
         try:
-            self.spawn(index)
+            spawn(index)
         except Exception:
-            log.exception("worker %d could not be restarted; trying again", index)
-            self.loop.call_later(5.0, self.respawn, index)
+            log.exception("could not restart a child; trying again")
+            self.loop.call_later(5.0, self.respawn, spawn, index)
 
-    async def stop(self, timeout: float = 10.0) -> None:
-        """Ask every worker to finish what it holds and exit; kill those that do not."""
-        self.stopping = True
-        await asyncio.gather(*(self.stop_one(i, timeout) for i in range(len(self.channels))))
-
-    async def stop_one(self, index: int, timeout: float) -> None:
-        process = self.processes[index]
-        if process is None:
+    def check_hangs(self) -> None:
+        """Kill a ready worker whose heartbeat is older than --worker-hang-timeout; its death
+        restarts it and its requests go again."""
+        if self.stopping:
             return
-        if process.running:
-            deadline = time.monotonic() + timeout
-            while not self.channels[index].ask_to_stop() and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            try:
-                await asyncio.wait_for(process.exited.wait(), max(0.1, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                log.warning("worker %d did not stop in %.0f s; killing it", index, timeout)
-                process.proc.kill()
-                await process.exited.wait()
-        self.channels[index].detach(requeue=False)
-        process.remove_rings()
+        now = time.monotonic_ns()
+        for w, worker in enumerate(self.workers):
+            beat = self.state.heartbeat_ns(w)
+            if worker is not None and worker.alive and self.state.ready(w) and beat:
+                stalled = (now - beat) / 1e9
+                if stalled > self.cfg.worker_hang_timeout:
+                    log.error("worker %d made no progress for %.1f s (--worker-hang-timeout %.0f s); killing it",
+                              w, stalled, self.cfg.worker_hang_timeout)
+                    worker.kill()
+        self.loop.call_later(HANG_CHECK_S, self.check_hangs)
+
+    # ---- stop ----
+
+    async def stop(self) -> None:
+        """Frontends drain and exit, then workers finish and exit; the shared memory goes."""
+        self.stopping = True
+        frontends = [c for c in self.frontends if c is not None and c.alive]
+        for child in frontends:
+            child.kill(signal.SIGTERM)
+        await self.wait_or_kill(frontends, self.cfg.shutdown_grace + STOP_TIMEOUT_S)
+        workers = [c for c in self.workers if c is not None and c.alive]
+        for child in workers:
+            child.send({"kind": "stop"})
+        await self.wait_or_kill(workers, STOP_TIMEOUT_S)
+        for f, w in list(self.pairs):
+            self.disconnect(f, w)
+        self.state.close()
+        self.state.unlink()
+        for c in self.claims:
+            c.release()
+        if self.metrics_dir:
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
+    async def wait_or_kill(self, children: list[Child], timeout: float) -> None:
+        if not children:
+            return
+        waits = [asyncio.ensure_future(c.exited.wait()) for c in children]
+        _, late = await asyncio.wait(waits, timeout=timeout)
+        for child in children:
+            if child.alive:
+                log.warning("%s did not stop in %.0f s; killing it", child.name, timeout)
+                child.kill()
+        for child in children:
+            await child.exited.wait()

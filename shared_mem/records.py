@@ -42,14 +42,15 @@ Response ring (worker -> frontend), kind RESULT:
     after any batch records the worker holds open (shared_mem/ring.py), so they are published
     when those are committed, at most one batch later.
 
-Response ring, kind BATCH_RESULT: one per batch the worker ran. The worker reserves it when it
-launches the batch, sized for what the batch will answer, and commits it when the batch is done;
-the device copies the batch's pooled rows straight into its raw area.
+Response ring, kind BATCH_RESULT: one per batch the worker ran and frontend it ran requests of
+(a batch mixes requests of every frontend; each gets its part, in its own response ring). The
+worker reserves it when it launches the batch, sized for what the part will answer, and commits
+it when the batch is done; the device copies the part's pooled rows straight into its raw area.
 
-    +--------+------+------+-----------+--------+--------+
-    | tokens | seqs | rows | n_entries | hidden | raw_at |
-    | u32    | u32  | u32  | u32       | u32    | u32    |
-    +--------+------+------+-----------+--------+--------+------------------------------------+
+    +--------+------+------+-----------+--------+--------+--------------+-----+
+    | tokens | seqs | rows | n_entries | hidden | raw_at | batch_tokens | pad |
+    | u32    | u32  | u32  | u32       | u32    | u32    | u32          | u32 |
+    +--------+------+------+-----------+--------+--------+--------------+-----+--------------+
     | entries, n_entries x 48 bytes, one per request whose answer this batch completes:        |
     |   req_id u64 | status u32 | rows u32 | dims u32 | encoding u32 | queue_us u64 |          |
     |   inference_us u64 | body_at u32 | body_len u32                                          |
@@ -58,7 +59,8 @@ the device copies the batch's pooled rows straight into its raw area.
     | answer areas (8-aligned) of the requests whose earlier rows came in earlier batches       |
     +------------------------------------------------------------------------------------------+
 
-    tokens, seqs and rows count what the batch ran (the pollen_batch_tokens metric). An entry is
+    tokens, seqs and rows count what this part ran; batch_tokens is the whole batch's tokens in
+    the batch's first part, 0 in the others (so pollen_batch_tokens counts each batch once). An entry is
     a RESULT without its body: the body is the record's bytes [body_at, body_at + body_len).
     Where it points:
     - a request wholly in this batch, float32, full size, no row plan, not native int8: its
@@ -71,8 +73,9 @@ the device copies the batch's pooled rows straight into its raw area.
     Raw rows of requests in the last two cases are not normalized on the device: the cut comes
     first, and native int8 never normalizes.
 
-Kind READY carries a utf-8 JSON object (the worker's pid and what it loaded); kind STOP (request
-ring) asks the worker to finish what it holds and exit.
+Kind READY carries a utf-8 JSON object (the worker's pid and what it loaded): the first record a
+worker writes on a frontend's response ring. (Stopping a worker is the supervisor's business, over
+the control link: common/control.py.)
 """
 from __future__ import annotations
 
@@ -81,7 +84,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-EMBED, STOP, RESULT, READY, CANCEL, BATCH_RESULT = 1, 2, 3, 4, 5, 6
+EMBED, RESULT, READY, CANCEL, BATCH_RESULT = 1, 2, 3, 4, 5
 
 FLAG_NORMALIZE = 1
 FLAG_ROWS = 2
@@ -92,7 +95,7 @@ from pollen.common.status import CANCELLED, DEADLINE_EXCEEDED, INTERNAL, OK  # n
 _REQUEST = struct.Struct("<QQQIIIIIIII")
 _RESULT = struct.Struct("<QIIIIQQ")
 _CANCEL = struct.Struct("<Q")
-_BATCH = struct.Struct("<IIIIII")
+_BATCH = struct.Struct("<IIIIIIII")
 REQUEST_HEADER = _REQUEST.size
 RESULT_HEADER = _RESULT.size
 ROW_BYTES = 20  # the five row arrays, per row
@@ -221,8 +224,9 @@ def max_batch_rows(max_record: int, hidden: int) -> int:
     return max(0, (max_record - raw_at(0)) // (4 * hidden + ENTRY.itemsize))
 
 
-def pack_batch_header(buf: memoryview, tokens: int, seqs: int, rows: int, n_entries: int, hidden: int) -> None:
-    _BATCH.pack_into(buf, 0, tokens, seqs, rows, n_entries, hidden, raw_at(n_entries))
+def pack_batch_header(buf: memoryview, tokens: int, seqs: int, rows: int, n_entries: int, hidden: int,
+                      batch_tokens: int) -> None:
+    _BATCH.pack_into(buf, 0, tokens, seqs, rows, n_entries, hidden, raw_at(n_entries), batch_tokens, 0)
 
 
 def batch_entries(buf: memoryview, n_entries: int) -> np.ndarray:
@@ -236,13 +240,14 @@ class BatchReport:
     seqs: int
     rows: int
     req_ids: np.ndarray  # u64: the requests this batch answered
+    batch_tokens: int = 0  # the whole batch's tokens in its first part; 0 in the others
 
 
 def decode_batch_result(view: memoryview) -> tuple[BatchReport, list[ResultRecord]]:
     """The batch's figures and one ResultRecord per entry, bodies copied out of the ring."""
-    tokens, seqs, rows, n, _, _ = _BATCH.unpack_from(view, 0)
+    tokens, seqs, rows, n, _, _, batch_tokens, _ = _BATCH.unpack_from(view, 0)
     entries = batch_entries(view, n)
     results = [ResultRecord(req_id, status, n_rows, dims, encoding, queue_us, inference_us,
                             bytes(view[at:at + length]))
                for req_id, status, n_rows, dims, encoding, queue_us, inference_us, at, length in entries.tolist()]
-    return BatchReport(tokens, seqs, rows, entries["req_id"].copy()), results
+    return BatchReport(tokens, seqs, rows, entries["req_id"].copy(), batch_tokens), results

@@ -47,6 +47,7 @@ import os
 import re
 import secrets
 import select
+import shutil
 import struct
 import time
 from collections import deque
@@ -346,6 +347,22 @@ class Ring:
         # Does not fit before the end: a wrap marker, and the record at offset 0.
         return (0, tail + room + size, True) if room + size <= free else None
 
+    @property
+    def write_pos(self) -> int:
+        """Producer: the byte counter up to which records are published."""
+        return self._wpos
+
+    @property
+    def read_pos(self) -> int:
+        """The byte counter up to which the consumer has released records (read from the segment)."""
+        return int(self._u64[_I_READ_POS])
+
+    def drop_published(self) -> None:
+        """Producer, when the consumer is dead: free every published record unread, as the
+        consumer would have, so that reservations find room again. Only for a ring whose consumer
+        will never read again (its frontend died)."""
+        self._u64[_I_READ_POS] = self._wpos
+
     def set_producer_sleeping(self, sleeping: bool) -> None:
         """Mark an event-loop producer as waiting for space (True) or not (False).
 
@@ -501,7 +518,8 @@ def _signal(fd: int) -> None:
 
 
 def cleanup_stale_segments(prefix: str = "pollen") -> list[str]:
-    """Remove ``/dev/shm/{prefix}-{pid}-*`` segments whose creator pid is gone; return their names.
+    """Remove ``/dev/shm/{prefix}-{pid}-*`` segments (and metrics folders) whose creator pid is
+    gone; return their names.
 
     A reused pid keeps its stale segment until that process dies too; that is only a leak.
     """
@@ -518,8 +536,12 @@ def cleanup_stale_segments(prefix: str = "pollen") -> list[str]:
             pass
         except PermissionError:
             continue  # alive, another user's
+        path = os.path.join(SHM_DIR, name)
         try:
-            os.unlink(os.path.join(SHM_DIR, name))
+            if os.path.isdir(path):  # a metrics folder (server/metrics.py)
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
             removed.append(name)
         except FileNotFoundError:
             pass

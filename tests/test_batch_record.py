@@ -227,7 +227,8 @@ class FailingEngine:
         self.batches += 1
         if any(int(i) == self.poison for i in batch.ids):
             raise RuntimeError("poisoned batch")
-        out[:] = 1.0
+        for part in out:  # one array per frontend the batch holds requests of
+            part[:] = 1.0
 
         class Done:
             def done(self):
@@ -241,18 +242,30 @@ class FailingEngine:
 
 @pytest.fixture
 def worker():
-    """A Worker without a model or a frontend: real response ring, stand-in engine."""
-    from pollen.worker.main import Worker
+    """A Worker without a model, a supervisor or a frontend: one real response ring, stand-in engine."""
+    from pollen.common import control
+    from pollen.shared_mem.server_state import ServerState
+    from pollen.worker.links import Link
+    from pollen.worker.loop import Worker
 
     w = object.__new__(Worker)
-    w.responses = Ring.create(64 << 10, prefix="pollentest")
+    link = object.__new__(Link)
+    link.frontend, link.gone = 0, False
+    link.responses = Ring.create(64 << 10, prefix="pollentest")
+    w.links = {0: link}
     w.hidden, w.native_int8 = HIDDEN, False
-    w.open = deque()
-    w.progresses = {}
+    w.open, w.progresses, w.batches = deque(), {}, 0
+    w.state = ServerState.create(1, 1, prefix="pollentest")
+    w.control, peer = control.pair()
+    w.control_queue = deque()
     w.cfg = type("Cfg", (), {"index": 0, "parent_pid": os.getppid()})()
     yield w
-    w.responses.close()
-    w.responses.unlink()
+    link.responses.close()
+    link.responses.unlink()
+    w.state.close()
+    w.state.unlink()
+    peer.close()
+    w.control.close()
 
 
 def read_all(ring: Ring) -> list:
@@ -277,7 +290,7 @@ def test_worker_fails_a_batch_alone_and_answers_requests_it_cuts(worker):
     worker.answer(worker.open.popleft())
     worker.submit([(spread, 2, 3)])
     worker.answer(worker.open.popleft())
-    got = read_all(worker.responses)
+    got = read_all(worker.links[0].responses)
     kinds = [k for k, _ in got]
     assert kinds == [records.BATCH_RESULT, records.BATCH_RESULT, records.RESULT, records.BATCH_RESULT]
     assert [(r.req_id, r.status) for r in got[0][1][1]] == [(2, records.OK)]
@@ -291,24 +304,24 @@ def test_worker_commits_its_open_record_when_the_ring_cannot_hold_two(worker):
     """Two open batch records do not fit this ring: the worker finishes the first batch before
     it holds the second one's record, instead of waiting on itself."""
     worker.engine = FailingEngine(poison=-1)
-    rows = (worker.responses.max_record - records.raw_at(1)) // (4 * HIDDEN)  # over half the ring, with the error
+    rows = (worker.links[0].responses.max_record - records.raw_at(1)) // (4 * HIDDEN)  # over half the ring, with the error
     first, second = make_job(1, [1] * rows), make_job(2, [1] * rows)
     worker.submit([(first, 0, rows)])
     assert len(worker.open) == 1
     worker.write_error(make_job(3, [1]), "cancelled " * 20, records.CANCELLED)  # goes after the open record
-    assert read_all(worker.responses) == []
+    assert read_all(worker.links[0].responses) == []
     got = []
 
     def frontend():
-        assert worker.responses.wait_readable(timeout=10)
-        got.extend(read_all(worker.responses))
+        assert worker.links[0].responses.wait_readable(timeout=10)
+        got.extend(read_all(worker.links[0].responses))
 
     reader = threading.Thread(target=frontend)
     reader.start()
     worker.submit([(second, 0, rows)])  # room only once the first record is committed and read
     reader.join(10)
-    assert [b.plan.spans[0][0] for b in worker.open] == [second]
+    assert [b.parts[0].plan.spans[0][0] for b in worker.open] == [second]
     assert [k for k, _ in got] == [records.BATCH_RESULT, records.RESULT]
     worker.answer(worker.open.popleft())
-    ((kind, (report, results)),) = read_all(worker.responses)
+    ((kind, (report, results)),) = read_all(worker.links[0].responses)
     assert report.rows == rows and results[0].req_id == 2

@@ -1,24 +1,21 @@
-"""Deadlines, cancellation and priority through a real server run in this process, so the test
-reads the metrics and the workers' batch reports directly.
+"""Deadlines, cancellation and priority through a real server, read through its /metrics.
 
 A long bulk backlog keeps the worker busy; requests queued behind it either expire (timeout_ms,
 gRPC deadline) or are cancelled by their client, and must never reach a forward: the sequences
-the worker reports having run are exactly the backlog's and the answered requests'. Each drop is
-counted once in pollen_dropped.
+and tokens the workers ran (pollen_sequences_total, pollen_batch_tokens_sum) are exactly the
+backlog's and the answered requests'. Each drop is counted once in pollen_dropped.
 """
 from __future__ import annotations
 
 import asyncio
+import http.client
 
 import grpc
-import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
-from pollen.server import metrics
-from pollen.server.app import serve
-from pollen.server.config import ServeConfig
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
-from tests.conftest import free_port
+from tests.conftest import ServerProcess
 
 BACKLOG_REQUESTS, BACKLOG_TEXTS = 6, 16
 
@@ -27,44 +24,31 @@ def ids(n: int, first: int) -> pb.TokenIds:
     return pb.TokenIds(ids=[101] + [first + i % 500 for i in range(n - 2)] + [102])
 
 
-def dropped(reason: str) -> float:
-    return metrics.REGISTRY.get_sample_value("pollen_dropped_total", {"reason": reason}) or 0.0
+def scrape(server: ServerProcess) -> dict:
+    """/metrics as {(name, sorted labels): value}."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=10)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
-def sample(name: str) -> float:
-    return metrics.REGISTRY.get_sample_value(name) or 0.0
+def sample(metrics: dict, name: str, **labels) -> float:
+    return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def run_server(cfg: ServeConfig, scenario_fn):
-    """Serve `cfg` in this process while `scenario_fn(pool, reports)` runs; return its result."""
-    reports: list = []
-
-    async def main():
-        stop = asyncio.Event()
-        ready = asyncio.get_running_loop().create_future()
-
-        def serving(pool):
-            pool.set_batch_listener(lambda index, report: reports.append(report))
-            ready.set_result(pool)
-
-        server = asyncio.ensure_future(serve(cfg, stop, serving))
-        pool = await asyncio.wait_for(asyncio.shield(ready), 120)
-        try:
-            return await scenario_fn(pool, reports)
-        finally:
-            stop.set()
-            await server
-
-    return asyncio.run(main()), reports
+async def scrape_async(server: ServerProcess) -> dict:
+    return await asyncio.get_running_loop().run_in_executor(None, scrape, server)
 
 
-async def scenario(listen: str, reports: list) -> dict:
-    async with grpc.aio.insecure_channel(listen) as channel:
+async def scenario(server: ServerProcess) -> dict:
+    async with grpc.aio.insecure_channel(server.listen) as channel:
         stub = pb_grpc.EmbedderStub(channel)
         bulk = [asyncio.ensure_future(stub.Embed(pb.EmbedRequest(
             token_ids=[ids(256, 1000 + r) for _ in range(BACKLOG_TEXTS)], priority=pb.PRIORITY_BULK), timeout=300))
             for r in range(BACKLOG_REQUESTS)]
-        while not reports:  # the worker has started on the backlog
+        while not sample(await scrape_async(server), "pollen_sequences_total"):  # the backlog has begun
             await asyncio.sleep(0.01)
 
         # Behind the backlog: expiring by timeout_ms (unary and stream), by gRPC deadline, and
@@ -109,12 +93,12 @@ async def _collect(call) -> dict:
 
 
 def test_expired_and_cancelled_requests_never_reach_the_model():
-    cfg = ServeConfig(listen=f"127.0.0.1:{free_port()}", max_batch_tokens=2048, max_texts_per_request=64)
-    before = {r: dropped(r) for r in ("deadline", "cancelled")}
-    answered_before = sample("pollen_queue_seconds_count")
-    batches_before = sample("pollen_batch_tokens_count")
-
-    got, reports = run_server(cfg, lambda pool, reports: scenario(cfg.listen, reports))
+    server = ServerProcess("--max-batch-tokens", "2048", "--max-texts-per-request", "64").start()
+    try:
+        got = asyncio.run(scenario(server))
+        metrics = scrape(server)
+    finally:
+        server.terminate()
     assert got["outcomes"] == {"expiring": ["DEADLINE_EXCEEDED"] * 4, "deadlined": ["DEADLINE_EXCEEDED"] * 3,
                                "cancelled": ["CANCELLED"] * 5}
     stream = got["stream"]
@@ -125,48 +109,41 @@ def test_expired_and_cancelled_requests_never_reach_the_model():
     assert all(b.rows == BACKLOG_TEXTS for b in got["backlog"])
 
     # Exactly the backlog's sequences and the two interactive texts reached a forward.
-    assert sum(r.seqs for r in reports) == BACKLOG_REQUESTS * BACKLOG_TEXTS + 2
-    assert sum(r.tokens for r in reports) == (BACKLOG_REQUESTS * BACKLOG_TEXTS * 256
-                                              + got["interactive"].usage.prompt_tokens
-                                              + stream["fine"].usage.prompt_tokens)
+    assert sample(metrics, "pollen_sequences_total") == BACKLOG_REQUESTS * BACKLOG_TEXTS + 2
+    assert sample(metrics, "pollen_batch_tokens_sum") == (BACKLOG_REQUESTS * BACKLOG_TEXTS * 256
+                                                          + got["interactive"].usage.prompt_tokens
+                                                          + stream["fine"].usage.prompt_tokens)
     # Each drop counted once: 4 + 3 stream-or-unary timeouts, 3 gRPC deadlines, 5 cancels.
-    assert dropped("deadline") - before["deadline"] == 4 + 3 + 3
-    assert dropped("cancelled") - before["cancelled"] == 5
+    assert sample(metrics, "pollen_dropped_total", reason="deadline") == 4 + 3 + 3
+    assert sample(metrics, "pollen_dropped_total", reason="cancelled") == 5
     # Interactive work overtook the bulk backlog.
     assert got["bulk_done_early"] < BACKLOG_REQUESTS
-    assert np.all([r.tokens <= 2048 for r in reports])
-    # Every answered request observed its queue and inference times, every batch its tokens.
-    assert sample("pollen_queue_seconds_count") - answered_before == BACKLOG_REQUESTS + 2
-    assert sample("pollen_inference_seconds_count") >= sample("pollen_queue_seconds_count")
-    assert sample("pollen_batch_tokens_count") - batches_before == len(reports)
-    assert sample("pollen_queued_tokens") == 0
+    batches = sample(metrics, "pollen_batch_tokens_count")
+    assert batches and sample(metrics, "pollen_batch_tokens_bucket", le="2048.0") == batches  # all <= 2048
+    # Every answered request observed its queue and inference times.
+    assert sample(metrics, "pollen_queue_seconds_count") == BACKLOG_REQUESTS + 2
+    assert sample(metrics, "pollen_inference_seconds_count") == sample(metrics, "pollen_queue_seconds_count")
+    assert sample(metrics, "pollen_queued_tokens") == 0
 
 
 def test_requests_expire_in_the_frontend_backlog_when_the_ring_is_full():
     # A small request ring: while the worker runs one long batch, most requests wait in the
     # frontend's backlog, where their deadline passes.
-    cfg = ServeConfig(listen=f"127.0.0.1:{free_port()}", max_batch_tokens=8192, max_texts_per_request=8,
-                      request_ring_bytes=64 << 10)
-    before = dropped("deadline")
+    server = ServerProcess("--max-batch-tokens", "8192", "--max-texts-per-request", "8",
+                           "--request-ring-bytes", str(64 << 10)).start()
     seen_backlog = []
 
-    async def scenario_fn(pool, reports):
-        handle = pool.channels[0]
-
-        def backlogged() -> int:
-            return sum(len(lane) for lane in handle.backlog)
-
-        async with grpc.aio.insecure_channel(cfg.listen) as channel:
+    async def scenario_fn():
+        async with grpc.aio.insecure_channel(server.listen) as channel:
             stub = pb_grpc.EmbedderStub(channel)
             first = [asyncio.ensure_future(stub.Embed(pb.EmbedRequest(token_ids=[ids(256, 1000 + i)] * 8)))
                      for i in range(4)]  # 8192 tokens: long batches ahead of everything else
-            while len(handle.inflight) < 4 or backlogged():
+            while sample(await scrape_async(server), "pollen_queued_tokens") < 4 * 8 * 256:
                 await asyncio.sleep(0.001)
             late = [asyncio.ensure_future(stub.Embed(pb.EmbedRequest(token_ids=[ids(256, 2000 + i)] * 8,
                                                                      timeout_ms=50))) for i in range(40)]
             while not all(call.done() for call in late):
-                seen_backlog.append(backlogged())
-                await asyncio.sleep(0.001)
+                seen_backlog.append(sample(await scrape_async(server), "pollen_backlog_requests"))
             codes = []
             for call in late:
                 try:
@@ -177,8 +154,12 @@ def test_requests_expire_in_the_frontend_backlog_when_the_ring_is_full():
             await asyncio.gather(*first)
             return codes
 
-    codes, reports = run_server(cfg, scenario_fn)
+    try:
+        codes = asyncio.run(scenario_fn())
+        metrics = scrape(server)
+    finally:
+        server.terminate()
     assert max(seen_backlog) > 20  # most waited in the frontend's backlog: the ring was full
     assert codes == ["DEADLINE_EXCEEDED"] * 40
-    assert sum(r.seqs for r in reports) == 32  # only the first four requests reached the model
-    assert dropped("deadline") - before == 40
+    assert sample(metrics, "pollen_sequences_total") == 32  # only the first four requests reached the model
+    assert sample(metrics, "pollen_dropped_total", reason="deadline") == 40

@@ -8,9 +8,8 @@ import os
 import pytest
 
 from pollen.common.worker_config import WorkerConfig
-from pollen.server.config import ServeConfig
+from pollen.server.config import ServeConfig, visible_device
 from pollen.server.supervisor import core_share
-from pollen.worker.main import visible_device
 
 
 def test_devices_give_one_worker_each():
@@ -54,7 +53,7 @@ def test_cores_are_cut_into_even_slices():
 
 def test_worker_config_round_trips_the_gpu_settings():
     cfg = WorkerConfig(index=1, model="/m", device="cuda", threads=2, max_batch_tokens=4096, parent_pid=1,
-                       request_ring="/r", request_fds=(3, 4), response_ring="/s", response_fds=(5, 6), gpu=3,
+                       control_fd=7, state="pollen-1-ab", response_ring_bytes=1 << 20, gpu=3, cuda_device="6",
                        cpu_cores=[4, 5], dtype="bfloat16", cuda_graphs=False, graph_max_tokens=2048,
                        pooling="mean", attention="bidirectional")
     assert WorkerConfig(**json.loads(cfg.to_json())) == cfg

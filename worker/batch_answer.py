@@ -59,12 +59,14 @@ def answered_by_raw_rows(job: Job, whole: bool, hidden: int) -> bool:
 
 class BatchAnswer:
     def __init__(self, spans: list[tuple[Job, int, int]], hidden: int, progresses: Progresses,
-                 native_int8: bool = False):
+                 native_int8: bool = False, batch_tokens: int | None = None):
         self.spans = spans
         self.hidden = hidden
         self.progresses = progresses
         self.native_int8 = native_int8
         self.tokens = sum(job.tokens(a, b) for job, a, b in spans)
+        # The whole batch's tokens when this is its first part (or the whole of it); 0 otherwise.
+        self.batch_tokens = self.tokens if batch_tokens is None else batch_tokens
         self.seqs = sum(b - a for _, a, b in spans)
         self.first_row: list[int] = []           # per span: its first row in the raw area
         self.entry_of: list[Entry | None] = []   # per span: its entry, if this batch completes it
@@ -106,7 +108,8 @@ class BatchAnswer:
         """Write header, entries and CPU-made answers into the held record once the batch is done
         (its raw rows in place) or failed (`error`). Returns the requests that fail with this
         batch but that a later batch completes: they need an answer of their own."""
-        records.pack_batch_header(record, self.tokens, self.seqs, self.rows, len(self.entries), self.hidden)
+        records.pack_batch_header(record, self.tokens, self.seqs, self.rows, len(self.entries), self.hidden,
+                                  self.batch_tokens)
         table = records.batch_entries(record, len(self.entries))
         raw = self.raw_rows(record)
         message = None  # written into the error room the first time an entry needs it

@@ -39,10 +39,11 @@ class Job:
     rec: RequestRecord
     offsets: np.ndarray      # start of each sequence in rec.ids, plus the end: [n_seqs + 1]
     row_offsets: np.ndarray  # first row of each sequence, plus the end: [n_seqs + 1]
+    source: int = 0          # the frontend it came from (the link its answer goes back on)
     next_seq: int = 0        # first sequence not yet handed to a batch
 
     @classmethod
-    def of(cls, rec: RequestRecord) -> "Job":
+    def of(cls, rec: RequestRecord, source: int = 0) -> "Job":
         n = len(rec.lengths)
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(rec.lengths, out=offsets[1:])
@@ -50,7 +51,7 @@ class Job:
             row_offsets = np.arange(n + 1, dtype=np.int64)
         else:
             row_offsets = np.searchsorted(rec.rows.seq, np.arange(n + 1), side="left").astype(np.int64)
-        return cls(rec, offsets, row_offsets)
+        return cls(rec, offsets, row_offsets, source)
 
     @property
     def n_seqs(self) -> int:
@@ -98,21 +99,28 @@ class Batcher:
     def __bool__(self) -> bool:
         return bool(self.lanes[0] or self.lanes[1])
 
-    def _remove(self, lane: deque, job: Job) -> None:
+    def _remove(self, lane: deque, job: Job, batched: int = 0) -> None:
         lane.remove(job)
-        self.queued_tokens -= job.tokens(0, job.n_seqs)
+        self.queued_tokens -= job.tokens(batched, job.n_seqs)
         self.with_deadline -= job.rec.deadline_ns != 0
 
-    def cancel(self, req_id: int) -> Job | None:
+    def cancel(self, req_id: int, source: int = 0) -> Job | None:
         """Take out a request that has not reached the model; None if it has (or is unknown)."""
         for lane in self.lanes:
             for job in lane:
-                if job.rec.req_id == req_id:
+                if job.rec.req_id == req_id and job.source == source:
                     if job.next_seq:
                         return None
                     self._remove(lane, job)
                     return job
         return None
+
+    def drop_source(self, source: int) -> list[Job]:
+        """Take out every request of a frontend that is gone, batched in part or not."""
+        gone = [(lane, job) for lane in self.lanes for job in lane if job.source == source]
+        for lane, job in gone:
+            self._remove(lane, job, job.next_seq)
+        return [job for _, job in gone]
 
     def expire(self, now_ns: int) -> list[Job]:
         """Take out the requests whose deadline passed before any of their sequences was batched."""

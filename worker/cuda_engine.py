@@ -57,9 +57,10 @@ class Pending:
     def done(self) -> bool:
         return self.lazy.ready()
 
-    def result(self) -> np.ndarray:
-        """Wait for the D2H copy; the rows it wrote (the caller's `out`, or the engine's own)."""
-        return self.lazy.wait().numpy()
+    def result(self):
+        """Wait for the D2H copies; the rows they wrote (the caller's `out`, or the engine's own)."""
+        value = self.lazy.wait()
+        return value.numpy() if isinstance(value, torch.Tensor) else value
 
 
 class CudaEngine:
@@ -193,13 +194,16 @@ class CudaEngine:
             graph, rows = self.graph_for(shape)
             graph.replay()
         if out is None:  # tests and tools: a pinned buffer of the caching host allocator
-            host = torch.empty(batch.rows, self.hidden, dtype=torch.float32, pin_memory=True)
-        else:  # the response ring, registered: the DMA lands in the answer record itself
-            host = torch.from_numpy(out)
-        host.copy_(rows[:batch.rows], non_blocking=True)
+            result = torch.empty(batch.rows, self.hidden, dtype=torch.float32, pin_memory=True)
+            result.copy_(rows[:batch.rows], non_blocking=True)
+        else:  # the response rings, registered: each part's DMA lands in its answer record itself
+            result, at = out, 0
+            for part in out if isinstance(out, list) else [out]:
+                torch.from_numpy(part).copy_(rows[at:at + len(part)], non_blocking=True)
+                at += len(part)
         done = self.done[slot]  # reusable: this slot's previous result was read before we got here
         done.record(self.stream)
-        return Pending(LazyTensor(host, done))
+        return Pending(LazyTensor(result, done))
 
     def register_host_memory(self, address: int, nbytes: int) -> None:
         """Page-lock memory we did not allocate (the response ring's mapping), so that copies into
@@ -210,6 +214,13 @@ class CudaEngine:
         if err != 0:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at {address:#x} failed with cudaError {err}")
         self.registered.append(address)
+
+    def unregister_host_memory(self, address: int) -> None:
+        """Undo register_host_memory (before the memory is unmapped), once copies into it are done."""
+        if address in self.registered:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.cudart().cudaHostUnregister(address)
+            self.registered.remove(address)
 
     def close(self) -> None:
         """Wait for copies in flight, then unregister the host memory (before it is unmapped)."""

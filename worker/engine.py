@@ -2,15 +2,18 @@
 
 The worker loop only knows this interface:
 
-    engine.register_host_memory(address, nbytes)   # once: the response ring's segment
-    pending = engine.submit(batch, out=rows_view, normalize=flags)  # starts the work; may return
-                                                                    # before it is done
+    engine.register_host_memory(address, nbytes)   # each response ring's segment, once
+    pending = engine.submit(batch, out=[rows_view, ...], normalize=flags)  # starts the work; may
+                                                                    # return before it is done
+    pending.done()                   # True once out holds the rows (never blocks)
     pending.result()                 # waits until out holds the rows; returns out
+    engine.unregister_host_memory(address)         # before a response ring goes
     engine.close()
 
-`out` is a float32 [batch.rows, hidden] numpy array, for the worker a view of the batch's record
-in the response ring (shared_mem/records.py, BATCH_RESULT), so the rows never pass through
-another buffer. `normalize` holds one int per row: non-zero rows are L2-normalized on the
+`out` is a float32 [batch.rows, hidden] numpy array, or a list of them whose rows add up to the
+batch's, filled in order: for the worker, views of the batch's records in the response rings of
+the frontends it holds requests of (shared_mem/records.py, BATCH_RESULT), so the rows never pass
+through another buffer. `normalize` holds one int per row: non-zero rows are L2-normalized on the
 engine's device right after pooling. Without `out` the engine returns rows of its own (tests,
 benchmarks). The loop can submit batch N+1 before it waits on batch N (on CUDA that hides the
 CPU's preparation under the GPU's work; on the CPU, submit simply computes). `make_engine` picks
@@ -59,11 +62,17 @@ class EagerEngine:
                 rows = normalize_rows(rows, t(np.asarray(normalize, dtype=np.int32)))
             if out is None:
                 return Done(rows.numpy())
-            t(out).copy_(rows)
+            at = 0
+            for part in out if isinstance(out, list) else [out]:
+                t(part).copy_(rows[at:at + len(part)])
+                at += len(part)
         return Done(out)
 
     def register_host_memory(self, address: int, nbytes: int) -> None:
         """Nothing to do: the CPU writes any memory directly."""
+
+    def unregister_host_memory(self, address: int) -> None:
+        """Nothing to do (see register_host_memory)."""
 
     def close(self) -> None:
         pass

@@ -1,62 +1,19 @@
-"""The worker process: drain the request ring, batch by tokens, run the model, answer.
+"""A worker process: `python -m pollen.worker '<WorkerConfig as JSON>'`, started by the supervisor.
 
-Started by the frontend as `python -m pollen.worker '<WorkerConfig as JSON>'` with the rings'
-eventfds passed down (pass_fds). One worker per device; it names itself in its process title,
-dies with its parent, and says READY on the response ring once the model is loaded.
-
-Each batch is answered by one BATCH_RESULT record (shared_mem/records.py) whose space is held in
-the response ring when the batch is launched: the engine writes the pooled rows straight into
-it, and the worker commits it once the batch is done. Batch N+1 is launched before N is awaited,
-so two records can be open at once; they are committed in launch order. The worker never waits
-for ring space while it holds a record open (the frontend cannot read past it): when only a
-commit could make room, it finishes its open batches first (`Worker.room`).
+One worker per device. It sees and allocates on its one GPU (CUDA_VISIBLE_DEVICES narrowed before
+torch starts), runs on its share of the cores, names itself in its process title, dies with its
+parent, loads the model and pays its first-call costs, then runs the loop (worker/loop.py) over
+the links its frontends get (the control link brings them).
 """
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import json
 import os
 import signal
 import sys
-import time
-from collections import deque
 
-from pollen.common import status
 from pollen.common.worker_config import WorkerConfig
-from pollen.shared_mem import records
-from pollen.shared_mem.ring import CommitFirst, Reservation, Ring
-from pollen.worker.batch_answer import BatchAnswer, Progresses
-from pollen.worker.batcher import Batcher, Job
-from pollen.worker.packed import pack
-
-
-@dataclasses.dataclass(slots=True)
-class InFlight:
-    """A submitted batch: its answer plan, the record held for it, the engine's pending handle
-    (or the error submit raised)."""
-
-    plan: BatchAnswer
-    record: Reservation
-    pending: object
-    error: Exception | None
-    start_ns: int
-
-    @property
-    def done(self) -> bool:
-        """True when the result is there already (the CPU engine computes in submit)."""
-        return self.error is not None or self.pending.done()
-
-
-def visible_device(gpu: int, inherited: str | None) -> str:
-    """CUDA_VISIBLE_DEVICES for the worker of GPU `gpu`, an index as the frontend saw GPUs: the
-    gpu-th entry of the frontend's own CUDA_VISIBLE_DEVICES when it had one, else `gpu` itself."""
-    if not inherited:
-        return str(gpu)
-    entries = [v.strip() for v in inherited.split(",") if v.strip()]
-    if gpu >= len(entries):
-        raise ValueError(f"GPU {gpu} is not among CUDA_VISIBLE_DEVICES={inherited!r}")
-    return entries[gpu]
 
 
 def die_with_parent() -> None:
@@ -68,165 +25,22 @@ def die_with_parent() -> None:
         pass  # not Linux: the parent-pid check in the loop still ends us
 
 
-class Worker:
-    def __init__(self, cfg: WorkerConfig):
-        import torch
+def load(cfg: WorkerConfig):
+    """The model on this worker's device and the engine that runs it, warmed up; (engine, spec)."""
+    import torch
 
-        from pollen.worker.engine import make_engine
-        from pollen.worker.models.loader import load_model
+    from pollen.worker.engine import make_engine
+    from pollen.worker.models.loader import load_model
 
-        self.cfg = cfg
-        torch.set_num_threads(cfg.threads)
-        # cuda: main() narrowed CUDA_VISIBLE_DEVICES to our one GPU, so it is always cuda:0 here.
-        device = "cuda:0" if cfg.device == "cuda" else "cpu"
-        self.model = load_model(cfg.model, device=device, dtype=getattr(torch, cfg.dtype),
-                                pooling=cfg.pooling, attention=cfg.attention)
-        self.hidden = self.model.spec.hidden_size
-        self.engine = make_engine(self.model, device, max_batch_tokens=cfg.max_batch_tokens,
-                                  cuda_graphs=cfg.cuda_graphs, graph_max_tokens=cfg.graph_max_tokens or None)
-        self.engine.warm_up()  # pay first-call costs before READY, not on a client
-        # An idle worker sleeps in long slices: the frontend re-signals a lost wake-up every
-        # few ms while it has requests out (server/workers.py, tick), so a laptop stays quiet.
-        self.requests = Ring.attach(cfg.request_ring, *cfg.request_fds, wait_slice=0.5)
-        self.responses = Ring.attach(cfg.response_ring, *cfg.response_fds)
-        # The device copies each batch's rows straight into the response ring's memory.
-        self.engine.register_host_memory(*self.responses.mapped_memory())
-        # Rows per batch are capped so that a batch's record always fits the ring. Sizing the ring
-        # for the token budget instead would mean 2 x max_batch_tokens x hidden x 4 bytes (pinned,
-        # on a GPU) for batches of one-token texts that real traffic never sends.
-        max_rows = records.max_batch_rows(self.responses.max_record, self.hidden)
-        self.batcher = Batcher(cfg.max_batch_tokens, cfg.bulk_batch_tokens, max_rows)
-        self.native_int8 = self.model.spec.native_int8
-        self.progresses: Progresses = {}  # requests spread over batches, between their first and last
-        self.open: deque[InFlight] = deque()  # submitted, record not yet committed; oldest first
-        self.stopping = False
-
-    def run(self) -> None:
-        ready = {"pid": os.getpid(), "index": self.cfg.index, "device": self.cfg.device, "gpu": self.cfg.gpu,
-                 "dtype": self.cfg.dtype,
-                 "threads": self.cfg.threads, "model": self.model.spec.name}
-        self.responses.write(records.READY, json.dumps(ready).encode())
-        while True:
-            self.drain_requests()
-            self.drop_expired()
-            # Submit batch N+1 before waiting on batch N: its packing and launch overlap N's work.
-            newest = self.submit(self.batcher.next_batch()) if self.batcher else None
-            while self.open and self.open[0] is not newest:
-                self.answer(self.open.popleft())
-            if self.open and self.open[0].done:
-                # A synchronous engine (the CPU) has finished already: answer now rather than
-                # after the next batch, which would add a whole batch to this one's latency.
-                self.answer(self.open.popleft())
-            if self.open or self.batcher:
-                continue
-            if self.stopping:
-                return
-            if self.spin_for_requests():
-                continue
-            self.requests.wait_readable(timeout=1.0)
-            if os.getppid() != self.cfg.parent_pid:
-                return  # the frontend is gone; nobody will read our answers
-
-    def spin_for_requests(self) -> bool:
-        """Poll the request ring for cfg.spin_us; True as soon as something arrived. A sleeping worker
-        costs each query an eventfd write and a scheduler wake-up; a spinning one sees the request
-        the moment it is committed (the frontend does not even write the eventfd then)."""
-        if self.cfg.spin_us <= 0:
-            return False
-        deadline = time.monotonic_ns() + self.cfg.spin_us * 1000
-        has_data, now = self.requests.has_data, time.monotonic_ns
-        while now() < deadline:
-            if has_data():
-                return True
-        return False
-
-    def drain_requests(self) -> None:
-        while (item := self.requests.read()) is not None:
-            kind, view = item
-            if kind == records.EMBED:
-                self.batcher.add(Job.of(records.decode_request(view)))
-            elif kind == records.CANCEL:
-                job = self.batcher.cancel(records.decode_cancel(view))
-                if job is not None:
-                    self.write_error(job, status.CANCELLED_BEFORE_MODEL,
-                                     records.CANCELLED)
-            elif kind == records.STOP:
-                self.stopping = True
-            del view  # the ring may reuse these bytes after release()
-        self.requests.release()
-
-    def drop_expired(self) -> None:
-        """Answer DEADLINE_EXCEEDED for requests whose deadline passed before they were batched."""
-        dropped = self.batcher.expire(time.monotonic_ns())
-        for job in dropped:
-            self.write_error(job, status.DEADLINE_PASSED,
-                             records.DEADLINE_EXCEEDED)
-        if dropped:
-            self.responses.notify_consumer()
-
-    def submit(self, spans: list[tuple[Job, int, int]]) -> InFlight:
-        start_ns = time.monotonic_ns()
-        plan = BatchAnswer(spans, self.hidden, self.progresses, self.native_int8)
-        if plan.nbytes > self.responses.max_record:
-            raise RuntimeError(f"a batch of {plan.rows} rows needs a {plan.nbytes}-byte record, over the response "
-                               f"ring's {self.responses.max_record}; the batcher's row cap should prevent it. "
-                               "This is a bug.")
-        record = self.room(lambda: self.responses.reserve(plan.nbytes, timeout=1.0))
-        sequences = [job.rec.ids[job.offsets[i]:job.offsets[i + 1]] for job, a, b in spans for i in range(a, b)]
-        # Rows differ from sequences only for contextual chunks and CHUNK_MEAN windows.
-        plain = all(job.rec.rows is None for job, _, _ in spans)
-        row_spans = None if plain else [job.row_spans(i) for job, a, b in spans for i in range(a, b)]
-        try:
-            pending, error = self.engine.submit(pack(sequences, row_spans), out=plan.raw_rows(record.view),
-                                                normalize=plan.normalize), None
-        except Exception as exc:  # a failed batch fails its requests, not the worker
-            pending, error = None, exc
-        batch = InFlight(plan, record, pending, error, start_ns)
-        self.open.append(batch)
-        return batch
-
-    def answer(self, batch: InFlight) -> None:
-        """Wait for a batch (taken off self.open by the caller), fill in and commit its record."""
-        error = batch.error
-        if error is None:
-            try:
-                batch.pending.result()  # the rows are in the record now
-            except Exception as exc:
-                error = exc
-        if error is not None:
-            print(f"pollen-worker[{self.cfg.index}]: batch failed: {error!r}", file=sys.stderr, flush=True)
-        unanswered = batch.plan.fill(batch.record.view, error, batch.start_ns, time.monotonic_ns())
-        self.responses.commit(batch.record, records.BATCH_RESULT, notify=False)
-        for job in unanswered:  # their last rows were due in a later batch
-            self.write_error(job, f"model failed on this batch: {error}")
-        # One wake-up per batch at most, and none if the frontend is busy reading.
-        self.responses.notify_consumer()
-
-    def write_error(self, job: Job, message: str, status: int = records.INTERNAL) -> None:
-        head = records.result_header(job.rec.req_id, status, 0, 0, job.rec.encoding, 0, 0)
-        self.room(lambda: self.responses.write(records.RESULT, head, message.encode()[:4096], timeout=1.0,
-                                               notify=False))
-
-    def room(self, take):
-        """take() space in the response ring, waiting for the frontend to read if it is full.
-
-        When only our own open batch records stand in the way (CommitFirst: the frontend cannot
-        read past them), finish those batches and commit their records first. That gives up
-        overlapping the next batch with them, but only while the ring is that full.
-        """
-        while True:
-            try:
-                return take()
-            except CommitFirst:
-                if not self.open:
-                    raise
-                self.answer(self.open.popleft())
-            except TimeoutError:
-                if os.getppid() != self.cfg.parent_pid:
-                    raise SystemExit(0) from None
-
-    def close(self) -> None:
-        self.engine.close()
+    torch.set_num_threads(cfg.threads)
+    # cuda: main() narrowed CUDA_VISIBLE_DEVICES to our one GPU, so it is always cuda:0 here.
+    device = "cuda:0" if cfg.device == "cuda" else "cpu"
+    model = load_model(cfg.model, device=device, dtype=getattr(torch, cfg.dtype), pooling=cfg.pooling,
+                       attention=cfg.attention)
+    engine = make_engine(model, device, max_batch_tokens=cfg.max_batch_tokens, cuda_graphs=cfg.cuda_graphs,
+                         graph_max_tokens=cfg.graph_max_tokens or None)
+    engine.warm_up()  # pay first-call costs before READY, not on a client
+    return engine, model.spec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,10 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     if cfg.gpu >= 0:
         # Before torch initializes CUDA: this process sees, allocates on and names one GPU.
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible_device(cfg.gpu, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        os.environ["CUDA_VISIBLE_DEVICES"] = cfg.cuda_device
     if cfg.cpu_cores:
         os.sched_setaffinity(0, cfg.cpu_cores)  # our share of the cores, next to our GPU's feeders
-    # SIGTERM/SIGINT go to the frontend, which stops us with a STOP record after its work is done.
+    # SIGTERM/SIGINT go to the supervisor, which stops us over the control link once the
+    # frontends have finished their calls.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
@@ -252,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         setproctitle.setproctitle(f"pollen-worker[{cfg.index}] {where} {os.path.basename(cfg.model)}")
     except ImportError:
         pass
-    worker = Worker(cfg)
+    from pollen.worker.loop import Worker
+
+    worker = Worker(cfg, *load(cfg))
     try:
         worker.run()
     finally:

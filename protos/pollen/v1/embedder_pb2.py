@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pollen/v1/embedder.proto\x12\tpollen.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf4\x02\n\x0c\x45mbedRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12&\n\ttoken_ids\x18\x03 \x03(\x0b\x32\x13.pollen.v1.TokenIds\x12\x12\n\ndimensions\x18\x04 \x01(\r\x12\x11\n\tnormalize\x18\x05 \x01(\x08\x12%\n\x08\x65ncoding\x18\x06 \x01(\x0e\x32\x13.pollen.v1.Encoding\x12%\n\x08truncate\x18\x07 \x01(\x0e\x32\x13.pollen.v1.Truncate\x12\x12\n\nmax_tokens\x18\x08 \x01(\r\x12\x13\n\x0bprompt_name\x18\t \x01(\t\x12\x0e\n\x06prompt\x18\n \x01(\t\x12(\n\nlong_input\x18\x0b \x01(\x0e\x32\x14.pollen.v1.LongInput\x12\x0e\n\x06\x63hunks\x18\x0c \x03(\t\x12%\n\x08priority\x18\r \x01(\x0e\x32\x13.pollen.v1.Priority\x12\x12\n\ntimeout_ms\x18\x0e \x01(\r\"\x1e\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\"0\n\x06Timing\x12\x10\n\x08queue_us\x18\x01 \x01(\x04\x12\x14\n\x0cinference_us\x18\x02 \x01(\x04\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe7\x01\n\rEmbedResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nembeddings\x18\x02 \x01(\x0c\x12\x0c\n\x04rows\x18\x03 \x01(\r\x12\x0c\n\x04\x64ims\x18\x04 \x01(\r\x12%\n\x08\x65ncoding\x18\x05 \x01(\x0e\x32\x13.pollen.v1.Encoding\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.pollen.v1.Usage\x12!\n\x06timing\x18\x07 \x01(\x0b\x32\x11.pollen.v1.Timing\x12\x1f\n\x05\x65rror\x18\x08 \x01(\x0b\x32\x10.pollen.v1.Error\x12\x0e\n\x06scales\x18\t \x03(\x02\"\x80\x01\n\x0fTokenizeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12%\n\x08truncate\x18\x02 \x01(\x0e\x32\x13.pollen.v1.Truncate\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x13\n\x0bprompt_name\x18\x04 \x01(\t\x12\x0e\n\x06prompt\x18\x05 \x01(\t\"h\n\x10TokenizeResponse\x12#\n\x06tokens\x18\x01 \x03(\x0b\x32\x13.pollen.v1.TokenIds\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\r\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.pollen.v1.Usage\"\r\n\x0bInfoRequest\"\xbc\x03\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ndimensions\x18\x02 \x01(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12#\n\x07pooling\x18\x04 \x01(\x0e\x32\x12.pollen.v1.Pooling\x12&\n\tencodings\x18\x05 \x03(\x0e\x32\x13.pollen.v1.Encoding\x12\x1d\n\x15max_texts_per_request\x18\x06 \x01(\r\x12\x18\n\x10max_batch_tokens\x18\x07 \x01(\r\x12\x19\n\x11max_queued_tokens\x18\x08 \x01(\x04\x12\x19\n\x11max_request_bytes\x18\t \x01(\r\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x0f\n\x07workers\x18\x0b \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x35\n\x07prompts\x18\r \x03(\x0b\x32$.pollen.v1.InfoResponse.PromptsEntry\x12\x1d\n\x15matryoshka_dimensions\x18\x0e \x03(\r\x1a.\n\x0cPromptsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*v\n\x08\x45ncoding\x12\x14\n\x10\x45NCODING_FLOAT32\x10\x00\x12\x14\n\x10\x45NCODING_FLOAT16\x10\x01\x12\x15\n\x11\x45NCODING_BFLOAT16\x10\x02\x12\x11\n\rENCODING_INT8\x10\x03\x12\x14\n\x10\x45NCODING_UBINARY\x10\x04*C\n\x08Truncate\x12\x11\n\rTRUNCATE_NONE\x10\x00\x12\x10\n\x0cTRUNCATE_END\x10\x01\x12\x12\n\x0eTRUNCATE_START\x10\x02*?\n\tLongInput\x12\x17\n\x13LONG_INPUT_TRUNCATE\x10\x00\x12\x19\n\x15LONG_INPUT_CHUNK_MEAN\x10\x01*7\n\x08Priority\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x00\x12\x11\n\rPRIORITY_BULK\x10\x01*W\n\x07Pooling\x12\x17\n\x13POOLING_UNSPECIFIED\x10\x00\x12\x10\n\x0cPOOLING_MEAN\x10\x01\x12\x0f\n\x0bPOOLING_CLS\x10\x02\x12\x10\n\x0cPOOLING_LAST\x10\x03\x32\x8a\x02\n\x08\x45mbedder\x12:\n\x05\x45mbed\x12\x17.pollen.v1.EmbedRequest\x1a\x18.pollen.v1.EmbedResponse\x12\x44\n\x0b\x45mbedStream\x12\x17.pollen.v1.EmbedRequest\x1a\x18.pollen.v1.EmbedResponse(\x01\x30\x01\x12\x43\n\x08Tokenize\x12\x1a.pollen.v1.TokenizeRequest\x1a\x1b.pollen.v1.TokenizeResponse\x12\x37\n\x04Info\x12\x16.pollen.v1.InfoRequest\x1a\x17.pollen.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pollen/v1/embedder.proto\x12\tpollen.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf4\x02\n\x0c\x45mbedRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12&\n\ttoken_ids\x18\x03 \x03(\x0b\x32\x13.pollen.v1.TokenIds\x12\x12\n\ndimensions\x18\x04 \x01(\r\x12\x11\n\tnormalize\x18\x05 \x01(\x08\x12%\n\x08\x65ncoding\x18\x06 \x01(\x0e\x32\x13.pollen.v1.Encoding\x12%\n\x08truncate\x18\x07 \x01(\x0e\x32\x13.pollen.v1.Truncate\x12\x12\n\nmax_tokens\x18\x08 \x01(\r\x12\x13\n\x0bprompt_name\x18\t \x01(\t\x12\x0e\n\x06prompt\x18\n \x01(\t\x12(\n\nlong_input\x18\x0b \x01(\x0e\x32\x14.pollen.v1.LongInput\x12\x0e\n\x06\x63hunks\x18\x0c \x03(\t\x12%\n\x08priority\x18\r \x01(\x0e\x32\x13.pollen.v1.Priority\x12\x12\n\ntimeout_ms\x18\x0e \x01(\r\"\x1e\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\"0\n\x06Timing\x12\x10\n\x08queue_us\x18\x01 \x01(\x04\x12\x14\n\x0cinference_us\x18\x02 \x01(\x04\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe7\x01\n\rEmbedResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nembeddings\x18\x02 \x01(\x0c\x12\x0c\n\x04rows\x18\x03 \x01(\r\x12\x0c\n\x04\x64ims\x18\x04 \x01(\r\x12%\n\x08\x65ncoding\x18\x05 \x01(\x0e\x32\x13.pollen.v1.Encoding\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.pollen.v1.Usage\x12!\n\x06timing\x18\x07 \x01(\x0b\x32\x11.pollen.v1.Timing\x12\x1f\n\x05\x65rror\x18\x08 \x01(\x0b\x32\x10.pollen.v1.Error\x12\x0e\n\x06scales\x18\t \x03(\x02\"\x80\x01\n\x0fTokenizeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12%\n\x08truncate\x18\x02 \x01(\x0e\x32\x13.pollen.v1.Truncate\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x13\n\x0bprompt_name\x18\x04 \x01(\t\x12\x0e\n\x06prompt\x18\x05 \x01(\t\"h\n\x10TokenizeResponse\x12#\n\x06tokens\x18\x01 \x03(\x0b\x32\x13.pollen.v1.TokenIds\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\r\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.pollen.v1.Usage\"\r\n\x0bInfoRequest\"\xe1\x03\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ndimensions\x18\x02 \x01(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12#\n\x07pooling\x18\x04 \x01(\x0e\x32\x12.pollen.v1.Pooling\x12&\n\tencodings\x18\x05 \x03(\x0e\x32\x13.pollen.v1.Encoding\x12\x1d\n\x15max_texts_per_request\x18\x06 \x01(\r\x12\x18\n\x10max_batch_tokens\x18\x07 \x01(\r\x12\x19\n\x11max_queued_tokens\x18\x08 \x01(\x04\x12\x19\n\x11max_request_bytes\x18\t \x01(\r\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x0f\n\x07workers\x18\x0b \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x35\n\x07prompts\x18\r \x03(\x0b\x32$.pollen.v1.InfoResponse.PromptsEntry\x12\x1d\n\x15matryoshka_dimensions\x18\x0e \x03(\r\x12\x11\n\tfrontends\x18\x0f \x01(\r\x12\x10\n\x08\x66rontend\x18\x10 \x01(\r\x1a.\n\x0cPromptsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*v\n\x08\x45ncoding\x12\x14\n\x10\x45NCODING_FLOAT32\x10\x00\x12\x14\n\x10\x45NCODING_FLOAT16\x10\x01\x12\x15\n\x11\x45NCODING_BFLOAT16\x10\x02\x12\x11\n\rENCODING_INT8\x10\x03\x12\x14\n\x10\x45NCODING_UBINARY\x10\x04*C\n\x08Truncate\x12\x11\n\rTRUNCATE_NONE\x10\x00\x12\x10\n\x0cTRUNCATE_END\x10\x01\x12\x12\n\x0eTRUNCATE_START\x10\x02*?\n\tLongInput\x12\x17\n\x13LONG_INPUT_TRUNCATE\x10\x00\x12\x19\n\x15LONG_INPUT_CHUNK_MEAN\x10\x01*7\n\x08Priority\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x00\x12\x11\n\rPRIORITY_BULK\x10\x01*W\n\x07Pooling\x12\x17\n\x13POOLING_UNSPECIFIED\x10\x00\x12\x10\n\x0cPOOLING_MEAN\x10\x01\x12\x0f\n\x0bPOOLING_CLS\x10\x02\x12\x10\n\x0cPOOLING_LAST\x10\x03\x32\x8a\x02\n\x08\x45mbedder\x12:\n\x05\x45mbed\x12\x17.pollen.v1.EmbedRequest\x1a\x18.pollen.v1.EmbedResponse\x12\x44\n\x0b\x45mbedStream\x12\x17.pollen.v1.EmbedRequest\x1a\x18.pollen.v1.EmbedResponse(\x01\x30\x01\x12\x43\n\x08Tokenize\x12\x1a.pollen.v1.TokenizeRequest\x1a\x1b.pollen.v1.TokenizeResponse\x12\x37\n\x04Info\x12\x16.pollen.v1.InfoRequest\x1a\x17.pollen.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,16 +33,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_INFORESPONSE_PROMPTSENTRY']._loaded_options = None
   _globals['_INFORESPONSE_PROMPTSENTRY']._serialized_options = b'8\001'
-  _globals['_ENCODING']._serialized_start=1494
-  _globals['_ENCODING']._serialized_end=1612
-  _globals['_TRUNCATE']._serialized_start=1614
-  _globals['_TRUNCATE']._serialized_end=1681
-  _globals['_LONGINPUT']._serialized_start=1683
-  _globals['_LONGINPUT']._serialized_end=1746
-  _globals['_PRIORITY']._serialized_start=1748
-  _globals['_PRIORITY']._serialized_end=1803
-  _globals['_POOLING']._serialized_start=1805
-  _globals['_POOLING']._serialized_end=1892
+  _globals['_ENCODING']._serialized_start=1531
+  _globals['_ENCODING']._serialized_end=1649
+  _globals['_TRUNCATE']._serialized_start=1651
+  _globals['_TRUNCATE']._serialized_end=1718
+  _globals['_LONGINPUT']._serialized_start=1720
+  _globals['_LONGINPUT']._serialized_end=1783
+  _globals['_PRIORITY']._serialized_start=1785
+  _globals['_PRIORITY']._serialized_end=1840
+  _globals['_POOLING']._serialized_start=1842
+  _globals['_POOLING']._serialized_end=1929
   _globals['_TOKENIDS']._serialized_start=39
   _globals['_TOKENIDS']._serialized_end=62
   _globals['_EMBEDREQUEST']._serialized_start=65
@@ -62,9 +62,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFOREQUEST']._serialized_start=1032
   _globals['_INFOREQUEST']._serialized_end=1045
   _globals['_INFORESPONSE']._serialized_start=1048
-  _globals['_INFORESPONSE']._serialized_end=1492
-  _globals['_INFORESPONSE_PROMPTSENTRY']._serialized_start=1446
-  _globals['_INFORESPONSE_PROMPTSENTRY']._serialized_end=1492
-  _globals['_EMBEDDER']._serialized_start=1895
-  _globals['_EMBEDDER']._serialized_end=2161
+  _globals['_INFORESPONSE']._serialized_end=1529
+  _globals['_INFORESPONSE_PROMPTSENTRY']._serialized_start=1483
+  _globals['_INFORESPONSE_PROMPTSENTRY']._serialized_end=1529
+  _globals['_EMBEDDER']._serialized_start=1932
+  _globals['_EMBEDDER']._serialized_end=2198
 # @@protoc_insertion_point(module_scope)

@@ -165,7 +165,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "dimensions", "max_tokens", "pooling", "encodings", "max_texts_per_request", "max_batch_tokens", "max_queued_tokens", "max_request_bytes", "vocab_size", "workers", "device", "prompts", "matryoshka_dimensions")
+    __slots__ = ("model", "dimensions", "max_tokens", "pooling", "encodings", "max_texts_per_request", "max_batch_tokens", "max_queued_tokens", "max_request_bytes", "vocab_size", "workers", "device", "prompts", "matryoshka_dimensions", "frontends", "frontend")
     class PromptsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,8 @@ class InfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    FRONTENDS_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_FIELD_NUMBER: _ClassVar[int]
     model: str
     dimensions: int
     max_tokens: int
@@ -201,4 +203,6 @@ class InfoResponse(_message.Message):
     device: str
     prompts: _containers.ScalarMap[str, str]
     matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., dimensions: _Optional[int] = ..., max_tokens: _Optional[int] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., encodings: _Optional[_Iterable[_Union[Encoding, str]]] = ..., max_texts_per_request: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_queued_tokens: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., workers: _Optional[int] = ..., device: _Optional[str] = ..., prompts: _Optional[_Mapping[str, str]] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ...) -> None: ...
+    frontends: int
+    frontend: int
+    def __init__(self, model: _Optional[str] = ..., dimensions: _Optional[int] = ..., max_tokens: _Optional[int] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., encodings: _Optional[_Iterable[_Union[Encoding, str]]] = ..., max_texts_per_request: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_queued_tokens: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., workers: _Optional[int] = ..., device: _Optional[str] = ..., prompts: _Optional[_Mapping[str, str]] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., frontends: _Optional[int] = ..., frontend: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,241 @@
+"""A frontend process: `python -m pollen.server.frontend '<FrontendConfig as JSON>'`.
+
+The supervisor (server/supervisor.py) starts --frontends of these. Each serves gRPC and HTTP on
+the shared addresses (the kernel spreads connections over them: SO_REUSEPORT), tokenizes and
+admits requests, and sends them to every worker through its own ring pairs, one channel per
+worker (server/channel.py). The control link (common/control.py) brings each worker's rings
+(worker_up) and takes them away when the worker dies (worker_down).
+
+Three steps: `build` wires the parts (nothing listens yet); `run` opens both doors, says
+`listening` to the supervisor and SERVING on health once the workers are ready, and waits for
+SIGTERM; `shutdown` drains: health says NOT_SERVING, calls keep being answered while they still
+arrive (a client that has sent a call gets its answer, never CANCELLED), then both doors stop
+taking calls and wait (up to --shutdown-grace) for those in flight; new calls are refused
+UNAVAILABLE by gRPC itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pollen.common import control
+from pollen.common.model_spec import read_model_spec
+from pollen.server import metrics
+from pollen.server.admission import Admission
+from pollen.server.channel import WorkerChannel
+from pollen.server.config import ServeConfig
+from pollen.server.http11 import HttpServer
+from pollen.server.http_door import HttpDoor, error_response
+from pollen.server.router import Router
+from pollen.server.service import EmbedderService
+from pollen.server.tokenizer import TextTokenizer
+from pollen.shared_mem.ring import Ring
+from pollen.shared_mem.server_state import ServerState
+from pollen.v1 import embedder_pb2 as pb
+from pollen.v1 import embedder_pb2_grpc as pb_grpc
+
+log = logging.getLogger("pollen.frontend")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Embedder"].full_name
+SERVICES = ("", SERVICE_NAME)  # the names the health service answers for
+QUIET_S = 0.2  # a draining frontend stops once no call has arrived for this long
+
+
+@dataclasses.dataclass(slots=True)
+class FrontendConfig:
+    index: int
+    serve: dict          # the ServeConfig's fields, resolved by the supervisor
+    listen: str          # the gRPC address to bind ("" for none: a unix path is one frontend's)
+    http_listen: str     # the HTTP address to bind ("" for none)
+    control_fd: int      # this frontend's end of its control link, inherited
+    state: str           # the server state segment
+    parent_pid: int
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+
+def grpc_server(cfg: ServeConfig, service: EmbedderService, listen: str):
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", cfg.max_request_bytes),
+        ("grpc.max_send_message_length", -1),
+        # gRPC core sheds calls that wait for the handler past a soft limit of 1,000 with a bare
+        # CANCELLED. Admission is ours to decide (--max-queued-tokens answers RESOURCE_EXHAUSTED
+        # with a reason), so let the core hold many more.
+        ("grpc.server.max_pending_requests", 1 << 16),
+        ("grpc.server.max_pending_requests_hard_limit", 1 << 17),
+    ])
+    pb_grpc.add_EmbedderServicer_to_server(service, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    if listen and server.add_insecure_port(listen) == 0:
+        raise OSError(f"cannot listen on {listen}")
+    return server, health_servicer
+
+
+class Frontend:
+    def __init__(self, fcfg: FrontendConfig, cfg: ServeConfig, state: ServerState, executor: ThreadPoolExecutor,
+                 channels: list[WorkerChannel], service: EmbedderService):
+        self.fcfg, self.cfg, self.state, self.executor = fcfg, cfg, state, executor
+        self.channels, self.service = channels, service
+        self.grpc, self.health = grpc_server(cfg, service, fcfg.listen)
+        self.door = HttpDoor(service, metrics.exposition(state)) if fcfg.http_listen else None
+        self.http = (HttpServer(self.door.handle, error_response, max_body_bytes=cfg.max_request_bytes)
+                     if self.door else None)
+        self.control = socket.socket(fileno=fcfg.control_fd)
+        self.control.setblocking(False)
+        self.started = False   # every worker was ready once: SERVING from then on while one is
+        self.draining = False
+        self.serving: bool | None = None
+
+    @classmethod
+    def build(cls, fcfg: FrontendConfig) -> Frontend:
+        """Wire the parts; nothing listens yet."""
+        cfg = ServeConfig(**fcfg.serve)
+        spec = read_model_spec(cfg.model, pooling=cfg.pooling, attention=cfg.attention)
+        state = ServerState.attach(fcfg.state)
+        executor = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="pollen-tokenize")
+        admission = Admission(spec, TextTokenizer(cfg.model, spec.max_tokens), executor, cfg.max_texts_per_request)
+        channels = [WorkerChannel(w, fcfg.index, state) for w in range(cfg.workers)]
+        service = EmbedderService(cfg, spec, admission, Router(cfg, channels, state), fcfg.index)
+        frontend = cls(fcfg, cfg, state, executor, channels, service)
+        for channel in channels:
+            channel.on_ready_change = frontend.update_health
+        return frontend
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Open both doors, take the workers' rings, serve until `stop` is set."""
+        loop = asyncio.get_running_loop()
+        await self.set_health(False)
+        await self.grpc.start()
+        if self.fcfg.listen.startswith("unix:"):
+            os.chmod(self.fcfg.listen.removeprefix("unix:"), int(self.cfg.listen_mode, 8))
+        if self.http:
+            host, _, port = self.fcfg.http_listen.rpartition(":")
+            await self.http.start(host, int(port), reuse_port=True)
+        loop.add_reader(self.control.fileno(), self.on_control, stop)
+        control.send(self.control, {"kind": "listening"})
+        await stop.wait()
+
+    def on_control(self, stop: asyncio.Event) -> None:
+        """A message from the supervisor: a worker's rings to use, or a worker gone."""
+        try:
+            while (message := control.receive(self.control)) is not None:
+                body, fds = message
+                channel = self.channels[body.get("worker", 0)]
+                if body["kind"] == "worker_up":
+                    channel.detach(requeue=True)
+                    channel.attach(Ring.attach(body["requests"], fds[0], fds[1]),
+                                   Ring.attach(body["responses"], fds[2], fds[3]))
+                elif body["kind"] == "worker_down":
+                    channel.detach(requeue=True)
+                    self.update_health()
+        except EOFError:  # the supervisor is gone: so are the workers; stop
+            asyncio.get_running_loop().remove_reader(self.control.fileno())
+            stop.set()
+
+    def update_health(self) -> None:
+        """SERVING once every worker has been ready, then while at least one is, until draining."""
+        self.started = self.started or all(c.ready.is_set() for c in self.channels)
+        serving = self.started and not self.draining and any(c.ready.is_set() for c in self.channels)
+        if serving != self.serving:
+            asyncio.ensure_future(self.set_health(serving))
+
+    async def set_health(self, serving: bool) -> None:
+        self.serving = serving
+        code = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in SERVICES:
+            await self.health.set(name, code)
+        if self.door:
+            self.door.serving = serving
+
+    async def shutdown(self) -> None:
+        """Drain, then finish the calls in flight (up to --shutdown-grace)."""
+        grace_end = time.monotonic() + self.cfg.shutdown_grace
+        self.draining = True
+        await self.set_health(False)
+        if self.http:
+            self.http.drain()
+        # Calls the server has received are answered: keep serving while they still arrive, so
+        # gRPC never cancels one it queued but had not handed over yet.
+        while time.monotonic() < grace_end and not self.service.quiet_for(QUIET_S):
+            await asyncio.sleep(QUIET_S / 4)
+        left = max(0.0, grace_end - time.monotonic())
+        log.info("drained; closing the doors (%.1f s of grace left)", left)
+        try:
+            await self.health.enter_graceful_shutdown()
+            await asyncio.gather(self.grpc.stop(left), self.http.stop(left) if self.http else asyncio.sleep(0))
+        finally:
+            if self.http:
+                await self.http.stop(0)
+            for channel in self.channels:
+                channel.detach(requeue=False)
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL us when the supervisor goes."""
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+async def serve(fcfg: FrontendConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, lambda: None)  # Ctrl-C reaches the supervisor, which says when
+    frontend = Frontend.build(fcfg)
+    try:
+        await frontend.run(stop)
+    except Exception as exc:
+        control.send(frontend.control, {"kind": "failed", "error": str(exc)})
+        raise
+    finally:
+        await frontend.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m pollen.server.frontend '<FrontendConfig as JSON>' (the server starts frontends)",
+              file=sys.stderr)
+        return 2
+    fcfg = FrontendConfig(**json.loads(argv[0]))
+    die_with_parent()
+    logging.basicConfig(level=fcfg.serve.get("log_level", "INFO").upper(), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s pollen-frontend[{fcfg.index}] %(name)s: %(message)s")
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(f"pollen-frontend[{fcfg.index}]")
+    except ImportError:
+        pass
+    import uvloop
+
+    try:
+        uvloop.run(serve(fcfg))
+    except (ValueError, OSError, RuntimeError) as exc:
+        logging.getLogger("pollen").error("%s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

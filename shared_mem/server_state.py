@@ -1,0 +1,151 @@
+"""The server's shared figures in one small POSIX shared-memory segment: what the supervisor,
+every frontend and every worker must see of each other, without messages.
+
+Layout (little-endian, one 64-byte cache line per writer, so no two writers share a line)::
+
+    line 0              magic "POLLENST" u64 | version u32 | frontends u32 | workers u32   (create())
+    line 1 + w          worker w:  heartbeat_ns u64 | ready u32 | pid u32 | batches u64      (worker w)
+    line 1 + W + ...    frontend f: queued tokens routed to each worker, u64 [W], then its   (frontend f)
+                        backlog to each worker (requests waiting for ring space), u64 [W]
+                        (W <= 4 fits one line; more workers take more lines)
+
+- heartbeat_ns (CLOCK_MONOTONIC) is stored by the worker's loop at every turn, busy or idle (an
+  idle worker turns at least once a second), so a heartbeat older than --worker-hang-timeout
+  means the worker makes no progress: the supervisor kills it and it is restarted like after a
+  crash. ready is 1 from the worker's READY to its exit; batches counts the batches it ran.
+- Each frontend stores its own row of queued tokens (admitted and not yet answered, per worker);
+  admission (--max-queued-tokens) and routing read the sum of all rows: whole-server figures.
+
+Every value is one aligned 8- or 4-byte store on x86-64, so a reader sees either the old or the
+new value, never a torn one; a row summed while it changes is off by at most the change in flight.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import struct
+import time
+
+import numpy as np
+
+from pollen.shared_mem.ring import SHM_DIR
+
+_MAGIC = int.from_bytes(b"POLLENST", "little")
+_VERSION = 1
+_HEAD = struct.Struct("<QIII")
+LINE = 64
+_WORKER_WORDS = LINE // 8  # u64 words per worker line: heartbeat, (ready, pid), batches
+
+
+def _row_lines(workers: int) -> int:
+    """Cache lines of one frontend's row: its queued tokens and its backlog, per worker."""
+    return -(-2 * workers * 8 // LINE)
+
+
+class ServerState:
+    def __init__(self, name: str, mm: mmap.mmap):
+        self.name = name
+        self._mm = mm
+        _, _, self.frontends, self.workers = _HEAD.unpack_from(mm)
+        self._rows_at = LINE * (1 + self.workers)
+        words = _row_lines(self.workers) * LINE // 8
+        self._u64 = np.frombuffer(mm, dtype=np.uint64)
+        self._u32 = np.frombuffer(mm, dtype=np.uint32)
+        rows = self._u64[self._rows_at // 8:self._rows_at // 8 + self.frontends * words].reshape(self.frontends, words)
+        # queued[f, w]: frontend f's tokens routed to worker w (row f is frontend f's to write);
+        # backlog[f, w]: its requests for worker w waiting for ring space.
+        self.queued = rows[:, :self.workers]
+        self.backlog = rows[:, self.workers:2 * self.workers]
+
+    @classmethod
+    def size_for(cls, frontends: int, workers: int) -> int:
+        return LINE * (1 + workers) + frontends * _row_lines(workers) * LINE
+
+    @classmethod
+    def create(cls, frontends: int, workers: int, prefix: str = "pollen") -> ServerState:
+        # Named like the rings, so cleanup_stale_segments removes it after a kill -9 too.
+        name = f"{prefix}-{os.getpid()}-{secrets.token_hex(16)}"
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            size = cls.size_for(frontends, workers)
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        _HEAD.pack_into(mm, 0, _MAGIC, _VERSION, frontends, workers)
+        return cls(name, mm)
+
+    @classmethod
+    def attach(cls, name: str) -> ServerState:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC)
+        try:
+            mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        magic, version, _, _ = _HEAD.unpack_from(mm)
+        if magic != _MAGIC or version != _VERSION:
+            mm.close()
+            raise ValueError(f"{name} is not a pollen server state v{_VERSION}")
+        return cls(name, mm)
+
+    # ---- worker lines (each written by its worker only) ----
+
+    def _word(self, worker: int) -> int:
+        return (1 + worker) * _WORKER_WORDS
+
+    def beat(self, worker: int, batches: int | None = None) -> None:
+        """The worker's loop turned: store the time (and its batch count)."""
+        at = self._word(worker)
+        self._u64[at] = time.monotonic_ns()
+        if batches is not None:
+            self._u64[at + 2] = batches
+
+    def set_ready(self, worker: int, ready: bool) -> None:
+        at = 2 * self._word(worker) + 2  # the u32 after the heartbeat
+        self._u32[at + 1] = os.getpid()
+        self._u32[at] = 1 if ready else 0
+
+    def heartbeat_ns(self, worker: int) -> int:
+        return int(self._u64[self._word(worker)])
+
+    def ready(self, worker: int) -> bool:
+        return bool(self._u32[2 * self._word(worker) + 2])
+
+    def batches(self, worker: int) -> int:
+        return int(self._u64[self._word(worker) + 2])
+
+    def clear_worker(self, worker: int) -> None:
+        """Forget a dead worker's line (the supervisor, before its successor starts)."""
+        at = self._word(worker)
+        self._u64[at:at + 3] = 0
+
+    # ---- queued tokens ----
+
+    def queued_total(self) -> int:
+        return int(self.queued.sum())
+
+    def queued_on(self, worker: int) -> int:
+        return int(self.queued[:, worker].sum())
+
+    def backlog_total(self) -> int:
+        return int(self.backlog.sum())
+
+    def clear_frontend(self, frontend: int) -> None:
+        """Forget a dead frontend's row (the supervisor, before its successor starts)."""
+        self.queued[frontend] = 0
+        self.backlog[frontend] = 0
+
+    def close(self) -> None:
+        self.queued = self.backlog = self._u64 = self._u32 = None
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(os.path.join(SHM_DIR, self.name))
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,96 @@
+"""Several frontend processes in front of one worker: connections spread over them, every
+request is answered once and correctly, the figures stay whole-server, and a frontend killed
+with -9 comes back while the others keep serving."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+import numpy as np
+
+from pollen.v1 import embedder_pb2 as pb
+from pollen.v1 import embedder_pb2_grpc as pb_grpc
+from tests.conftest import ServerProcess, cosine_rows, vectors
+from tests.test_drops import sample, scrape
+
+FRONTENDS = 3
+CONNECTIONS = 12
+
+
+def frontend_pids(server: ServerProcess) -> dict[int, int]:
+    """{frontend index: pid} from the children's process titles."""
+    pids = {}
+    for pid in server.worker_pids():  # every child of the supervisor
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            title = f.read().split(b"\0")[0].decode()
+        if title.startswith("pollen-frontend["):
+            pids[int(title[len("pollen-frontend["):title.index("]")])] = pid
+    return pids
+
+
+def channels(target: str) -> list[grpc.aio.Channel]:
+    # A distinct argument per channel keeps gRPC from sharing one connection between them.
+    return [grpc.aio.insecure_channel(target, options=[("pollen.test.connection", i)]) for i in range(CONNECTIONS)]
+
+
+async def embed_everywhere(target: str, texts: list[str]) -> tuple[list, set[int]]:
+    chans = channels(target)
+    try:
+        stubs = [pb_grpc.EmbedderStub(c) for c in chans]
+        infos = await asyncio.gather(*(s.Info(pb.InfoRequest(), timeout=30) for s in stubs))
+        answers = await asyncio.gather(*(stubs[i % CONNECTIONS].Embed(
+            pb.EmbedRequest(id=str(i), texts=[text], normalize=True), timeout=120) for i, text in enumerate(texts)))
+        return answers, {info.frontend for info in infos}
+    finally:
+        await asyncio.gather(*(c.close() for c in chans))
+
+
+def test_frontends_share_the_connections_and_answer_everything_once(reference):
+    server = ServerProcess("--frontends", str(FRONTENDS), "--log-level", "WARNING").start()
+    texts = [f"request {i} goes through one of several frontends" for i in range(150)]
+    try:
+        answers, served_by = asyncio.run(embed_everywhere(server.listen, texts))
+        assert len(served_by) >= 2, served_by  # the kernel spread the connections over frontends
+        assert [a.id for a in answers] == [str(i) for i in range(len(texts))]
+        got = np.stack([vectors(a)[0] for a in answers])
+        assert cosine_rows(got, reference(texts)).min() >= 0.9999
+        metrics = scrape(server)
+        assert sample(metrics, "pollen_requests_total", door="grpc", outcome="ok") == len(texts)
+        assert sample(metrics, "pollen_sequences_total") == len(texts)
+        assert sample(metrics, "pollen_queued_tokens") == 0
+    finally:
+        assert server.terminate() == 0
+
+
+def test_a_killed_frontend_comes_back_and_the_others_keep_serving(reference):
+    server = ServerProcess("--frontends", str(FRONTENDS), "--log-level", "WARNING").start()
+    texts = [f"text {i} while a frontend dies" for i in range(60)]
+    try:
+        before = frontend_pids(server)
+        assert sorted(before) == list(range(FRONTENDS))
+        os.kill(before[1], signal.SIGKILL)
+        # New connections land on the frontends that live; a call that met the dead one is UNAVAILABLE.
+        got = []
+        with grpc.insecure_channel(server.listen) as channel:
+            stub = pb_grpc.EmbedderStub(channel)
+            for text in texts:
+                for attempt in range(50):
+                    try:
+                        got.append(vectors(stub.Embed(pb.EmbedRequest(texts=[text], normalize=True), timeout=30))[0])
+                        break
+                    except grpc.RpcError as exc:
+                        assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+                        time.sleep(0.1)
+        assert cosine_rows(np.stack(got), reference(texts)).min() >= 0.9999
+        deadline = time.monotonic() + 30
+        while (after := frontend_pids(server)).get(1) in (None, before[1]) or len(after) < FRONTENDS:
+            assert time.monotonic() < deadline, "the killed frontend did not come back"
+            time.sleep(0.1)
+        answers, served_by = asyncio.run(embed_everywhere(server.listen, texts))
+        assert cosine_rows(np.stack([vectors(a)[0] for a in answers]), reference(texts)).min() >= 0.9999
+        assert server.healthy()
+    finally:
+        assert server.terminate() == 0

@@ -1,0 +1,284 @@
+"""The worker's loop: drain every frontend's request ring, batch by tokens, run the model, answer.
+
+Each frontend process has a link to the worker (worker/links.py): a request ring in and a
+response ring out. The batcher mixes the requests of all links; a batch is answered by one
+BATCH_RESULT record per link it holds requests of (its *part*, shared_mem/records.py), whose
+space is held in that link's response ring when the batch is launched: the engine writes each
+part's pooled rows straight into it, and the worker commits it once the batch is done. Batch N+1
+is launched before N is awaited, so two records can be open per ring; they are committed in
+launch order. The worker never waits for ring space while it holds a record open (the frontend
+cannot read past it): when only a commit could make room, it finishes its open batches first
+(`Worker.room`).
+
+The supervisor drives the links over the control link (common/control.py): add_link, drop_link
+(a frontend died: its requests are dropped), stop (finish what is held, then exit). The loop
+stores a heartbeat in the server state at every turn (shared_mem/server_state.py), so a worker
+that stops making progress is found and restarted.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from pollen.common import control, status
+from pollen.common.worker_config import WorkerConfig
+from pollen.shared_mem import records
+from pollen.shared_mem.ring import CommitFirst, Reservation, Ring
+from pollen.shared_mem.server_state import ServerState
+from pollen.worker.batch_answer import BatchAnswer, Progresses
+from pollen.worker.batcher import Batcher, Job
+from pollen.worker.links import Link, wait_for_work
+from pollen.worker.packed import pack
+
+
+@dataclass(slots=True)
+class Part:
+    """One link's share of a batch: its answer plan and the record held for it."""
+
+    link: Link
+    plan: BatchAnswer
+    record: Reservation
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A submitted batch: its parts, the engine's pending result (or the error submit raised)."""
+
+    parts: list[Part]
+    pending: object
+    error: Exception | None
+    start_ns: int
+
+    @property
+    def done(self) -> bool:
+        """True when the result is there already (the CPU engine computes in submit)."""
+        return self.error is not None or self.pending.done()
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig, engine, spec):
+        self.cfg = cfg
+        self.engine = engine
+        self.hidden = spec.hidden_size
+        self.native_int8 = spec.native_int8
+        self.ready_info = json.dumps({"pid": os.getpid(), "index": cfg.index, "device": cfg.device, "gpu": cfg.gpu,
+                                      "dtype": cfg.dtype, "threads": cfg.threads, "model": spec.name}).encode()
+        self.control = socket.socket(fileno=cfg.control_fd)
+        self.control.setblocking(False)
+        self.control_queue: deque[tuple[dict, list[int]]] = deque()  # read, not yet acted on
+        self.state = ServerState.attach(cfg.state)
+        self.links: dict[int, Link] = {}
+        # Rows per batch are capped so that a part's record always fits its ring. Sizing the ring
+        # for the token budget instead would mean 2 x max_batch_tokens x hidden x 4 bytes (pinned,
+        # on a GPU) for batches of one-token texts that real traffic never sends.
+        max_rows = records.max_batch_rows(Ring.max_record_for(cfg.response_ring_bytes), self.hidden)
+        self.batcher = Batcher(cfg.max_batch_tokens, cfg.bulk_batch_tokens, max_rows)
+        self.progresses: Progresses = {}  # requests spread over batches, between their first and last
+        self.open: deque[InFlight] = deque()  # submitted, records not yet committed; oldest first
+        self.batches = 0
+        self.stopping = False
+
+    # ---- the loop ----
+
+    def run(self) -> None:
+        self.state.set_ready(self.cfg.index, True)
+        while True:
+            self.state.beat(self.cfg.index, self.batches)
+            self.handle_control()
+            self.drain_requests()
+            self.drop_expired()
+            # Submit batch N+1 before waiting on batch N: its packing and launch overlap N's work.
+            newest = self.submit(self.batcher.next_batch()) if self.batcher else None
+            while self.open and self.open[0] is not newest:
+                self.answer(self.open.popleft())
+            if self.open and self.open[0].done:
+                # A synchronous engine (the CPU) has finished already: answer now rather than
+                # after the next batch, which would add a whole batch to this one's latency.
+                self.answer(self.open.popleft())
+            if self.open or self.batcher:
+                continue
+            if self.stopping:
+                return
+            if self.spin_for_requests():
+                continue
+            wait_for_work(list(self.links.values()), self.control.fileno(), timeout=1.0)
+            if os.getppid() != self.cfg.parent_pid:
+                return  # the server is gone; nobody will read our answers
+
+    def spin_for_requests(self) -> bool:
+        """Poll the request rings for cfg.spin_us; True as soon as something arrived. A sleeping
+        worker costs each query an eventfd write and a scheduler wake-up; a spinning one sees the
+        request the moment it is committed (the frontend does not even write the eventfd then)."""
+        if self.cfg.spin_us <= 0:
+            return False
+        deadline = time.monotonic_ns() + self.cfg.spin_us * 1000
+        checks = [link.requests.has_data for link in self.links.values()]
+        now = time.monotonic_ns
+        while now() < deadline:
+            for has_data in checks:
+                if has_data():
+                    return True
+        return False
+
+    # ---- the control link ----
+
+    def poll_control(self) -> None:
+        """Read the control link's messages without acting on them, except to mark a dropped
+        link gone at once: its ring then takes answers nobody reads (see `room`)."""
+        while (message := control.receive(self.control)) is not None:
+            self.control_queue.append(message)
+            body = message[0]
+            if body["kind"] == "drop_link" and body["frontend"] in self.links:
+                self.links[body["frontend"]].gone = True
+
+    def handle_control(self) -> None:
+        self.poll_control()
+        while self.control_queue:
+            body, fds = self.control_queue.popleft()
+            kind = body["kind"]
+            if kind == "add_link":
+                self.add_link(Link(body["frontend"], body["requests"], body["responses"], fds))
+            elif kind == "drop_link":
+                self.drop_link(body["frontend"])
+            elif kind == "stop":
+                self.stopping = True
+
+    def add_link(self, link: Link) -> None:
+        # The device copies each part's rows straight into its response ring's memory.
+        self.engine.register_host_memory(*link.responses.mapped_memory())
+        self.links[link.frontend] = link
+        link.responses.write(records.READY, self.ready_info)
+
+    def drop_link(self, frontend: int) -> None:
+        """Its frontend is gone: finish the open batches (they may write into its ring), forget
+        its requests, let go of its rings."""
+        link = self.links.pop(frontend, None)
+        if link is None:
+            return
+        while self.open:
+            self.answer(self.open.popleft())
+        for job in self.batcher.drop_source(frontend):
+            self.progresses.pop(job, None)
+        self.engine.unregister_host_memory(link.responses.mapped_memory()[0])
+        link.close()
+
+    # ---- requests ----
+
+    def drain_requests(self) -> None:
+        for link in self.links.values():
+            ring = link.requests
+            while (item := ring.read()) is not None:
+                kind, view = item
+                if kind == records.EMBED:
+                    self.batcher.add(Job.of(records.decode_request(view), link.frontend))
+                elif kind == records.CANCEL:
+                    job = self.batcher.cancel(records.decode_cancel(view), link.frontend)
+                    if job is not None:
+                        self.write_error(job, status.CANCELLED_BEFORE_MODEL, records.CANCELLED)
+                del view  # the ring may reuse these bytes after release()
+            ring.release()
+
+    def drop_expired(self) -> None:
+        """Answer DEADLINE_EXCEEDED for requests whose deadline passed before they were batched."""
+        dropped = self.batcher.expire(time.monotonic_ns())
+        for job in dropped:
+            self.write_error(job, status.DEADLINE_PASSED, records.DEADLINE_EXCEEDED)
+        for source in {job.source for job in dropped}:
+            self.links[source].responses.notify_consumer()
+
+    # ---- batches ----
+
+    def submit(self, spans: list[tuple[Job, int, int]]) -> InFlight:
+        start_ns = time.monotonic_ns()
+        spans = sorted(spans, key=lambda span: span[0].source)  # each link's rows together
+        parts = []
+        for source, group in itertools.groupby(spans, key=lambda span: span[0].source):
+            batch_tokens = sum(job.tokens(a, b) for job, a, b in spans) if not parts else 0
+            plan = BatchAnswer(list(group), self.hidden, self.progresses, self.native_int8, batch_tokens)
+            parts.append(Part(self.links[source], plan, self.reserve(self.links[source], plan)))
+        sequences = [job.rec.ids[job.offsets[i]:job.offsets[i + 1]] for job, a, b in spans for i in range(a, b)]
+        # Rows differ from sequences only for contextual chunks and CHUNK_MEAN windows.
+        plain = all(job.rec.rows is None for job, _, _ in spans)
+        row_spans = None if plain else [job.row_spans(i) for job, a, b in spans for i in range(a, b)]
+        outs = [part.plan.raw_rows(part.record.view) for part in parts]
+        normalize = np.concatenate([part.plan.normalize for part in parts])
+        try:
+            pending, error = self.engine.submit(pack(sequences, row_spans), out=outs, normalize=normalize), None
+        except Exception as exc:  # a failed batch fails its requests, not the worker
+            pending, error = None, exc
+        batch = InFlight(parts, pending, error, start_ns)
+        self.open.append(batch)
+        self.batches += 1
+        return batch
+
+    def reserve(self, link: Link, plan: BatchAnswer) -> Reservation:
+        if plan.nbytes > link.responses.max_record:
+            raise RuntimeError(f"a batch of {plan.rows} rows needs a {plan.nbytes}-byte record, over the response "
+                               f"ring's {link.responses.max_record}; the batcher's row cap should prevent it. "
+                               "This is a bug.")
+        return self.room(link, lambda: link.responses.reserve(plan.nbytes, timeout=1.0))
+
+    def answer(self, batch: InFlight) -> None:
+        """Wait for a batch (taken off self.open by the caller), fill in and commit its records."""
+        error = batch.error
+        if error is None:
+            try:
+                batch.pending.result()  # the rows are in the records now
+            except Exception as exc:
+                error = exc
+        if error is not None:
+            print(f"pollen-worker[{self.cfg.index}]: batch failed: {error!r}", file=sys.stderr, flush=True)
+        end_ns = time.monotonic_ns()
+        for part in batch.parts:
+            unanswered = part.plan.fill(part.record.view, error, batch.start_ns, end_ns)
+            part.link.responses.commit(part.record, records.BATCH_RESULT, notify=False)
+            for job in unanswered:  # their last rows were due in a later batch
+                self.write_error(job, f"model failed on this batch: {error}")
+            # One wake-up per part at most, and none if the frontend is busy reading.
+            part.link.responses.notify_consumer()
+
+    def write_error(self, job: Job, message: str, code: int = records.INTERNAL) -> None:
+        link = self.links.get(job.source)
+        if link is None or link.gone:
+            return  # its frontend is gone
+        head = records.result_header(job.rec.req_id, code, 0, 0, job.rec.encoding, 0, 0)
+        self.room(link, lambda: link.responses.write(records.RESULT, head, message.encode()[:4096], timeout=1.0,
+                                                     notify=False))
+
+    def room(self, link: Link, take):
+        """take() space in `link`'s response ring, waiting for its frontend to read if it is full.
+
+        When only our own open batch records stand in the way (CommitFirst: the frontend cannot
+        read past them), finish those batches and commit their records first. That gives up
+        overlapping the next batch with them, but only while the ring is that full. A frontend
+        that died reads nothing: once the supervisor says so, its ring's answers are dropped
+        unread, so the worker never waits on the dead.
+        """
+        while True:
+            try:
+                return take()
+            except CommitFirst:
+                if not self.open:
+                    raise
+                self.answer(self.open.popleft())
+            except TimeoutError:
+                self.state.beat(self.cfg.index, self.batches)  # waiting on a live frontend is progress
+                self.poll_control()
+                if link.gone:
+                    link.responses.drop_published()
+                if os.getppid() != self.cfg.parent_pid:
+                    raise SystemExit(0) from None
+
+    def close(self) -> None:
+        self.state.set_ready(self.cfg.index, False)
+        for link in self.links.values():
+            link.close()
+        self.engine.close()
