@@ -21,11 +21,21 @@ from pollen.shared_mem.ring import Ring, cleanup_stale_segments
 log = logging.getLogger("pollen")
 
 
+def response_ring_for(max_texts: int, hidden: int) -> int:
+    """The smallest response ring whose batch records hold max_texts + 1 rows of `hidden` floats
+    (a contextual-chunk document's answers cannot be split), at least 16 MiB, in whole MiB."""
+    record = records.raw_at(0) + (max_texts + 1) * (4 * hidden + records.ENTRY.itemsize)
+    return max(16 << 20, -(-2 * (record + Ring.RECORD_HEADER) // (1 << 20)) << 20)
+
+
 def check_limits(cfg: ServeConfig, spec: ModelSpec) -> None:
-    """Refuse at start the settings that would fail requests later."""
+    """Size what is automatic (the response rings) and refuse at start the settings that would
+    fail requests later."""
     if cfg.max_batch_tokens < spec.max_tokens:
         raise ValueError(f"--max-batch-tokens {cfg.max_batch_tokens} is below the model's limit of "
                          f"{spec.max_tokens} tokens: one long text could never be batched")
+    if not cfg.response_ring_bytes:
+        cfg.response_ring_bytes = response_ring_for(cfg.max_texts_per_request, spec.hidden_size)
     # A batch's answer record must fit the response ring; the worker caps the rows of a batch for
     # it (records.max_batch_rows), and one sequence can cost a request's outputs and a row more
     # (the chunks of a document, or the last text of a request begun in an earlier batch).
@@ -33,11 +43,12 @@ def check_limits(cfg: ServeConfig, spec: ModelSpec) -> None:
     if batch_rows < cfg.max_texts_per_request + 1:
         raise ValueError(f"--response-ring-bytes {cfg.response_ring_bytes} is too small for answers of up to "
                          f"{cfg.max_texts_per_request} x {spec.hidden_size} float32 values (one batch record "
-                         f"would hold only {batch_rows} rows)")
-    largest_request = records.REQUEST_HEADER + cfg.max_texts_per_request * 4 * (1 + spec.max_tokens)
-    if largest_request > Ring.max_record_for(cfg.request_ring_bytes):
-        raise ValueError(f"--request-ring-bytes {cfg.request_ring_bytes} cannot hold one request of "
-                         f"{cfg.max_texts_per_request} texts of {spec.max_tokens} tokens")
+                         f"would hold only {batch_rows} rows; 0 sizes it)")
+    # A request over half the request ring travels as several records, but one text cannot be cut.
+    longest = records.REQUEST_HEADER + 4 + records.ROW_BYTES + 4 * spec.max_tokens
+    if longest > Ring.max_record_for(cfg.request_ring_bytes):
+        raise ValueError(f"--request-ring-bytes {cfg.request_ring_bytes} cannot hold one text of "
+                         f"{spec.max_tokens} tokens")
 
 
 def check_platform() -> None:

@@ -55,8 +55,11 @@ class ServeConfig:
     shutdown_grace: float = _flag(30.0, "seconds SIGTERM waits for in-flight work before cancelling it")
     worker_hang_timeout: float = _flag(60.0, "seconds a worker may go without progress (its loop's heartbeat) "
                                        "before it is killed and restarted, its requests sent again")
-    request_ring_bytes: int = _flag(32 << 20, "size of each worker's request ring in shared memory")
-    response_ring_bytes: int = _flag(64 << 20, "size of each worker's response ring in shared memory")
+    request_ring_bytes: int = _flag(8 << 20, "size of each request ring (one per frontend and worker) in shared "
+                                    "memory; a request larger than half of it travels as several records")
+    response_ring_bytes: int = _flag(0, "size of each response ring (one per frontend and worker) in shared memory "
+                                     "(0: enough for one batch of --max-texts-per-request answers of the model's "
+                                     "width, at least 16 MiB)")
     log_level: str = _flag("INFO", "logging level")
 
     def __post_init__(self) -> None:
@@ -76,11 +79,13 @@ class ServeConfig:
         elif self.devices:
             raise ValueError("--devices picks GPUs; it needs --device cuda")
         for name in ("workers", "max_batch_tokens", "max_queued_tokens", "max_texts_per_request",
-                     "max_request_bytes", "tokenizer_threads", "request_ring_bytes", "response_ring_bytes"):
+                     "max_request_bytes", "tokenizer_threads", "request_ring_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.bulk_batch_tokens < 0:
             raise ValueError(f"--bulk-batch-tokens must be 0 (no cap) or more, got {self.bulk_batch_tokens}")
+        if self.response_ring_bytes < 0:
+            raise ValueError(f"--response-ring-bytes must be 0 (auto) or more, got {self.response_ring_bytes}")
         if self.worker_threads < 0:
             raise ValueError(f"--worker-threads must be 0 (auto) or more, got {self.worker_threads}")
         if self.worker_spin_us < 0:

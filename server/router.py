@@ -14,7 +14,7 @@ import time
 
 import grpc
 
-from pollen.server import metrics
+from pollen.server import metrics, request_parts
 from pollen.server.channel import WorkerChannel, dropped_error
 from pollen.server.config import ServeConfig
 from pollen.server.errors import RequestError
@@ -53,14 +53,25 @@ class Router:
         if deadline_ns and deadline_ns <= now:
             metrics.DROPPED.labels(reason="deadline").inc()
             raise dropped_error("deadline")
+        record = records.encode_request(next(self.ids), now, seqs, dims, normalize, encoding,
+                                        deadline_ns=deadline_ns, priority=priority, rows=rows)
+        if len(record) <= self.max_record:
+            return await self.send(record, tokens, deadline_ns, priority)
+        try:
+            parts = request_parts.split(seqs, rows, self.max_record)
+        except ValueError as exc:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{exc}; split it") from None
+        results = await asyncio.gather(*(
+            self.send(records.encode_request(next(self.ids), now, part.seqs, dims, normalize, encoding,
+                                             deadline_ns=deadline_ns, priority=priority, rows=part.rows),
+                      sum(len(s) for s in part.seqs), deadline_ns, priority) for part in parts))
+        failed = next((r for r in results if r.status != records.OK), None)
+        return failed or request_parts.join(results)
+
+    async def send(self, record: bytes, tokens: int, deadline_ns: int, priority: int) -> records.ResultRecord:
+        """One request record to the ready worker with the fewest queued tokens; its answer."""
         channel = min(self.channels, key=lambda c: (not c.ready.is_set(), self.state.queued_on(c.index)))
-        req_id = next(self.ids)
-        record = records.encode_request(req_id, now, seqs, dims, normalize, encoding, deadline_ns=deadline_ns,
-                                        priority=priority, rows=rows)
-        if len(record) > self.max_record:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"the request holds {tokens} tokens in {len(seqs)} sequences, more than one "
-                               f"request record can carry ({self.max_record} bytes); split it")
+        req_id = records.request_id(record)
         try:
             return await channel.submit(req_id, record, tokens, deadline_ns, priority)
         except asyncio.CancelledError:

@@ -75,9 +75,19 @@ class ServerProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    def worker_pids(self) -> list[int]:
+    def child_pids(self) -> list[int]:
+        """Every process the server started (frontends and workers)."""
         with open(f"/proc/{self.pid}/task/{self.pid}/children") as f:
             return [int(p) for p in f.read().split()]
+
+    def worker_pids(self) -> list[int]:
+        """The workers among the children, by their process titles (pollen-worker[i] ...)."""
+        pids = []
+        for pid in self.child_pids():
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().startswith(b"pollen-worker["):
+                    pids.append(pid)
+        return pids
 
     def healthy(self) -> bool:
         with grpc.insecure_channel(self.listen) as channel:

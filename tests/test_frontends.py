@@ -23,7 +23,7 @@ CONNECTIONS = 12
 def frontend_pids(server: ServerProcess) -> dict[int, int]:
     """{frontend index: pid} from the children's process titles."""
     pids = {}
-    for pid in server.worker_pids():  # every child of the supervisor
+    for pid in server.child_pids():
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             title = f.read().split(b"\0")[0].decode()
         if title.startswith("pollen-frontend["):

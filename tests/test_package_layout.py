@@ -9,7 +9,7 @@ import pytest
 
 FRONTEND_MODULES = ("pollen.server.app", "pollen.server.service", "pollen.server.admission",
                     "pollen.server.config", "pollen.server.cli", "pollen.server.http_door",
-                    "pollen.server.supervisor", "pollen.server.channel", "pollen.server.router", "pollen.server.tokenizer", "pollen.client")
+                    "pollen.server.supervisor", "pollen.server.channel", "pollen.server.router", "pollen.server.frontend", "pollen.server.tokenizer", "pollen.client")
 
 
 def run_python(code: str, cwd) -> subprocess.CompletedProcess:
