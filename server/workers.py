@@ -102,6 +102,7 @@ class WorkerHandle:
             gpu=gpu, cpu_cores=core_share(self.index, cfg.workers), dtype=cfg.worker_dtype(),
             cuda_graphs=cfg.cuda_graphs == "on", graph_max_tokens=cfg.graph_max_tokens,
             pooling=cfg.pooling, attention=cfg.attention, spin_us=cfg.worker_spin_us,
+            engine_options=cfg.engine_options(),
             request_ring=self.requests.name, request_fds=(self.requests.data_fd, self.requests.space_fd),
             response_ring=self.responses.name, response_fds=(self.responses.data_fd, self.responses.space_fd))
         fds = [*wcfg.request_fds, *wcfg.response_fds]
