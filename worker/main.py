@@ -80,7 +80,7 @@ class Worker:
         # cuda: main() narrowed CUDA_VISIBLE_DEVICES to our one GPU, so it is always cuda:0 here.
         device = "cuda:0" if cfg.device == "cuda" else "cpu"
         self.model = load_model(cfg.model, device=device, dtype=getattr(torch, cfg.dtype),
-                                pooling=cfg.pooling, attention=cfg.attention)
+                                pooling=cfg.pooling, attention=cfg.attention, options=cfg.engine_options)
         self.hidden = self.model.spec.hidden_size
         self.engine = make_engine(self.model, device, max_batch_tokens=cfg.max_batch_tokens,
                                   cuda_graphs=cfg.cuda_graphs, graph_max_tokens=cfg.graph_max_tokens or None)
