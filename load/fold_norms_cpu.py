@@ -1,7 +1,7 @@
 """Does folding the RMSNorm weights into the next products (Qwen3Encoder.after_load) cost bf16
 accuracy? On the CPU, a Qwen3 of the 4B width (hidden 2560, 32 / 8 heads, intermediate 9728;
 vocabulary cut to 10,000 to fit in memory) with load/gpu_models.py's initialization, our model in
-bf16 with and without the fold (POLLEN_FOLD_NORMS) against our model in float32, 8 texts of 4..120
+bf16 with and without the fold (EngineOptions.fold_norms) against our model in float32, 8 texts of 4..120
 tokens in one batch.
 
     python load/fold_norms_cpu.py --layers 18,36     # writes load/results/fold-norms-cpu-DATE.{json,md}
@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from load.gpu_models import write_tokenizer  # noqa: E402
 from load.results_file import write_results  # noqa: E402
+from pollen.common.engine_options import EngineOptions  # noqa: E402
 from pollen.worker.engine import EagerEngine  # noqa: E402
 from pollen.worker.models.loader import load_model  # noqa: E402
 from pollen.worker.packed import pack  # noqa: E402
@@ -47,8 +48,7 @@ def checkpoint(layers: int) -> str:
 
 
 def rows(path, batch, dtype, fold) -> np.ndarray:
-    os.environ["POLLEN_FOLD_NORMS"] = "1" if fold else "0"
-    engine = EagerEngine(load_model(path, dtype=dtype))
+    engine = EagerEngine(load_model(path, dtype=dtype, options=EngineOptions(fold_norms=fold)))
     return engine.submit(batch).result().astype(np.float64)
 
 
