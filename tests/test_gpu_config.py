@@ -67,7 +67,7 @@ def test_worker_config_round_trips_the_gpu_settings():
 
 
 def test_engine_options_are_hidden_flags_and_variables(capsys):
-    """Each EngineOptions field is a flag and a POLLEN_* variable (POLLEN_TRITON=0 as before), kept
+    """Each EngineOptions field is a flag and a POLLEN_* variable (POLLEN_TRITON=0 is --triton 0), kept
     off --help; ServeConfig builds the EngineOptions the workers get."""
     assert ServeConfig.from_args([], environ={}).engine_options() == EngineOptions()
     env = {"POLLEN_TRITON": "0", "POLLEN_SHORT_ATTENTION": "0", "POLLEN_SKINNY": "0", "POLLEN_FLASH_ATTN": "0",
