@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from pollen.common.engine_options import EngineOptions
+
 
 @dataclasses.dataclass(slots=True)
 class WorkerConfig:
@@ -26,8 +28,11 @@ class WorkerConfig:
     attention: str | None = None
     bulk_batch_tokens: int = 0  # cap on bulk tokens per batch; 0: max_batch_tokens
     spin_us: int = 0  # poll the request rings this long before sleeping (ServeConfig.worker_spin_us)
+    engine_options: EngineOptions = dataclasses.field(default_factory=EngineOptions)  # the kernels' switches
 
     def __post_init__(self) -> None:
+        if isinstance(self.engine_options, dict):  # as to_json wrote it
+            self.engine_options = EngineOptions(**self.engine_options)
         if self.threads < 1 or self.max_batch_tokens < 1:
             raise ValueError(f"threads and max_batch_tokens must be positive: {self}")
 

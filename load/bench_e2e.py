@@ -1,7 +1,7 @@
 """The GPU engine's workloads end to end: `pollen serve --device cuda` over gRPC on loopback, client
 and server on the same machine, against the engine alone in the same run.
 
-    python load/bench_e2e.py --shape qwen3-0.6b --out load/results/gpu-e2e-DATE
+    python load/bench_e2e.py --shape qwen3-0.6b --out load/results/gpu-e2e-DATE [--engine-options skinny=0,...]
 
 queries: one pre-tokenized text of 8..32 tokens per unary Embed, sequentially (p50 / p99); also as
          text (tokenized by the server), and with the worker sleeping between queries instead of
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -26,18 +27,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from load.bench_engine import BUDGET, DOCS, docs, ours_throughput, queries, versions  # noqa: E402
 from load.gpu_models import SHAPES, make_checkpoint  # noqa: E402
+from pollen.common.engine_options import EngineOptions  # noqa: E402
 from pollen.v1 import embedder_pb2 as pb  # noqa: E402
 from pollen.v1 import embedder_pb2_grpc as pb_grpc  # noqa: E402
 from tests.conftest import ServerProcess  # noqa: E402
 
 
-def engine_docs(path, seqs, budget):
+def engine_docs(path, seqs, budget, options):
     from pollen.worker.cuda_engine import CudaEngine
     from pollen.worker.models.loader import load_model
 
     # The server's defaults: graphs up to 8,192 tokens, larger batches eager.
-    engine = CudaEngine(load_model(path, device="cuda", dtype=torch.bfloat16), "cuda", max_batch_tokens=budget,
-                        graph_max_tokens=8192)
+    engine = CudaEngine(load_model(path, device="cuda", dtype=torch.bfloat16, options=options), "cuda",
+                        max_batch_tokens=budget, graph_max_tokens=8192)
     engine.warm_up()
     ours_throughput(engine, seqs[:2000], budget)
     secs = ours_throughput(engine, seqs, budget)
@@ -119,6 +121,8 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--docs-scale", type=float, default=1.0)
     p.add_argument("--skip-spin-compare", action="store_true", help="no second server with --worker-spin-us 0")
+    p.add_argument("--engine-options", type=EngineOptions.parse, default=EngineOptions(),
+                   help="NAME=VALUE,... of pollen.common.engine_options.EngineOptions, for the engine and the servers")
     args = p.parse_args()
     path = make_checkpoint(args.shape, args.root)
     vocab = SHAPES[args.shape]["vocab_size"]
@@ -128,10 +132,13 @@ def main():
     hi = 512 if SHAPES[args.shape]["kind"] == "bert" else 2048
     d = docs(int(DOCS[args.shape] * args.docs_scale), vocab, hi)
     tokens = sum(len(s) for s in d)
-    res = {"meta": versions(), "shape": args.shape, "engine_docs_tokens_per_s": engine_docs(path, d, budget)}
+    res = {"meta": versions(), "shape": args.shape,
+           "engine_docs_tokens_per_s": engine_docs(path, d, budget, args.engine_options),
+           "engine_options": dataclasses.asdict(args.engine_options)}
     print("engine", res, flush=True)
     flags = ["--model", path, "--device", "cuda", "--max-batch-tokens", str(budget), "--max-request-bytes",
-             str(64 << 20), "--max-queued-tokens", str(64 << 20), "--max-texts-per-request", "32"]
+             str(64 << 20), "--max-queued-tokens", str(64 << 20), "--max-texts-per-request", "32",
+             *args.engine_options.serve_flags()]
     server = ServerProcess(*flags, env={"PYTHONUNBUFFERED": "1"}).start(timeout=300)
     try:
         res["server_start_s"] = server.started_in_s

@@ -1,6 +1,7 @@
 """GPU engine benchmark: pollen's engine (eager and CUDA graphs) against HF transformers, same run.
 
     python load/bench_engine.py --shapes qwen3-0.6b,bert-base --out load/results/gpu-DATE
+           [--engine-options skinny=0,...]  (pollen.common.engine_options.EngineOptions, NAME=VALUE)
 
 Per shape (random weights in the real HF format, made here, read through pollen's loader):
   check    our embeddings vs HF transformers float32 on the same weights (cosine, both attention
@@ -15,6 +16,7 @@ product rate measured in the same run. Results: a JSON file and a markdown table
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -29,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from load.gpu_models import SHAPES, make_checkpoint, pplx_variant  # noqa: E402
+from pollen.common.engine_options import EngineOptions  # noqa: E402
 from pollen.worker.cuda_engine import CudaEngine  # noqa: E402
 from pollen.worker.models.loader import load_model  # noqa: E402
 from pollen.worker.packed import pack  # noqa: E402
@@ -185,7 +188,7 @@ def cosines(a, b):
 
 # ---------------------------------------------------------------- per shape
 
-def check(shape, path, results):
+def check(shape, path, results, options):
     """Ours (bf16 eager, bf16 graphs, fp32) vs HF float32 on the same weights and texts."""
     kind = SHAPES[shape]["kind"]
     rng = np.random.default_rng(7)
@@ -204,7 +207,7 @@ def check(shape, path, results):
         row = {}
         for label, dtype, graphs in (("fp32", torch.float32, False), ("bf16_eager", torch.bfloat16, False),
                                      ("bf16_graphs", torch.bfloat16, True)):
-            model = load_model(mpath, device="cuda", dtype=dtype)
+            model = load_model(mpath, device="cuda", dtype=dtype, options=options)
             engine = CudaEngine(model, "cuda", max_batch_tokens=16384, cuda_graphs=graphs)
             engine.warm_up()
             ours = ours_rows(engine, seqs)
@@ -243,7 +246,7 @@ def bench_shape(shape, root, rate, args):
     path = make_checkpoint(shape, root)
     res = {"shape": shape, "checkpoint_seconds": time.perf_counter() - t}
     if not args.skip_check:
-        check(shape, path, res)
+        check(shape, path, res, args.engine_options)
     budget = BUDGET[shape]
     causal = kind == "qwen3"
     pooling = "last" if causal else "mean"
@@ -254,7 +257,7 @@ def bench_shape(shape, root, rate, args):
 
     # ---- ours, eager then graphs
     for label, graphs in (("eager", False), ("graphs", True)):
-        model = load_model(path, device="cuda", dtype=torch.bfloat16)
+        model = load_model(path, device="cuda", dtype=torch.bfloat16, options=args.engine_options)
         engine = CudaEngine(model, "cuda", max_batch_tokens=budget, cuda_graphs=graphs)
         engine.warm_up()
         torch.cuda.synchronize()
@@ -288,7 +291,7 @@ def bench_shape(shape, root, rate, args):
     if args.queries_only:
         return res
     if causal and not args.skip_bidir:
-        model = load_model(pplx_variant(path), device="cuda", dtype=torch.bfloat16)
+        model = load_model(pplx_variant(path), device="cuda", dtype=torch.bfloat16, options=args.engine_options)
         engine = CudaEngine(model, "cuda", max_batch_tokens=budget, cuda_graphs=True)
         engine.warm_up()
         ours_throughput(engine, d[:2000], budget)
@@ -394,8 +397,11 @@ def main():
     p.add_argument("--skip-long", action="store_true")
     p.add_argument("--skip-bidir", action="store_true")
     p.add_argument("--queries-only", action="store_true", help="our engine's query latency alone (no HF, no table)")
+    p.add_argument("--engine-options", type=EngineOptions.parse, default=EngineOptions(),
+                   help="NAME=VALUE,... of pollen.common.engine_options.EngineOptions, e.g. skinny=0")
     args = p.parse_args()
     meta = versions()
+    meta["engine_options"] = dataclasses.asdict(args.engine_options)
     rate = matmul_rate()
     log("matmul", rate / 1e12, "TFLOP/s", meta)
     shapes = []

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from load.results_file import write_results  # noqa: E402
-from pollen.worker import kernels  # noqa: E402
+from pollen.worker.kernels import activations, norms  # noqa: E402
 from pollen.worker.kernels import skinny as sk  # noqa: E402
 
 ALL_SHAPES = {"qwen3-0.6b": (1024, 4096, 2048, 3072), "qwen3-4b": (2560, 6144, 4096, 9728)}  # hidden, qkv, attn, inter
@@ -69,12 +69,12 @@ def products(m, shape):
     a, act = torch.randn(m, attn, device="cuda", dtype=DT), torch.randn(m, inter, device="cuda", dtype=DT)
     _, parts = sk.skinny_linear(a, Layer(*shape).o, residual=r)
     return {
-        "qkv": ("norm", hidden, qkv, lambda L: F.linear(kernels.add_rms_norm(h, r, L.g, 1e-6)[0], L.qkv),
+        "qkv": ("norm", hidden, qkv, lambda L: F.linear(norms.add_rms_norm(h, r, L.g, 1e-6)[0], L.qkv),
                 lambda L, c: sk.skinny_linear(r, L.qkv, parts=parts, eps=1e-6, config=c)),
         "o": ("residual", attn, hidden, lambda L: F.linear(a, L.o),
               lambda L, c: sk.skinny_linear(a, L.o, residual=r, config=c)),
         "gate_up": ("swiglu", hidden, inter,
-                    lambda L: kernels.silu_mul(F.linear(kernels.add_rms_norm(h, r, L.g, 1e-6)[0], L.gate_up)),
+                    lambda L: activations.silu_mul(F.linear(norms.add_rms_norm(h, r, L.g, 1e-6)[0], L.gate_up)),
                     lambda L, c: sk.skinny_linear(r, L.gate_up, parts=parts, eps=1e-6, swiglu=True, config=c)),
         "down": ("residual", inter, hidden, lambda L: F.linear(act, L.down),
                  lambda L, c: sk.skinny_linear(act, L.down, residual=r, config=c)),
@@ -88,10 +88,10 @@ def layer_chain(m, shape, layers):
     state = {"r": torch.randn(m, hidden, device="cuda", dtype=DT)}
 
     def separate(L):
-        x, r = kernels.add_rms_norm(state["r"], None, L.g, 1e-6)
+        x, r = norms.add_rms_norm(state["r"], None, L.g, 1e-6)
         F.linear(x, L.qkv)
-        x, r = kernels.add_rms_norm(F.linear(a, L.o), r, L.g, 1e-6)
-        state["r"] = F.linear(kernels.silu_mul(F.linear(x, L.gate_up)), L.down) + r
+        x, r = norms.add_rms_norm(F.linear(a, L.o), r, L.g, 1e-6)
+        state["r"] = F.linear(activations.silu_mul(F.linear(x, L.gate_up)), L.down) + r
 
     def skinny(L):
         r, parts = sk.skinny_linear(a, L.o, residual=state["r"])

@@ -1,6 +1,6 @@
 """Where one short query's time goes on the GPU: kernel count and time per kernel kind.
 
-    python load/profile_query.py --shape qwen3-0.6b [--tokens 16]
+    python load/profile_query.py --shape qwen3-0.6b [--tokens 16] [--engine-options skinny=0,...]
 
 Runs the eager forward under torch.profiler (GPU time per kernel, free of launch gaps), then times
 the graph replay alone and the whole submit→result path with CUDA events.
@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from load.gpu_models import make_checkpoint  # noqa: E402
+from pollen.common.engine_options import EngineOptions  # noqa: E402
 from pollen.worker.cuda_engine import CudaEngine  # noqa: E402
 from pollen.worker.models.loader import load_model  # noqa: E402
 from pollen.worker.packed import pack  # noqa: E402
@@ -28,9 +29,11 @@ def main():
     p.add_argument("--shape", default="qwen3-0.6b")
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--root", default="/tmp/pollen-ckpt")
+    p.add_argument("--engine-options", type=EngineOptions.parse, default=EngineOptions(),
+                   help="NAME=VALUE,... of pollen.common.engine_options.EngineOptions")
     args = p.parse_args()
     path = make_checkpoint(args.shape, args.root)
-    model = load_model(path, device="cuda", dtype=torch.bfloat16)
+    model = load_model(path, device="cuda", dtype=torch.bfloat16, options=args.engine_options)
     engine = CudaEngine(model, "cuda", max_batch_tokens=16384)
     engine.warm_up()
     batch = pack([np.arange(args.tokens, dtype=np.int32) + 100])

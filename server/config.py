@@ -5,15 +5,23 @@ import argparse
 import dataclasses
 import os
 
+from pollen.common.engine_options import EngineOptions, parse_switch
 from pollen.common.model_spec import default_model_path
 
 # Field annotations (strings, under `from __future__ import annotations`) to argparse types.
-_TYPES = {"str | None": str, "str": str, "int": int, "float": float}
+_TYPES = {"str | None": str, "str": str, "int": int, "float": float, "bool": parse_switch}
 
 
 def _flag(default, text: str):
     """A field that is also a flag --name-with-dashes and a variable POLLEN_NAME."""
     return dataclasses.field(default=default, metadata={"help": text})
+
+
+def _engine_flag(name: str):
+    """A field for EngineOptions.<name>: a flag and a variable like the others, hidden from --help
+    (EngineOptions documents it, and its default is EngineOptions')."""
+    default = EngineOptions.__dataclass_fields__[name].default
+    return dataclasses.field(default=default, metadata={"help": f"EngineOptions.{name}", "hidden": True})
 
 
 @dataclasses.dataclass(slots=True)
@@ -61,6 +69,13 @@ class ServeConfig:
                                      "(0: enough for one batch of --max-texts-per-request answers of the model's "
                                      "width, at least 16 MiB)")
     log_level: str = _flag("INFO", "logging level")
+    # The engine's switches (pollen.common.engine_options.EngineOptions), for measuring and debugging.
+    triton: bool = _engine_flag("triton")
+    short_attention: bool = _engine_flag("short_attention")
+    skinny: bool = _engine_flag("skinny")
+    skinny_configs: str | None = _engine_flag("skinny_configs")
+    flash_attn: bool = _engine_flag("flash_attn")
+    fold_norms: bool = _engine_flag("fold_norms")
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -111,6 +126,7 @@ class ServeConfig:
                 raise ValueError(f"--http-listen must be host:port or empty, got {self.http_listen!r}")
         if self.shutdown_grace < 0:
             raise ValueError("--shutdown-grace must be 0 or more")
+        self.engine_options()  # names a bad engine option here rather than in each worker
 
     def gpu_list(self) -> list[int]:
         """The GPU indices that get a worker each (cuda only)."""
@@ -132,6 +148,10 @@ class ServeConfig:
     def to_dict(self) -> dict:
         """Every field, for a child process to build the same config (ServeConfig(**d))."""
         return dataclasses.asdict(self)
+
+    def engine_options(self) -> EngineOptions:
+        """The options every worker's engine runs with (WorkerConfig.engine_options)."""
+        return EngineOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineOptions)})
 
     def worker_dtype(self) -> str:
         if self.dtype != "auto":
@@ -189,5 +209,6 @@ def add_flags(parser: argparse.ArgumentParser, environ) -> None:
         value = environ.get(env, field.default)
         if value is not None:
             value = kind(value)
+        text = f"{field.metadata['help']} [env {env}; default {field.default!r}]"
         parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name, type=kind, default=value,
-                            help=f"{field.metadata['help']} [env {env}; default {field.default!r}]")
+                            help=argparse.SUPPRESS if field.metadata.get("hidden") else text)

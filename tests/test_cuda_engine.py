@@ -13,6 +13,7 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")]
 
+from pollen.common.engine_options import EngineOptions  # noqa: E402
 from pollen.worker.engine import EagerEngine  # noqa: E402
 from pollen.worker.models import ops  # noqa: E402
 from pollen.worker.models.loader import load_model  # noqa: E402
@@ -27,8 +28,9 @@ def cos(a, b):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernels_equal_references(dtype):
     pytest.importorskip("triton")
-    from pollen.worker import kernels
+    from pollen.worker.kernels.fused import triton_ops
 
+    kernels = triton_ops("torch_varlen", EngineOptions())
     torch.manual_seed(0)
     t, h, heads, kv, d, inter = 333, 1024, 16, 8, 128, 3072
     x, r = (torch.randn(t, h, device="cuda", dtype=dtype) for _ in range(2))
@@ -140,7 +142,7 @@ def test_short_attention_equals_flash(causal):
 def test_fused_short_qk_rope_attention_equals_the_separate_kernels(causal):
     pytest.importorskip("triton")
     from pollen.worker.kernels.short_attention import short_qk_rope_attention
-    from pollen.worker.models.attention import varlen_attention
+    from pollen.worker.models.attention import VarlenAttention, backend
 
     torch.manual_seed(2)
     heads, kv, d = 16, 8, 128
@@ -150,11 +152,9 @@ def test_fused_short_qk_rope_attention_equals_the_separate_kernels(causal):
     qw, kw = ((1 + 0.3 * torch.randn(d, device="cuda")).to(torch.bfloat16) for _ in range(2))
     cache = ops.rope_cache(1e6, d, 4096, "cuda")
     q, k, v = ops.qk_norm_rope(qkv, qw, kw, cache, pos, heads, kv, 1e-6)
-    os.environ["POLLEN_SHORT_ATTENTION"] = "0"  # the reference: flash attention
-    try:
-        ref = varlen_attention(q, k, v, cu, 64, causal)
-    finally:
-        del os.environ["POLLEN_SHORT_ATTENTION"]
+    flash = VarlenAttention(backend(q.device, q.dtype, EngineOptions()))  # the reference: no short kernel
+    assert flash.kind != "sdpa_loop" and flash.short is None
+    ref = flash(q, k, v, cu, 64, causal)
     got = short_qk_rope_attention(qkv, qw, kw, cache, pos, heads, kv, 1e-6, cu, 64, causal)
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
 
@@ -218,10 +218,11 @@ def test_skinny_products_equal_the_separate_kernels(dtype):
 
 
 @pytest.mark.parametrize("kind", ["causal", "bidirectional"])
-def test_query_path_matches_cpu_reference(tmp_path, kind, monkeypatch):
+def test_query_path_matches_cpu_reference(tmp_path, kind):
     """Batches of up to 64 tokens take the five-kernel layer (skinny products) and still equal the
     float32 CPU reference; a 65-token batch takes the general path."""
-    from pollen.worker import kernels
+    import dataclasses
+
     from pollen.worker.cuda_engine import CudaEngine
     from tests.test_model_qwen3 import make_tiny_qwen3
 
@@ -229,12 +230,13 @@ def test_query_path_matches_cpu_reference(tmp_path, kind, monkeypatch):
                     head_dim=64, intermediate_size=512, num_hidden_layers=2, max_position_embeddings=256)
     path = str(tmp_path / "m")
     calls = []
-    real = kernels.skinny_linear
-    monkeypatch.setattr(kernels, "skinny_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
     cpu = EagerEngine(load_model(path))
     for graphs in (False, True):
-        engine = CudaEngine(load_model(path, "cuda", torch.bfloat16), "cuda", max_batch_tokens=512,
-                            cuda_graphs=graphs)
+        model = load_model(path, "cuda", torch.bfloat16)
+        assert model.ops.name == "triton" and model.query_kernels
+        real = model.ops.skinny_linear
+        model.ops = dataclasses.replace(model.ops, skinny_linear=lambda *a, **k: calls.append(1) or real(*a, **k))
+        engine = CudaEngine(model, "cuda", max_batch_tokens=512, cuda_graphs=graphs)
         engine.warm_up()
         for lengths in ([16], [9], [3, 20, 7], [30, 34], [65]):
             batch = pack(seqs(lengths, seed=len(lengths)))
@@ -243,3 +245,37 @@ def test_query_path_matches_cpu_reference(tmp_path, kind, monkeypatch):
             assert cos(got, cpu.submit(batch).result()) >= 0.999, (graphs, lengths)
             if not graphs:  # eagerly, every call is visible: four products a layer, two layers
                 assert len(calls) == (8 if sum(lengths) <= 64 else 0), lengths
+
+
+@pytest.mark.parametrize("options, query_calls", [
+    (EngineOptions(), 8), (EngineOptions(skinny=False), 0), (EngineOptions(fold_norms=False), 0),
+    (EngineOptions(short_attention=False), 8), (EngineOptions(triton=False), 0),
+    (EngineOptions(flash_attn=False), 8)])
+def test_each_engine_option_switches_its_kernels(tmp_path, options, query_calls):
+    """Each option turns off exactly its kernels, and every combination still equals the CPU
+    reference: a 16-token query through the skinny products (two layers, four each) or not, short
+    attention or the varlen kernel, flash_attn or torch's varlen_attn."""
+    import dataclasses
+
+    from pollen.worker.cuda_engine import CudaEngine
+    from tests.test_model_qwen3 import make_tiny_qwen3
+
+    if options.triton:
+        pytest.importorskip("triton")
+    make_tiny_qwen3(tmp_path / "m", "causal", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=64, intermediate_size=512, num_hidden_layers=2, max_position_embeddings=256)
+    path = str(tmp_path / "m")
+    model = load_model(path, "cuda", torch.bfloat16, options=options)
+    assert model.ops.name == ("triton" if options.triton else "torch")
+    assert model.attention.kind != "flash_attn" or options.flash_attn
+    has_short = options.triton and options.short_attention
+    assert (model.short_qk_rope_attention is not None) == has_short == (model.attention.short is not None)
+    calls = []
+    if model.ops.skinny_linear is not None:
+        real = model.ops.skinny_linear
+        model.ops = dataclasses.replace(model.ops, skinny_linear=lambda *a, **k: calls.append(1) or real(*a, **k))
+    engine = CudaEngine(model, "cuda", max_batch_tokens=512, cuda_graphs=False)
+    batch = pack(seqs([16], seed=6))
+    got = engine.submit(batch).result()
+    assert len(calls) == query_calls
+    assert cos(got, EagerEngine(load_model(path)).submit(batch).result()) >= 0.999

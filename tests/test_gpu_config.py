@@ -2,11 +2,13 @@
 worker, how the CPU cores are shared out, and the clear errors for settings that cannot work."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
 import pytest
 
+from pollen.common.engine_options import EngineOptions
 from pollen.common.worker_config import WorkerConfig
 from pollen.server.config import ServeConfig, visible_device
 from pollen.server.supervisor import core_share
@@ -55,8 +57,47 @@ def test_worker_config_round_trips_the_gpu_settings():
     cfg = WorkerConfig(index=1, model="/m", device="cuda", threads=2, max_batch_tokens=4096, parent_pid=1,
                        control_fd=7, state="pollen-1-ab", response_ring_bytes=1 << 20, gpu=3, cuda_device="6",
                        cpu_cores=[4, 5], dtype="bfloat16", cuda_graphs=False, graph_max_tokens=2048,
-                       pooling="mean", attention="bidirectional")
-    assert WorkerConfig(**json.loads(cfg.to_json())) == cfg
+                       pooling="mean", attention="bidirectional",
+                       engine_options=EngineOptions(triton=False, skinny=False, skinny_configs=__file__))
+    back = WorkerConfig(**json.loads(cfg.to_json()))
+    assert back == cfg and isinstance(back.engine_options, EngineOptions)
+    assert WorkerConfig(**json.loads(dataclasses.replace(cfg, engine_options=EngineOptions()).to_json())) \
+        .engine_options == EngineOptions()
+
+
+def test_engine_options_are_hidden_flags_and_variables(capsys):
+    """Each EngineOptions field is a flag and a POLLEN_* variable (POLLEN_TRITON=0 is --triton 0), kept
+    off --help; ServeConfig builds the EngineOptions the workers get."""
+    assert ServeConfig.from_args([], environ={}).engine_options() == EngineOptions()
+    env = {"POLLEN_TRITON": "0", "POLLEN_SHORT_ATTENTION": "0", "POLLEN_SKINNY": "0", "POLLEN_FLASH_ATTN": "0",
+           "POLLEN_FOLD_NORMS": "0", "POLLEN_SKINNY_CONFIGS": __file__}
+    assert ServeConfig.from_args([], environ=env).engine_options() == EngineOptions(
+        triton=False, short_attention=False, skinny=False, skinny_configs=__file__, flash_attn=False,
+        fold_norms=False)
+    cfg = ServeConfig.from_args(["--skinny", "1", "--fold-norms", "off"], environ={"POLLEN_SKINNY": "0"})
+    assert (cfg.skinny, cfg.fold_norms, cfg.triton) == (True, False, True)
+    assert ServeConfig.from_args([], environ={"POLLEN_SKINNY_CONFIGS": ""}).engine_options().skinny_configs is None
+    with pytest.raises(ValueError, match="no such file"):
+        ServeConfig.from_args(["--skinny-configs", "/nonexistent/table.json"], environ={})
+    with pytest.raises(ValueError, match="expected 1/0"):
+        ServeConfig.from_args([], environ={"POLLEN_TRITON": "maybe"})
+    with pytest.raises(SystemExit):
+        ServeConfig.from_args(["--help"], environ={})
+    shown = capsys.readouterr().out
+    assert "--max-batch-tokens" in shown
+    for field in dataclasses.fields(EngineOptions):
+        assert "--" + field.name.replace("_", "-") not in shown
+
+
+def test_engine_options_parse_and_serve_flags():
+    options = EngineOptions.parse("skinny=0, short_attention=off,skinny_configs=" + __file__)
+    assert options == EngineOptions(skinny=False, short_attention=False, skinny_configs=__file__)
+    assert EngineOptions.parse("") == EngineOptions() and EngineOptions().serve_flags() == []
+    cfg = ServeConfig.from_args(options.serve_flags(), environ={})
+    assert cfg.engine_options() == options
+    for bad in ("skinny", "turbo=1", "triton=2"):
+        with pytest.raises(ValueError):
+            EngineOptions.parse(bad)
 
 
 def test_worker_gpu_is_read_through_the_servers_own_visible_devices():

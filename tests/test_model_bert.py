@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pollen.common.model_spec import UnsupportedModel, default_model_path, read_model_spec
-from pollen.worker.models.attention import varlen_attention
+from pollen.worker.models.attention import VarlenAttention
 from pollen.worker.models.loader import load_model
 from pollen.worker.models.packing import positions
 from pollen.worker.models.pooling import pool
@@ -181,7 +181,7 @@ def test_positions_pool_and_attention_helpers():
     torch.manual_seed(0)
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
     q, k, v = (torch.randn(9, 2, 8) for _ in range(3))
-    out = varlen_attention(q, k, v, cu, 5, causal=True)
+    out = VarlenAttention("sdpa_loop")(q, k, v, cu, 5, causal=True)
     for s, e in ((0, 4), (4, 9)):
         scores = torch.einsum("qhd,khd->hqk", q[s:e], k[s:e]) / 8**0.5
         scores = scores.masked_fill(torch.ones(e - s, e - s).triu(1).bool(), float("-inf"))

@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 import torch
 
+from pollen.common.engine_options import EngineOptions
 from pollen.common.model_spec import UnsupportedModel, read_model_spec
 from pollen.worker.engine import EagerEngine
 from pollen.worker.models import ops
 from pollen.worker.models.loader import load_model
+from pollen.worker.models.ops import reference_ops
 from pollen.worker.packed import pack
 
 LENGTHS = [1, 9, 2, 40, 64, 13]
@@ -169,20 +171,73 @@ def test_reference_ops_match_hf_pieces():
     assert torch.equal(v, v0)
 
 
-def test_folding_the_norms_changes_weights_not_results(tmp_path, monkeypatch):
-    """after_load folds each pre-norm's weight into the product that reads it; POLLEN_FOLD_NORMS=0
+def test_folding_the_norms_changes_weights_not_results(tmp_path):
+    """after_load folds each pre-norm's weight into the product that reads it; fold_norms=False
     keeps the checkpoint's weights. Both give the same embeddings (float32)."""
-    from pollen.worker.models.loader import load_model
-
     make_tiny_qwen3(tmp_path / "m", "causal")
     seqs = [torch.randint(0, 1000, (n,), dtype=torch.int32) for n in (5, 17, 2)]
     cu = torch.tensor([0, 5, 22, 24], dtype=torch.int32)
     out = {}
-    for fold in ("1", "0"):
-        monkeypatch.setenv("POLLEN_FOLD_NORMS", fold)
-        model = load_model(str(tmp_path / "m"))
-        assert model.folded == (fold == "1")
-        assert torch.all(model.layers[0].attn_norm.weight == 1) == (fold == "1")
+    for fold in (True, False):
+        model = load_model(str(tmp_path / "m"), options=EngineOptions(fold_norms=fold))
+        assert model.folded == fold
+        assert torch.all(model.layers[0].attn_norm.weight == 1) == fold
         with torch.no_grad():
             out[fold] = model(torch.cat(seqs), cu, 17)
-    torch.testing.assert_close(out["1"], out["0"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-5)
+
+
+def test_the_cpu_takes_the_torch_references_whatever_the_options(tmp_path):
+    """Kernels are chosen at load: on the CPU, the torch references and the SDPA loop, with no
+    short-attention or query kernels; none of our Triton modules is imported (a fresh process)."""
+    import subprocess
+    import sys
+
+    make_tiny_qwen3(tmp_path / "m", "causal")
+    for options in (EngineOptions(), EngineOptions(triton=False, flash_attn=False)):
+        model = load_model(str(tmp_path / "m"), options=options)
+        assert model.ops == reference_ops("sdpa_loop")
+        assert (model.ops.add_rms_norm, model.ops.qk_norm_rope) == (ops.add_rms_norm, ops.qk_norm_rope)
+        assert model.attention.kind == "sdpa_loop" and model.attention.short is None
+        assert model.short_qk_rope_attention is None and not model.query_kernels
+    code = ("import sys, torch\nfrom pollen.worker.models.loader import load_model\n"
+            f"load_model({str(tmp_path / 'm')!r})(torch.arange(5), torch.tensor([0, 5], dtype=torch.int32), 5)\n"
+            "assert not [m for m in sys.modules if m.startswith('pollen.worker.kernels.')], sorted(sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_kernels_are_chosen_at_load_from_device_dtype_and_options(tmp_path, monkeypatch):
+    """choose_ops picks every implementation once; checked here for CUDA without a GPU (nothing runs).
+    Each option turns off exactly its kernels in the model that load_model builds."""
+    from pollen.worker import kernels
+    from pollen.worker.models import attention, loader
+
+    cuda = torch.device("cuda")
+    assert loader.choose_ops(torch.device("cpu"), torch.bfloat16, EngineOptions()) == reference_ops("sdpa_loop")
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "available", lambda: False)  # a CUDA host without Triton
+        assert loader.choose_ops(cuda, torch.bfloat16, EngineOptions()).name == "torch"
+    varlen = "flash_attn" if attention._flash_varlen is not None else "torch_varlen"
+    assert attention.backend(cuda, torch.bfloat16, EngineOptions()) == varlen
+    assert attention.backend(cuda, torch.bfloat16, EngineOptions(flash_attn=False)) == "torch_varlen"
+    assert attention.backend(cuda, torch.float32, EngineOptions()) == "sdpa_loop"
+    assert loader.choose_ops(cuda, torch.bfloat16, EngineOptions(triton=False)) == reference_ops(varlen)
+
+    pytest.importorskip("triton")
+    make_tiny_qwen3(tmp_path / "m", "causal", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=64, intermediate_size=512, num_hidden_layers=2, max_position_embeddings=256)
+    real = loader.choose_ops
+    monkeypatch.setattr(loader, "choose_ops", lambda device, dtype, options: real(cuda, dtype, options))
+    for options in (EngineOptions(), EngineOptions(short_attention=False), EngineOptions(skinny=False),
+                    EngineOptions(fold_norms=False), EngineOptions(triton=False)):
+        model = load_model(str(tmp_path / "m"), dtype=torch.bfloat16, options=options)
+        short = options.triton and options.short_attention
+        assert model.ops.name == ("triton" if options.triton else "torch")
+        assert model.attention.kind == varlen and (model.attention.short is not None) == short
+        assert (model.short_qk_rope_attention is not None) == short
+        assert model.query_kernels == (options.triton and options.skinny and options.fold_norms)
+        assert model.fits_query_kernels(64) == model.query_kernels and not model.fits_query_kernels(65)
+    fp32 = load_model(str(tmp_path / "m"), dtype=torch.float32)
+    assert fp32.attention.kind == "sdpa_loop" and fp32.attention.short is None  # the loop takes no short kernel
+    assert fp32.short_qk_rope_attention is not None and not fp32.fits_query_kernels(16)

@@ -36,7 +36,7 @@ def load(cfg: WorkerConfig):
     # cuda: main() narrowed CUDA_VISIBLE_DEVICES to our one GPU, so it is always cuda:0 here.
     device = "cuda:0" if cfg.device == "cuda" else "cpu"
     model = load_model(cfg.model, device=device, dtype=getattr(torch, cfg.dtype), pooling=cfg.pooling,
-                       attention=cfg.attention)
+                       attention=cfg.attention, options=cfg.engine_options)
     engine = make_engine(model, device, max_batch_tokens=cfg.max_batch_tokens, cuda_graphs=cfg.cuda_graphs,
                          graph_max_tokens=cfg.graph_max_tokens or None)
     engine.warm_up()  # pay first-call costs before READY, not on a client

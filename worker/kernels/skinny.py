@@ -22,8 +22,6 @@ weight) and the folded weight is rounded once; both are within one bf16 step of 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -113,7 +111,7 @@ LAYER_WINS: dict[tuple[int, int], bool] = {}
 
 
 def load_configs(path: str) -> None:
-    """Take the table a run of load/bench_skinny_linear.py wrote (POLLEN_SKINNY_CONFIGS=PATH)."""
+    """Take the table a run of load/bench_skinny_linear.py wrote (EngineOptions.skinny_configs)."""
     import json
 
     with open(path) as f:
@@ -134,8 +132,6 @@ def layer_wins(hidden: int, tokens: int) -> bool:
 
 
 load_configs_dict(MEASURED)
-if os.environ.get("POLLEN_SKINNY_CONFIGS"):  # a table measured on this machine, over the committed one
-    load_configs(os.environ["POLLEN_SKINNY_CONFIGS"])
 
 
 def config_for(kind: str, k: int, n: int, block_m: int) -> tuple[int, int, int, int, int]:

@@ -2,18 +2,25 @@
 
 Grouped-query attention (kv_heads dividing heads) is handled by every path. On CUDA the packed
 tokens go through one varlen flash-attention kernel: flash_attn's `flash_attn_varlen_func` when
-that package is importable (an optional extra), else torch's own `varlen_attn` (torch >= 2.10).
-Both take int32 cu_seqlens and fp16/bf16 tensors, never sync with the host, and capture into
-CUDA graphs. On the CPU, one SDPA call per sequence: simple and exact.
+that package is importable (an optional extra) and EngineOptions.flash_attn is on, else torch's
+own `varlen_attn` (torch >= 2.10). Both take int32 cu_seqlens and fp16/bf16 tensors, never sync
+with the host, and capture into CUDA graphs. On the CPU, one SDPA call per sequence: simple and
+exact. `backend` picks the kernel once per model; `VarlenAttention` runs it, and a model's short
+batches (every sequence at most kernels.SHORT_MAX_LEN tokens) take the Triton short-attention
+kernel when the model's Ops has one.
 """
 
 from __future__ import annotations
 
 import inspect
-import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from pollen.common.engine_options import EngineOptions
+from pollen.worker import kernels
+from pollen.worker.models.ops import Ops
 
 try:
     from torch.nn.attention.varlen import varlen_attn as _torch_varlen
@@ -30,49 +37,60 @@ except ImportError:
     _flash_varlen = None
 
 
-def _short_kernels(q: torch.Tensor, max_seqlen: int) -> bool:
-    from pollen.worker import kernels
-    from pollen.worker.models import ops
-
-    return ops.use_triton(q) and kernels.short_attention_fits(max_seqlen, q.shape[2])
-
-
-def backend(device_is_cuda: bool, dtype: torch.dtype = torch.bfloat16) -> str:
-    """Which kernel attention uses: "flash_attn", "torch_varlen" or "sdpa_loop".
+def backend(device: torch.device, dtype: torch.dtype, options: EngineOptions) -> str:
+    """Which kernel attention uses on this device and dtype: "flash_attn", "torch_varlen" or "sdpa_loop".
 
     The flash kernels take fp16/bf16 only; float32 on CUDA (a debugging mode) takes the loop.
     """
-    if device_is_cuda and dtype in (torch.float16, torch.bfloat16):
-        if _flash_varlen is not None and os.environ.get("POLLEN_FLASH_ATTN", "1") != "0":
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        if _flash_varlen is not None and options.flash_attn:
             return "flash_attn"
         if _torch_varlen is not None:
             return "torch_varlen"
     return "sdpa_loop"
 
 
-def varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    causal: bool,
-) -> torch.Tensor:
-    """Each sequence attends only to itself; returns [T, heads, D]."""
-    kind = backend(q.is_cuda, q.dtype)
-    gqa = k.shape[1] != q.shape[1]
-    if kind != "sdpa_loop" and _short_kernels(q, max_seqlen):
-        # Queries: a register-resident Triton kernel beats a flash launch sized for long inputs.
-        from pollen.worker.kernels.short_attention import short_attention
+class VarlenAttention:
+    """Each sequence attends only to itself: (q, k, v, cu_seqlens, max_seqlen, causal) -> [T, heads, D].
 
-        return short_attention(q, k, v, cu_seqlens, max_seqlen, causal)
-    if kind == "flash_attn":
-        return _flash_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=causal)
-    if kind == "torch_varlen":
-        return _torch_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                             **_torch_varlen_options(causal, gqa))
+    `kind` is backend()'s choice; `short`, when set, takes the batches whose sequences are all at
+    most kernels.SHORT_MAX_LEN tokens long (for queries a register-resident Triton kernel beats a
+    flash launch sized for long inputs).
+    """
 
+    __slots__ = ("kind", "short", "_run")
+
+    def __init__(self, kind: str, short: Callable | None = None):
+        self.kind, self.short = kind, short
+        self._run = {"flash_attn": _flash_attention, "torch_varlen": _torch_varlen_attention,
+                     "sdpa_loop": _sdpa_loop}[kind]
+
+    @classmethod
+    def of(cls, ops: Ops, head_dim: int) -> "VarlenAttention":
+        """A model's attention: ops' varlen kernel, and its short-attention kernel where it has one,
+        the heads' size suits it, and the varlen kernel is a flash kernel (not the SDPA loop)."""
+        takes = ops.attention != "sdpa_loop" and kernels.short_attention_takes(head_dim)
+        return cls(ops.attention, ops.short_attention if takes else None)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                 max_seqlen: int, causal: bool) -> torch.Tensor:
+        if self.short is not None and max_seqlen <= kernels.SHORT_MAX_LEN:
+            return self.short(q, k, v, cu_seqlens, max_seqlen, causal)
+        return self._run(q, k, v, cu_seqlens, max_seqlen, causal)
+
+
+def _flash_attention(q, k, v, cu_seqlens, max_seqlen, causal):
+    return _flash_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=causal)
+
+
+def _torch_varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal):
+    return _torch_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                         **_torch_varlen_options(causal, k.shape[1] != q.shape[1]))
+
+
+def _sdpa_loop(q, k, v, cu_seqlens, max_seqlen, causal):
     out = torch.empty_like(q)
+    gqa = k.shape[1] != q.shape[1]
     bounds = cu_seqlens.tolist()  # the host sync costs nothing on the CPU
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end == start:

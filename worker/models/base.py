@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from pollen.common.engine_options import EngineOptions
 from pollen.common.model_spec import ModelSpec
+from pollen.worker.models.ops import Ops
 from pollen.worker.models.packing import positions as packed_positions
 from pollen.worker.models.pooling import pool
 
@@ -17,9 +19,13 @@ class EmbeddingModel(torch.nn.Module):
     model's business: the engine pools over arbitrary token spans (whole texts, or the chunks of
     one document), so the same forward serves every request kind and every CUDA graph bucket.
     max_seqlen is a Python int so that shape checks and kernels need no device-to-host sync.
+
+    A model is built (on the meta device) with the `Ops` the loader chose for its device, dtype
+    and EngineOptions, and builds its attention from them: the forward never chooses a kernel.
     """
 
     spec: ModelSpec
+    ops: Ops
     # Checkpoint name prefixes to try: a BertModel saves "embeddings...", a BertForMaskedLM
     # "bert.embeddings...". The loader picks the prefix under which the most names exist.
     hf_prefixes: tuple[str, ...] = ("",)
@@ -34,7 +40,7 @@ class EmbeddingModel(torch.nn.Module):
         hidden = self.hidden_states(input_ids, pos, cu_seqlens, max_seqlen)
         return pool(hidden, cu_seqlens, self.spec.pooling)
 
-    def after_load(self) -> None:
+    def after_load(self, options: EngineOptions) -> None:
         """Rewrite the loaded weights into the form the forward wants (the loader calls it once)."""
 
     def hf_weight_map(self) -> dict[str, list[str]]:

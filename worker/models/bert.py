@@ -10,14 +10,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from pollen.common.model_spec import ModelSpec, position_offset
-from pollen.worker.models.attention import varlen_attention
+from pollen.worker.models.attention import VarlenAttention
 from pollen.worker.models.base import EmbeddingModel
+from pollen.worker.models.ops import Ops
 
 
 class BertLayer(nn.Module):
-    def __init__(self, hidden: int, heads: int, intermediate: int, eps: float, act: str):
+    def __init__(self, hidden: int, heads: int, intermediate: int, eps: float, act: str, attention: VarlenAttention):
         super().__init__()
-        self.heads = heads
+        self.heads, self.attention = heads, attention
         self.qkv = nn.Linear(hidden, 3 * hidden)  # query, key, value fused: one matmul
         self.attn_out = nn.Linear(hidden, hidden)
         self.attn_norm = nn.LayerNorm(hidden, eps=eps)
@@ -30,7 +31,7 @@ class BertLayer(nn.Module):
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv(x).view(tokens, 3, self.heads, -1).unbind(1)
-        attn = varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=False).reshape(tokens, -1)
+        attn = self.attention(q, k, v, cu_seqlens, max_seqlen, causal=False).reshape(tokens, -1)
         x = self.attn_norm(x + self.attn_out(attn))
         return self.mlp_norm(x + self.down(F.gelu(self.up(x), approximate=self.gelu)))
 
@@ -38,18 +39,19 @@ class BertLayer(nn.Module):
 class BertEncoder(EmbeddingModel):
     hf_prefixes = ("", "bert.", "roberta.")
 
-    def __init__(self, spec: ModelSpec, config: dict):
+    def __init__(self, spec: ModelSpec, config: dict, ops: Ops):
         super().__init__()
-        self.spec = spec
+        self.spec, self.ops = spec, ops
         hidden = config["hidden_size"]
+        heads = config["num_attention_heads"]
         eps = config.get("layer_norm_eps", 1e-12)
+        attention = VarlenAttention.of(ops, hidden // heads)  # the layers' norms and GELU are torch's own
         self.word = nn.Embedding(config["vocab_size"], hidden)
         self.position = nn.Embedding(config["max_position_embeddings"], hidden)
         self.token_type = nn.Embedding(config.get("type_vocab_size", 2), hidden)
         self.emb_norm = nn.LayerNorm(hidden, eps=eps)
         self.layers = nn.ModuleList(
-            BertLayer(hidden, config["num_attention_heads"], config["intermediate_size"], eps,
-                      config.get("hidden_act", "gelu"))
+            BertLayer(hidden, heads, config["intermediate_size"], eps, config.get("hidden_act", "gelu"), attention)
             for _ in range(config["num_hidden_layers"])
         )
         self.position_offset = position_offset(config)

@@ -1,4 +1,5 @@
-"""Build an engine model from a HF safetensors directory (single file or sharded with an index)."""
+"""Build an engine model from a HF safetensors directory (single file or sharded with an index),
+with every kernel it runs chosen here, once (`choose_ops`)."""
 
 from __future__ import annotations
 
@@ -10,27 +11,47 @@ import os
 import torch
 from safetensors import safe_open
 
+from pollen.common.engine_options import EngineOptions
 from pollen.common.model_spec import UnsupportedModel, read_config, read_model_spec
+from pollen.worker import kernels
+from pollen.worker.models.attention import backend as attention_backend
 from pollen.worker.models.base import EmbeddingModel
 from pollen.worker.models.bert import BertEncoder
+from pollen.worker.models.ops import Ops, reference_ops
 from pollen.worker.models.qwen3 import Qwen3Encoder
 
 FAMILIES: dict[str, type[EmbeddingModel]] = {"bert": BertEncoder, "qwen3": Qwen3Encoder}
 
 
 def load_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               pooling: str | None = None, attention: str | None = None) -> EmbeddingModel:
+               pooling: str | None = None, attention: str | None = None,
+               options: EngineOptions = EngineOptions()) -> EmbeddingModel:
+    """The model in `path` on `device` in `dtype`, in eval mode, its kernels chosen from the device,
+    dtype and `options` (the worker's WorkerConfig.engine_options)."""
     spec = read_model_spec(path, pooling=pooling, attention=attention)
     config = read_config(spec.path)
+    ops = choose_ops(torch.device(device), dtype, options)
     # Build on the meta device: no random init of weights we overwrite anyway (matters for 4B models).
     with torch.device("meta"):
-        model = FAMILIES[spec.family](spec, config)
+        model = FAMILIES[spec.family](spec, config, ops)
     model = model.to(dtype=dtype).to_empty(device=device)
     _load_weights(model, spec.path)
-    model.after_load()
+    model.after_load(options)
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def choose_ops(device: torch.device, dtype: torch.dtype, options: EngineOptions) -> Ops:
+    """The implementations a model on `device` in `dtype` runs: the fused Triton kernels on CUDA
+    when Triton is importable and options.triton is on, else the torch references; attention's
+    kernel from the device, dtype and options.flash_attn (attention.backend)."""
+    kind = attention_backend(device, dtype, options)
+    if device.type == "cuda" and options.triton and kernels.available():
+        from pollen.worker.kernels.fused import triton_ops  # imports Triton, which a CPU host may lack
+
+        return triton_ops(kind, options)
+    return reference_ops(kind)
 
 
 def _load_weights(model: EmbeddingModel, path: str) -> None:

@@ -1,14 +1,17 @@
-"""The element-wise pieces of the transformer layers, in one place so a device can swap them.
+"""The element-wise pieces of the transformer layers, and `Ops`: the implementations one model runs.
 
-Each function here is the plain-torch reference. On CUDA, when Triton is importable (and
-POLLEN_TRITON is not "0"), `worker/kernels/` replaces the Qwen3 ones with fused kernels: one
-launch for residual-add + RMSNorm, one for QK-norm + RoPE, one for SiLU-gate. A short query is
-bound by kernel launches, so every launch saved is latency saved (see docs/gpu-notes.md).
-The references compute in float32 and round once, like the kernels, so both agree to rounding.
+Each function here is the plain-torch reference. The loader chooses a model's `Ops` once
+(worker/models/loader.py, `choose_ops`): these references, or on CUDA, when Triton is importable
+and EngineOptions.triton is on, the fused kernels of worker/kernels/: one launch for residual-add +
+RMSNorm, one for QK-norm + RoPE, one for SiLU-gate, and the kernels that have no reference here
+(short-sequence attention, the query products). A short query is bound by kernel launches, so
+every launch saved is latency saved (see docs/gpu-notes.md). The references compute in float32
+and round once, like the kernels, so both agree to rounding.
 """
 from __future__ import annotations
 
-import os
+import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -66,9 +69,32 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
     return rotate(q, q_weight), rotate(k, k_weight), v
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    if not x.is_cuda or os.environ.get("POLLEN_TRITON", "1") == "0":
-        return False
-    from pollen.worker import kernels
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ops:
+    """One model's implementations, chosen when it is loaded; the forward calls them, never asks.
 
-    return kernels.available()
+    The four element-wise ones take and give the same tensors in either set. The Triton-only
+    kernels are None in the torch set, and None in the Triton set where EngineOptions turned
+    them off: a model takes a kernel exactly when it is here and the batch's shape fits it.
+    """
+
+    name: str  # "torch" or "triton"
+    attention: str  # the varlen kernel (worker/models/attention.py, backend): flash_attn, torch_varlen, sdpa_loop
+    add_rms_norm: Callable
+    embed_rms_norm: Callable
+    qk_norm_rope: Callable
+    silu_mul: Callable
+    # Sequences of up to kernels.SHORT_MAX_LEN tokens: attention of packed q, k, v, and Qwen3's
+    # QK-norm + RoPE + attention in one kernel (worker/kernels/short_attention.py).
+    short_attention: Callable | None = None
+    short_qk_rope_attention: Callable | None = None
+    # Batches of up to 64 tokens: the products that take over the element-wise work around them
+    # (worker/kernels/skinny.py: skinny_linear, fits, layer_wins).
+    skinny_linear: Callable | None = None
+    skinny_fits: Callable | None = None
+    skinny_layer_wins: Callable | None = None
+
+
+def reference_ops(attention: str) -> Ops:
+    """The torch references, with the given attention kernel."""
+    return Ops("torch", attention, add_rms_norm, embed_rms_norm, qk_norm_rope, silu_mul)

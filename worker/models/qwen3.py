@@ -14,11 +14,12 @@ import functools
 import torch
 from torch import nn
 
+from pollen.common.engine_options import EngineOptions
 from pollen.common.model_spec import ModelSpec
 from pollen.worker import kernels
-from pollen.worker.models import ops
-from pollen.worker.models.attention import varlen_attention
+from pollen.worker.models.attention import VarlenAttention
 from pollen.worker.models.base import EmbeddingModel
+from pollen.worker.models.ops import Ops, rope_cache
 
 
 class RMSNormWeight(nn.Module):
@@ -44,9 +45,9 @@ class Qwen3Layer(nn.Module):
 class Qwen3Encoder(EmbeddingModel):
     hf_prefixes = ("", "model.")
 
-    def __init__(self, spec: ModelSpec, config: dict):
+    def __init__(self, spec: ModelSpec, config: dict, ops: Ops):
         super().__init__()
-        self.spec = spec
+        self.spec, self.ops = spec, ops
         self.causal = spec.causal
         hidden = config["hidden_size"]
         heads = config["num_attention_heads"]
@@ -62,11 +63,16 @@ class Qwen3Encoder(EmbeddingModel):
         )
         self.norm = RMSNormWeight(hidden)
         self._rope: torch.Tensor | None = None  # built on first use, on the weights' device
+        self.attention = VarlenAttention.of(ops, head_dim)
+        # Short sequences: QK-norm, RoPE and attention in one kernel per layer (launches are their cost).
+        takes = kernels.short_attention_takes(head_dim, rope=True)
+        self.short_qk_rope_attention = ops.short_qk_rope_attention if takes else None
         self.folded = False  # whether after_load folded the norms into the products (the query kernels need it)
+        self.query_kernels = False  # whether queries may take the skinny products (after_load decides)
 
     def rope(self, device) -> torch.Tensor:
         if self._rope is None or self._rope.device != device:
-            self._rope = ops.rope_cache(self.theta, self.layers[0].head_dim, self.max_positions, device)
+            self._rope = rope_cache(self.theta, self.layers[0].head_dim, self.max_positions, device)
         return self._rope
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -74,16 +80,15 @@ class Qwen3Encoder(EmbeddingModel):
         if max_seqlen > self.max_positions:
             # Checked on the host int: an out-of-range position is a device assert on CUDA.
             raise ValueError(f"sequence of {max_seqlen} tokens exceeds {self.max_positions} positions")
-        impl = kernels if ops.use_triton(input_ids) else ops  # fused Triton kernels or torch references
-        add_rms_norm, silu_mul = impl.add_rms_norm, impl.silu_mul
-        # Short sequences: QK-norm, RoPE and attention in one kernel per layer (launches are their cost).
-        short = impl is kernels and kernels.short_attention_fits(max_seqlen, self.layers[0].head_dim, rope=True)
-        attend = functools.partial(self.attend, impl=impl, short=short, cache=self.rope(input_ids.device),
+        ops = self.ops
+        add_rms_norm, silu_mul = ops.add_rms_norm, ops.silu_mul
+        short = self.short_qk_rope_attention is not None and max_seqlen <= kernels.SHORT_MAX_LEN
+        attend = functools.partial(self.attend, short=short, cache=self.rope(input_ids.device),
                                    positions=positions, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        if impl is kernels and self.fits_query_kernels(input_ids.shape[0]):
+        if self.fits_query_kernels(input_ids.shape[0]):
             return self.query_hidden_states(input_ids, attend)
         norms = [layer.attn_norm.weight for layer in self.layers[1:]] + [self.norm.weight]
-        x, residual = impl.embed_rms_norm(input_ids, self.embed.weight, self.layers[0].attn_norm.weight, self.eps)
+        x, residual = ops.embed_rms_norm(input_ids, self.embed.weight, self.layers[0].attn_norm.weight, self.eps)
         for layer, next_norm in zip(self.layers, norms):
             attn = attend(layer, layer.qkv(x))
             x, residual = add_rms_norm(layer.o(attn), residual, layer.mlp_norm.weight, self.eps)
@@ -92,15 +97,14 @@ class Qwen3Encoder(EmbeddingModel):
         return x
 
     @torch.no_grad()
-    def after_load(self) -> None:
+    def after_load(self, options: EngineOptions) -> None:
         """Fold each pre-norm's weight into the product that reads it: rms_norm(x) * g @ W.T equals
         rms_norm(x) @ (W * g).T, so the query kernels can scale rows after the product
         (worker/kernels/skinny.py). The norms keep a weight of ones, so every path sees one model.
-        POLLEN_FOLD_NORMS=0 keeps the checkpoint's weights as they are, and the query kernels off
+        options.fold_norms off keeps the checkpoint's weights as they are, and the query kernels off
         (they need the fold): for comparing numerics."""
-        import os
-
-        self.folded = os.environ.get("POLLEN_FOLD_NORMS", "1") != "0"
+        self.folded = options.fold_norms
+        self.query_kernels = self.folded and self.ops.skinny_linear is not None
         if not self.folded:
             return
         for layer in self.layers:
@@ -110,23 +114,26 @@ class Qwen3Encoder(EmbeddingModel):
                 norm.weight.fill_(1.0)
 
     def fits_query_kernels(self, tokens: int) -> bool:
-        first = self.layers[0]
-        return (self.folded and kernels.skinny_layer_wins(self.embed.weight.shape[1], tokens)
-                and kernels.skinny_fits(tokens, first.qkv.weight) and kernels.skinny_fits(tokens, first.o.weight)
-                and kernels.skinny_fits(tokens, first.gate_up.weight, swiglu=True)
-                and kernels.skinny_fits(tokens, first.down.weight))
+        """Whether a batch of `tokens` takes query_hidden_states: the model may (after_load), the
+        products' shapes fit the skinny kernels, and the measured table says they win there."""
+        if not self.query_kernels:
+            return False
+        first, fits = self.layers[0], self.ops.skinny_fits
+        return (self.ops.skinny_layer_wins(self.embed.weight.shape[1], tokens)
+                and fits(tokens, first.qkv.weight) and fits(tokens, first.o.weight)
+                and fits(tokens, first.gate_up.weight, swiglu=True) and fits(tokens, first.down.weight))
 
-    def attend(self, layer: Qwen3Layer, qkv: torch.Tensor, *, impl, short: bool, cache: torch.Tensor,
+    def attend(self, layer: Qwen3Layer, qkv: torch.Tensor, *, short: bool, cache: torch.Tensor,
                positions: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
         """QK-norm, RoPE and attention from the fused projection qkv [T, (H + 2 KV) * D]: [T, H * D]."""
         if short:
-            attn = kernels.short_qk_rope_attention(
+            attn = self.short_qk_rope_attention(
                 qkv, layer.q_norm.weight, layer.k_norm.weight, cache, positions, layer.heads, layer.kv_heads,
                 self.eps, cu_seqlens, max_seqlen, self.causal)
         else:
-            q, k, v = impl.qk_norm_rope(qkv, layer.q_norm.weight, layer.k_norm.weight, cache, positions,
-                                        layer.heads, layer.kv_heads, self.eps)
-            attn = varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=self.causal)
+            q, k, v = self.ops.qk_norm_rope(qkv, layer.q_norm.weight, layer.k_norm.weight, cache, positions,
+                                            layer.heads, layer.kv_heads, self.eps)
+            attn = self.attention(q, k, v, cu_seqlens, max_seqlen, causal=self.causal)
         return attn.reshape(qkv.shape[0], -1)
 
     def query_hidden_states(self, input_ids: torch.Tensor, attend) -> torch.Tensor:
@@ -134,20 +141,18 @@ class Qwen3Encoder(EmbeddingModel):
         The o and down products write the residual stream and its per-row sums of squares; the qkv
         and gate/up products read it raw and apply the norm in their epilogue (its weight is folded
         in, see after_load), gate/up also SiLU-gate. `attend` is hidden_states' attention step."""
-        x, residual = kernels.embed_rms_norm(input_ids, self.embed.weight, self.layers[0].attn_norm.weight, self.eps)
+        ops, linear = self.ops, self.ops.skinny_linear
+        x, residual = ops.embed_rms_norm(input_ids, self.embed.weight, self.layers[0].attn_norm.weight, self.eps)
         parts = None  # the first layer's input is normalized already
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            qkv = kernels.skinny_linear(x if parts is None else residual, layer.qkv.weight, layer.qkv.bias,
-                                        parts=parts, eps=self.eps)
-            residual, parts = kernels.skinny_linear(attend(layer, qkv), layer.o.weight, layer.o.bias,
-                                                    residual=residual)
-            act = kernels.skinny_linear(residual, layer.gate_up.weight, parts=parts, eps=self.eps, swiglu=True)
+            qkv = linear(x if parts is None else residual, layer.qkv.weight, layer.qkv.bias, parts=parts, eps=self.eps)
+            residual, parts = linear(attend(layer, qkv), layer.o.weight, layer.o.bias, residual=residual)
+            act = linear(residual, layer.gate_up.weight, parts=parts, eps=self.eps, swiglu=True)
             if i < last:
-                residual, parts = kernels.skinny_linear(act, layer.down.weight, residual=residual)
+                residual, parts = linear(act, layer.down.weight, residual=residual)
             else:  # the final norm keeps its own weight (nothing reads it to fold it into)
-                x, _ = kernels.add_rms_norm(kernels.skinny_linear(act, layer.down.weight), residual,
-                                            self.norm.weight, self.eps)
+                x, _ = ops.add_rms_norm(linear(act, layer.down.weight), residual, self.norm.weight, self.eps)
         return x
 
     def hf_weight_map(self) -> dict[str, list[str]]:
