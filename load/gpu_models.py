@@ -21,6 +21,10 @@ SHAPES = {
                      max_position_embeddings=32768, rope_theta=1000000.0),
     "bert-base": dict(kind="bert", hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                       intermediate_size=3072, vocab_size=30522, max_position_embeddings=512),
+    # For trying a benchmark script on a machine without a GPU.
+    "qwen3-tiny": dict(kind="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=151669,
+                       max_position_embeddings=8192, rope_theta=1000000.0),
 }
 
 
@@ -34,7 +38,7 @@ def make_checkpoint(shape: str, root: str, seed: int = 0) -> str:
     cfg = dict(SHAPES[shape])
     kind = cfg.pop("kind")
     torch.manual_seed(seed)
-    with torch.device("cuda"):
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         if kind == "qwen3":
             model = tf.Qwen3Model(tf.Qwen3Config(**cfg))
         else:
@@ -53,6 +57,20 @@ def make_checkpoint(shape: str, root: str, seed: int = 0) -> str:
     with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
         json.dump({"pooling_mode": pooling} if kind == "qwen3" else {"pooling_mode_mean_tokens": True}, f)
     return path
+
+
+def with_tokenizer(path: str, tokenizer_json: str) -> str:
+    """The same weights beside another tokenizer.json (the real one of the model family), via symlinks."""
+    import shutil
+
+    out = path.rstrip("/") + "-tok"
+    if not os.path.exists(os.path.join(out, "tokenizer.json")):
+        os.makedirs(out, exist_ok=True)
+        for name in os.listdir(path):
+            if name != "tokenizer.json" and not os.path.exists(os.path.join(out, name)):
+                os.symlink(os.path.join(path, name), os.path.join(out, name))
+        shutil.copy(tokenizer_json, os.path.join(out, "tokenizer.json"))
+    return out
 
 
 def pplx_variant(path: str) -> str:

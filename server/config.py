@@ -60,6 +60,8 @@ class ServeConfig:
     worker_spin_us: int = _flag(-1, "microseconds an idle worker polls its request ring before it sleeps on "
                                 "the eventfd: a query then skips a wake-up, at the cost of a busy core "
                                 "(-1: 5000 with --device cuda, where each GPU's worker owns its cores; 0 on cpu)")
+    warmup_seconds: float = _flag(-1.0, "seconds a CUDA worker spends capturing the likely query graphs before it "
+                                  "says READY, so no client waits for a capture (-1: 30 with --device cuda, 0 on cpu)")
     shutdown_grace: float = _flag(30.0, "seconds SIGTERM waits for in-flight work before cancelling it")
     worker_hang_timeout: float = _flag(60.0, "seconds a worker may go without progress (its loop's heartbeat) "
                                        "before it is killed and restarted, its requests sent again")
@@ -105,6 +107,8 @@ class ServeConfig:
             raise ValueError(f"--worker-threads must be 0 (auto) or more, got {self.worker_threads}")
         if self.worker_spin_us < 0:
             self.worker_spin_us = 5000 if self.device == "cuda" else 0
+        if self.warmup_seconds < 0:
+            self.warmup_seconds = 30.0 if self.device == "cuda" else 0.0
         if self.worker_threads == 0:
             self.worker_threads = max(1, (os.cpu_count() or 1) // self.workers)
         if self.frontends < 0:

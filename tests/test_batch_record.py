@@ -223,21 +223,16 @@ class FailingEngine:
         self.poison = poison
         self.batches = 0
 
-    def submit(self, batch, out, normalize):
+    def submit(self, batch, out, normalize, lane=0):
         self.batches += 1
         if any(int(i) == self.poison for i in batch.ids):
             raise RuntimeError("poisoned batch")
         for part in out:  # one array per frontend the batch holds requests of
             part[:] = 1.0
 
-        class Done:
-            def done(self):
-                return True
+        from pollen.worker.engine import ReadyRows
 
-            def result(self):
-                return out
-
-        return Done()
+        return ReadyRows(out)
 
 
 @pytest.fixture
@@ -254,7 +249,7 @@ def worker():
     link.responses = Ring.create(64 << 10, prefix="pollentest")
     w.links = {0: link}
     w.hidden, w.native_int8 = HIDDEN, False
-    w.open, w.progresses, w.batches = deque(), {}, 0
+    w.open, w.progresses, w.batches, w.side_by_side = (deque(), deque()), {}, 0, False
     w.state = ServerState.create(1, 1, prefix="pollentest")
     w.control, peer = control.pair()
     w.control_queue = deque()
@@ -284,12 +279,12 @@ def test_worker_fails_a_batch_alone_and_answers_requests_it_cuts(worker):
     spread = make_job(1, [4, 4, 4])
     spread.rec.ids[4] = 999  # its second sequence poisons the batch that holds it
     fine = make_job(2, [3])
-    worker.submit([(fine, 0, 1), (spread, 0, 1)])
-    worker.answer(worker.open.popleft())
-    worker.submit([(spread, 1, 2)])
-    worker.answer(worker.open.popleft())
-    worker.submit([(spread, 2, 3)])
-    worker.answer(worker.open.popleft())
+    worker.submit([(fine, 0, 1), (spread, 0, 1)], 0)
+    worker.answer(worker.open[0].popleft())
+    worker.submit([(spread, 1, 2)], 0)
+    worker.answer(worker.open[0].popleft())
+    worker.submit([(spread, 2, 3)], 0)
+    worker.answer(worker.open[0].popleft())
     got = read_all(worker.links[0].responses)
     kinds = [k for k, _ in got]
     assert kinds == [records.BATCH_RESULT, records.BATCH_RESULT, records.RESULT, records.BATCH_RESULT]
@@ -306,8 +301,8 @@ def test_worker_commits_its_open_record_when_the_ring_cannot_hold_two(worker):
     worker.engine = FailingEngine(poison=-1)
     rows = (worker.links[0].responses.max_record - records.raw_at(1)) // (4 * HIDDEN)  # over half the ring, with the error
     first, second = make_job(1, [1] * rows), make_job(2, [1] * rows)
-    worker.submit([(first, 0, rows)])
-    assert len(worker.open) == 1
+    worker.submit([(first, 0, rows)], 0)
+    assert len(worker.open[0]) == 1
     worker.write_error(make_job(3, [1]), "cancelled " * 20, records.CANCELLED)  # goes after the open record
     assert read_all(worker.links[0].responses) == []
     got = []
@@ -318,10 +313,69 @@ def test_worker_commits_its_open_record_when_the_ring_cannot_hold_two(worker):
 
     reader = threading.Thread(target=frontend)
     reader.start()
-    worker.submit([(second, 0, rows)])  # room only once the first record is committed and read
+    worker.submit([(second, 0, rows)], 0)  # room only once the first record is committed and read
     reader.join(10)
-    assert [b.parts[0].plan.spans[0][0] for b in worker.open] == [second]
+    assert [b.parts[0].plan.spans[0][0] for b in worker.open[0]] == [second]
     assert [k for k, _ in got] == [records.BATCH_RESULT, records.RESULT]
-    worker.answer(worker.open.popleft())
+    worker.answer(worker.open[0].popleft())
     ((kind, (report, results)),) = read_all(worker.links[0].responses)
     assert report.rows == rows and results[0].req_id == 2
+
+
+class LaterEngine:
+    """A stand-in for the CUDA engine (no GPU here): runs the two lanes side by side, each batch
+    done only when the test says so; bulk rows come back in the engine's own buffer."""
+
+    side_by_side = True
+
+    def __init__(self):
+        self.pending = []
+
+    def submit(self, batch, out, normalize, lane=0):
+        engine = self
+
+        class Later:
+            finished = False
+
+            def done(self):
+                return self.finished
+
+            def result(self):
+                assert self.finished, "the worker waited on a batch that is not done"
+                rows = np.full((batch.rows, HIDDEN), 1.0 + lane, np.float32)
+                if out is None:
+                    return rows
+                for part in out:
+                    part[:] = rows[:len(part)]
+                return out
+
+        later = Later()
+        engine.pending.append(later)
+        return later
+
+
+def test_side_by_side_a_bulk_batch_holds_no_record_and_never_delays_an_interactive_one(worker):
+    """The interactive lane's record is held at launch and published when its batch is done,
+    even while a bulk batch launched before it still runs: that one takes its record only when
+    done (a held record would keep every later record in the ring unpublished)."""
+    from pollen.worker.batcher import BULK, INTERACTIVE
+
+    engine = worker.engine = LaterEngine()
+    worker.side_by_side = True
+    ring = worker.links[0].responses
+    bulk, query = make_job(1, [4] * 6, priority=1), make_job(2, [3])
+    worker.submit([(bulk, 0, 6)], BULK)
+    assert ring.free_bytes() == ring.capacity  # nothing held for the bulk batch
+    worker.submit([(query, 0, 1)], INTERACTIVE)
+    assert ring.free_bytes() < ring.capacity
+    engine.pending[1].finished = True
+    assert worker.collect()
+    ((kind, (_, results)),) = read_all(ring)
+    assert kind == records.BATCH_RESULT and [(r.req_id, r.status) for r in results] == [(2, records.OK)]
+    assert np.frombuffer(results[0].body, "<f4").tolist() == [1.0] * HIDDEN  # the interactive lane's rows
+    assert not worker.collect()  # the bulk batch is still running
+    engine.pending[0].finished = True
+    assert worker.collect()
+    ((kind, (_, results)),) = read_all(ring)
+    assert [(r.req_id, r.status) for r in results] == [(1, records.OK)]
+    assert np.frombuffer(results[0].body, "<f4").reshape(6, HIDDEN).tolist() == [[2.0] * HIDDEN] * 6

@@ -21,13 +21,32 @@ def test_batches_keep_order_and_budget():
     batches = []
     while b:
         batches.append([(j.rec.req_id, s, e) for j, s, e in b.next_batch()])
-    assert batches == [[(1, 0, 2)], [(2, 0, 3)], [(3, 0, 1)], [(4, 0, 1)]]
+    # Every request's sequences, each once and in order, and no batch over the budget.
     flat = [(r, i) for batch in batches for r, s, e in batch for i in range(s, e)]
-    assert flat == [(1, 0), (1, 1), (2, 0), (2, 1), (2, 2), (3, 0), (4, 0)]
+    assert sorted(flat) == [(1, 0), (1, 1), (2, 0), (2, 1), (2, 2), (3, 0), (4, 0)]
+    for r in (1, 2):
+        assert [i for q, i in flat if q == r] == sorted(i for q, i in flat if q == r)
     for batch in batches:
         tokens = sum(int(sum(jobs[r - 1].rec.lengths[s:e])) for r, s, e in batch)
         assert tokens <= 10
+        assert [r for r, _, _ in batch] == sorted(r for r, _, _ in batch)  # arrival order within a batch
+    # The first batch gives every request that fits a share: the small request 4 is not kept
+    # waiting behind requests 1 and 2 and the whole of 3.
+    assert batches[0] == [(1, 0, 1), (2, 0, 1), (4, 0, 1)]
     assert b.queued_tokens == 0
+
+
+def test_a_short_request_waits_about_one_batch_behind_a_huge_one():
+    """A request of 400 windows queued first; a query arriving later goes into the very next batch
+    (about one batch of waiting), and the huge request still fills the rest of each batch."""
+    b = Batcher(max_batch_tokens=1024)
+    b.add(job(1, [256] * 400))
+    first = b.next_batch()
+    assert [(j.rec.req_id, s, e) for j, s, e in first] == [(1, 0, 4)]
+    b.add(job(2, [12]))
+    second = [(j.rec.req_id, s, e) for j, s, e in b.next_batch()]
+    assert (2, 0, 1) in second and second[0][0] == 1
+    assert sum(e - s for r, s, e in second if r == 1) == 3  # the rest of the budget is the huge one's
 
 
 def test_a_request_larger_than_the_budget_is_split():
@@ -113,11 +132,12 @@ def test_rows_are_capped_like_tokens_and_a_carried_request_counts_its_answer():
     b.add(lane_job(2, [1, 1]))
     # Five one-row texts; the other two of request 1 end it in the next batch, which also holds
     # request 1's whole answer (7 outputs): 2 + 7 rows, over the cap, but a batch always takes
-    # its first sequence and the sequence before the last one does not end the request.
+    # its first sequence and the sequence before the last one does not end the request. Request 2
+    # (two rows) fits beside that sequence; request 1's last one then goes alone: 1 + 7 rows.
     assert shape(b.next_batch()) == [(1, 0, 5)]
-    assert shape(b.next_batch()) == [(1, 5, 6)]
+    assert shape(b.next_batch()) == [(1, 5, 6), (2, 0, 2)]
     assert shape(b.next_batch()) == [(1, 6, 7)]
-    assert shape(b.next_batch()) == [(2, 0, 2)]
+    assert not b
     # The bulk sequence kept beside interactive work keeps its rows as well as its tokens.
     b.add(lane_job(3, [1, 1], priority=1))
     b.add(lane_job(4, [1] * 9))

@@ -279,3 +279,58 @@ def test_each_engine_option_switches_its_kernels(tmp_path, options, query_calls)
     got = engine.submit(batch).result()
     assert len(calls) == query_calls
     assert cos(got, EagerEngine(load_model(path)).submit(batch).result()) >= 0.999
+
+
+def test_lanes_run_side_by_side_and_equal_the_reference(tmp_path):
+    """A bulk batch on the low-priority lane and interactive batches launched behind it on the
+    high-priority lane: every result equals the CPU reference, and the interactive ones can be
+    done before the bulk one (they do not queue behind it)."""
+    from pollen.worker.cuda_engine import BULK, INTERACTIVE, CudaEngine
+
+    path = tiny(tmp_path, "causal")
+    cpu = EagerEngine(load_model(path))
+    engine = CudaEngine(load_model(path, "cuda", torch.bfloat16), "cuda", max_batch_tokens=8192)
+    engine.warm_up()
+    bulk = pack(seqs([64] * 120, seed=7))  # 7,680 tokens, eager on the bulk lane
+    queries = [pack(seqs([n], seed=8 + n)) for n in (5, 9, 17, 30)]
+    want_bulk = cpu.submit(bulk).result()
+    for q in queries:
+        engine.submit(q, lane=INTERACTIVE).result()  # capture their graphs first
+    pending_bulk = engine.submit(bulk, lane=BULK)
+    pending = [engine.submit(q, lane=INTERACTIVE) for q in queries[:2]]
+    got = [p.result().copy() for p in pending]
+    pending += [engine.submit(q, lane=INTERACTIVE) for q in queries[2:]]
+    got += [p.result().copy() for p in pending[2:]]
+    for q, rows in zip(queries, got):
+        assert cos(rows, cpu.submit(q).result()) >= 0.999
+    assert cos(pending_bulk.result(), want_bulk) >= 0.999
+
+
+def test_deferred_capture_runs_eagerly_then_captures_when_idle(tmp_path):
+    """With defer_capture, a bucket first met runs eagerly (no capture on its path) and is
+    captured by capture_one; the graph's result equals the eager one."""
+    from pollen.worker.cuda_engine import CudaEngine
+
+    path = tiny(tmp_path, "bidirectional")
+    engine = CudaEngine(load_model(path, "cuda", torch.bfloat16), "cuda", max_batch_tokens=512, defer_capture=True)
+    engine.warm_up()
+    batch = pack(seqs([7, 12, 3], seed=11))
+    eager = engine.submit(batch).result().copy()
+    assert not engine.graphs and len(engine.wanted) == 1
+    assert engine.capture_one() and not engine.capture_one()
+    assert len(engine.graphs) == 1 and not engine.wanted
+    graphed = engine.submit(batch).result()
+    assert cos(graphed, eager) >= 0.9999
+
+
+def test_warm_up_captures_the_query_buckets_within_its_budget(tmp_path):
+    from pollen.worker.cuda_engine import CudaEngine
+
+    path = tiny(tmp_path, "causal")
+    engine = CudaEngine(load_model(path, "cuda", torch.bfloat16), "cuda", max_batch_tokens=512, defer_capture=True)
+    engine.warm_up(budget_s=60.0)
+    expected = engine.query_buckets()
+    assert expected and set(expected) <= set(engine.graphs)
+    batch = pack(seqs([11, 8, 14, 9], seed=12))  # four queries: a bucket the warm-up captured
+    engine.submit(batch).result()
+    assert not engine.wanted

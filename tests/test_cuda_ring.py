@@ -124,3 +124,46 @@ def test_a_cuda_worker_answers_from_its_ring_like_the_cpu(tmp_path, second_devic
     finally:
         for srv in servers:
             assert srv.terminate() == 0
+
+
+def test_a_cuda_server_answers_bulk_beside_interactive_like_the_cpu(tmp_path):
+    """Two frontends, one CUDA worker: bulk requests (run on the low-priority lane, records taken
+    when done) and interactive queries (high-priority lane, records held at launch) sent at once
+    are all answered, each like the CPU server answers it."""
+    import asyncio
+
+    import grpc
+
+    from load.gpu_models import write_tokenizer
+    from pollen.v1 import embedder_pb2_grpc as pb_grpc
+    from tests.conftest import ServerProcess
+    from tests.test_model_qwen3 import make_tiny_qwen3
+
+    path = tmp_path / "m"
+    make_tiny_qwen3(path, "causal", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                    intermediate_size=512, num_hidden_layers=2, max_position_embeddings=256)
+    write_tokenizer(str(path), 1000)
+    rng = np.random.default_rng(1)
+    docs = [" ".join(f"w{i}" for i in rng.integers(1, 1000, n)) for n in rng.integers(50, 250, 64)]
+    queries = [" ".join(f"w{i}" for i in rng.integers(1, 1000, n)) for n in rng.integers(3, 20, 64)]
+    requests = ([pb.EmbedRequest(texts=docs[i:i + 8], priority=pb.PRIORITY_BULK, normalize=True)
+                 for i in range(0, len(docs), 8)] * 4
+                + [pb.EmbedRequest(texts=[q], normalize=True) for q in queries])
+
+    async def send_all(target):
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = pb_grpc.EmbedderStub(channel)
+            return await asyncio.gather(*(stub.Embed(r, timeout=120) for r in requests))
+
+    answers = []
+    for device, extra in (("cpu", ()), ("cuda", ("--frontends", "2"))):
+        srv = ServerProcess("--model", str(path), "--device", device, "--log-level", "WARNING", *extra).start(timeout=180)
+        try:
+            answers.append(asyncio.run(send_all(srv.listen)))
+        finally:
+            assert srv.terminate() == 0
+    for request, want, got in zip(requests, *answers):
+        a = np.frombuffer(got.embeddings, "<f4").reshape(got.rows, got.dims)
+        b = np.frombuffer(want.embeddings, "<f4").reshape(want.rows, want.dims)
+        assert a.shape == b.shape == (len(request.texts), 256)
+        assert cos(a, b) >= 0.999

@@ -1,15 +1,25 @@
 """Token-budget batching over packed sequences, in two priority lanes: requests in, batches out.
 
-A batch is a list of (job, start, stop) spans: sequences start..stop-1 of one job. Inside a lane
-jobs are served first come, first served; a request with many sequences may be split across
-batches, and a batch may hold the tail of one request and the head of the next. No padding.
+A batch is a list of (job, start, stop) spans: sequences start..stop-1 of one job. A request with
+many sequences may be split across batches, and a batch may hold the tail of one request and the
+head of the next. No padding.
 
-Priority rule (docs/architecture.md, "Priority lanes"): interactive work goes first. A batch
-holding interactive work takes exactly one bulk sequence beside it (when bulk waits), so bulk
-is never starved: the interactive fill stops short of that sequence. A batch without
-interactive work takes bulk work up to `bulk_batch_tokens` (0: the whole budget). An interactive
-request arriving while the worker is busy therefore waits for at most the bulk batch being run
-(the cap bounds it) and then runs with one bulk sequence at most beside it.
+Fair share within a lane: a batch is filled in two passes. First every queued request gets up to
+a quantum (a quarter of the budget, at least its next sequence), the least served first: new
+requests in arrival order, then begun ones by the tokens they have had. Then what is left goes
+first come, first served. So a short request goes into the next batch even behind a request of
+thousands of windows, whose windows fill the rest of each batch; equal short requests keep their
+arrival order.
+
+Lanes (docs/architecture.md, "Priority lanes"). On CUDA the engine runs the two lanes side by
+side, each on a stream of its own priority, and asks for one lane's batch at a time
+(`next_batch(lane)`; bulk batches up to `bulk_batch_tokens`). An engine that runs one batch at a
+time (the CPU) takes mixed batches (`next_batch()`): interactive work goes first, and a batch
+holding interactive work takes exactly one bulk sequence beside it (when bulk waits), so bulk is
+never starved: the interactive fill stops short of that sequence. A batch without interactive
+work takes bulk work up to `bulk_batch_tokens` (0: the whole budget). An interactive request
+arriving while the worker is busy therefore waits for at most the bulk batch being run (the cap
+bounds it) and then runs with one bulk sequence at most beside it.
 
 Rows are capped too (`max_batch_rows`, 0: none), the same way as tokens: a batch's answer
 record holds every row it pools, and the answers of requests begun in earlier batches, and must
@@ -29,6 +39,7 @@ import numpy as np
 from pollen.shared_mem.records import RequestRecord
 
 INTERACTIVE, BULK = 0, 1
+QUANTUM_DIVISOR = 4  # a request's first-pass share of a batch: a quarter of its budget
 
 
 @dataclass(slots=True, eq=False)  # compared (and hashed) by identity: one object per request
@@ -82,6 +93,12 @@ class Job:
         return list(zip(rows.start[a:b].tolist(), rows.stop[a:b].tolist()))
 
 
+def least_served(jobs: list[Job]) -> list[Job]:
+    """Requests not yet begun in arrival order, then those begun by the tokens they have had."""
+    begun = sorted((job for job in jobs if job.next_seq), key=lambda job: job.tokens(0, job.next_seq))
+    return [job for job in jobs if not job.next_seq] + begun
+
+
 @dataclass(slots=True)
 class Batcher:
     max_batch_tokens: int
@@ -132,19 +149,29 @@ class Batcher:
             self._remove(lane, job)
         return [job for _, job in gone]
 
-    def next_batch(self) -> list[tuple[Job, int, int]]:
-        """Interactive sequences first, then bulk ones, in arrival order within each lane.
+    def next_batch(self, lane: int | None = None) -> list[tuple[Job, int, int]]:
+        """The next batch: of one lane (INTERACTIVE, or BULK up to bulk_batch_tokens), for an
+        engine that runs the lanes side by side; or, with `lane` None, of both (the mixed rule in
+        the module docstring), for an engine that runs one batch at a time.
 
         A single sequence is never longer than the budget (the config guarantees the model's
         limit fits) nor costs more rows than the row cap (the frontend checks it against the most
         outputs a request may have, plus one), so every batch holds at least one sequence and the
         queues always drain.
         """
+        if lane is None:
+            return self._mixed()
+        spans: list[tuple[Job, int, int]] = []
+        budget = self.max_batch_tokens if lane == INTERACTIVE else self.bulk_batch_tokens or self.max_batch_tokens
+        self._take(self.lanes[lane], budget, self.max_batch_rows or 1 << 62, spans)
+        return spans
+
+    def _mixed(self) -> list[tuple[Job, int, int]]:
         spans: list[tuple[Job, int, int]] = []
         interactive, bulk = self.lanes
         reserve = reserve_rows = 0
-        if bulk:  # keep room for one bulk sequence: bulk is never starved
-            head = bulk[0]
+        if bulk:  # keep room for one bulk sequence (the one _take would take first): bulk is never starved
+            head = least_served(list(bulk))[0]
             reserve = head.tokens(head.next_seq, head.next_seq + 1)
             reserve_rows = head.record_rows(head.next_seq, head.next_seq)
         # left < reserve only when a lone interactive sequence overflowed the reserve (a tiny budget).
@@ -161,27 +188,50 @@ class Batcher:
     def _take(self, lane: deque, budget: int, rows_left: int, spans: list,
               at_least_one: bool = False) -> tuple[int, int]:
         """Move sequences of `lane` into `spans` while they fit `budget` tokens and `rows_left`
-        rows; return what is left of both (negative when a first sequence that had to go in was
-        larger)."""
-        first = True
-        while lane:
-            job = lane[0]
-            start = stop = job.next_seq
-            while stop < job.n_seqs:
-                need, rows = job.tokens(stop, stop + 1), job.record_rows(stop, start)
-                # The very first sequence of a batch always goes in (nothing else could take it).
-                if (need > budget or rows > rows_left) and not (first and (at_least_one or not spans)):
+        rows, in two passes. First every queued request gets up to a quantum (a quarter of the
+        budget, and at least its next sequence if that fits), the least served first: requests
+        not yet begun in arrival order, then those begun, by the tokens they have had. Then what
+        is left goes first come, first served. So a short request goes into the next batch even
+        behind a huge one (whose windows fill the rest), and equal small requests keep their
+        arrival order. Returns what is left of both (negative when a first sequence that had to
+        go in was larger)."""
+        if not lane:
+            return budget, rows_left
+        jobs = list(lane)
+        quantum = max(1, budget // QUANTUM_DIVISOR)
+        stops: dict[Job, int] = {}
+        force = at_least_one or not spans  # the very first sequence of a batch always goes in
+        for order, cap in ((least_served(jobs), quantum), (jobs, None)):
+            for job in order:
+                if budget <= 0 and not force:
                     break
-                budget -= need
-                rows_left -= rows
-                stop += 1
-                first = False
-            if stop > start:
-                spans.append((job, start, stop))
-                self.queued_tokens -= job.tokens(start, stop)
-                job.next_seq = stop
-            if job.next_seq < job.n_seqs:
-                break  # budget spent inside this job
-            lane.popleft()
-            self.with_deadline -= job.rec.deadline_ns != 0
+                start = job.next_seq
+                stop = stops.get(job, start)
+                got = job.tokens(start, stop)
+                while stop < job.n_seqs:
+                    need, rows = job.tokens(stop, stop + 1), job.record_rows(stop, start)
+                    over = cap is not None and got > 0 and got + need > cap
+                    if not force and (need > budget or rows > rows_left or over):
+                        break
+                    budget, rows_left, got, stop, force = budget - need, rows_left - rows, got + need, stop + 1, False
+                stops[job] = stop
+                if cap is None and stop < job.n_seqs:
+                    break  # first come, first served: the first request that does not fit ends the batch
+        self._commit(lane, jobs, stops, spans)
         return budget, rows_left
+
+    def _commit(self, lane: deque, jobs: list[Job], stops: dict[Job, int], spans: list) -> None:
+        """Hand the taken sequences to the batch, in arrival order; drop finished jobs from the lane."""
+        finished = 0
+        for job in jobs:
+            stop = stops.get(job, job.next_seq)
+            if stop > job.next_seq:
+                spans.append((job, job.next_seq, stop))
+                self.queued_tokens -= job.tokens(job.next_seq, stop)
+                job.next_seq = stop
+            finished += job.next_seq >= job.n_seqs
+        if finished:
+            keep = [job for job in lane if job.next_seq < job.n_seqs]
+            self.with_deadline -= sum(job.rec.deadline_ns != 0 for job in lane if job.next_seq >= job.n_seqs)
+            lane.clear()
+            lane.extend(keep)

@@ -6,18 +6,26 @@ One batch's life (batch N+1 is submitted before batch N's result is awaited):
           slot (numpy, compact layout)
     copy  stream: one H2D copy of that slot into a device staging slot, then an event (inputs of
           a few hundred bytes, i.e. queries, skip this hop and go straight to the compute stream)
-    GPU   compute stream waits on the event, copies staging -> the graph's static inputs (one D2D),
-          replays the graph captured for the batch's bucket (or runs eagerly above the largest):
-          the forward, pooling, and L2 normalization of the flagged rows; then copies the rows D2H
-          straight into the caller's `out` (the batch's record in the response ring, memory the
-          worker registered with CUDA, so the copy is a true asynchronous DMA), records an event
-    CPU   Pending.result() waits on that event (a LazyTensor): the bytes are in the ring
+    GPU   compute stream waits on the event, copies staging -> the static inputs (one D2D),
+          replays the graph captured for the batch's bucket (or runs eagerly): the forward,
+          pooling, and L2 normalization of the flagged rows; then copies the rows D2H straight
+          into the caller's `out` (the batch's records in the response rings, memory the worker
+          registered with CUDA, so the copy is a true asynchronous DMA), records an event
+    CPU   LazyTensor.result() waits on that event: the bytes are in the ring
 
-Graphs are captured lazily, on the first batch that needs a bucket, into one shared memory pool
-(so memory grows with the largest bucket used, not with the number of buckets). A bucket is
-(tokens, sequences, longest sequence), each rounded up: flash attention's grid grows with the
-sequence count and the longest sequence, so both are part of the key. Padding tokens form one
-extra sequence pooled into a discarded row; padding sequences are empty.
+Two lanes, each its own CUDA stream, pinned slots and device inputs, so an interactive batch
+never queues behind a bulk one: INTERACTIVE runs on a high-priority stream with the graphs (the
+GPU schedules its kernels' blocks ahead of the bulk lane's as SMs free up), BULK on a
+low-priority stream, eagerly (its batches are large, where a graph gains nothing).
+
+Graphs are captured into one shared memory pool (so memory grows with the largest bucket used,
+not with the number of buckets). A bucket is (tokens, sequences, longest sequence), each rounded
+up: flash attention's grid grows with the sequence count and the longest sequence, so both are
+part of the key. Padding tokens form one extra sequence pooled into a discarded row; padding
+sequences are empty. Capture happens in `warm_up` (the likely query buckets, within a time
+budget, before the worker says READY), and for a bucket first met under load either at once
+(`defer_capture=False`: the batch waits for its capture) or later: the batch runs eagerly now
+and `capture_one` captures the bucket when the worker is idle, so no client waits for a capture.
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ import time
 import numpy as np
 import torch
 
+from pollen.worker.engine import BULK, INTERACTIVE
 from pollen.worker.lazy import LazyTensor
 from pollen.worker.models.base import EmbeddingModel
 from pollen.worker.models.pooling import normalize_rows, pool_rows
@@ -48,27 +57,33 @@ def pow2_at_least(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, n - 1).bit_length())
 
 
-class Pending:
-    __slots__ = ("lazy",)
+class Lane:
+    """One lane's stream (of its priority), double-buffered pinned slots, staging and inputs."""
 
-    def __init__(self, lazy: LazyTensor):
-        self.lazy = lazy
+    SLOTS = 2  # double buffering: batch N+1 fills one slot while batch N's copies use the other
 
-    def done(self) -> bool:
-        return self.lazy.ready()
+    def __init__(self, device: torch.device, cap: int, priority: int):
+        self.stream = torch.cuda.Stream(device, priority=priority)
+        self.copy_stream = torch.cuda.Stream(device, priority=priority)
+        self.host_in = [torch.empty(cap, dtype=torch.int32, pin_memory=True) for _ in range(self.SLOTS)]
+        self.staging = [torch.empty(cap, dtype=torch.int32, device=device) for _ in range(self.SLOTS)]
+        self.staged = [torch.cuda.Event() for _ in range(self.SLOTS)]
+        self.done = [torch.cuda.Event() for _ in range(self.SLOTS)]
+        self.static_in = torch.zeros(cap, dtype=torch.int32, device=device)
+        self.slot = 0
 
-    def result(self):
-        """Wait for the D2H copies; the rows they wrote (the caller's `out`, or the engine's own)."""
-        value = self.lazy.wait()
-        return value.numpy() if isinstance(value, torch.Tensor) else value
+    def next_slot(self) -> int:
+        slot = self.slot
+        self.slot = (slot + 1) % self.SLOTS
+        return slot
 
 
 class CudaEngine:
-    SLOTS = 2  # double buffering: batch N+1 fills one slot while batch N's copies use the other
-    COPY_STREAM_MIN = 4096  # int32 values; smaller inputs skip the copy stream (see _submit)
+    side_by_side = True  # the lanes run at once, on streams of two priorities
+    COPY_STREAM_MIN = 4096  # int32 values; smaller inputs skip the copy stream (see upload)
 
     def __init__(self, model: EmbeddingModel, device: str, max_batch_tokens: int = 16384,
-                 cuda_graphs: bool = True, graph_max_tokens: int | None = None):
+                 cuda_graphs: bool = True, graph_max_tokens: int | None = None, defer_capture: bool = False):
         self.model = model
         self.device = torch.device(device)
         self.pooling = model.spec.pooling
@@ -78,21 +93,17 @@ class CudaEngine:
         self.graphs_on = cuda_graphs and next(model.parameters()).dtype != torch.float32
         self.buckets = token_buckets(min(graph_max_tokens or max_batch_tokens, max_batch_tokens))
         self.max_positions = model.spec.max_tokens
-        self.stream = torch.cuda.Stream(self.device)
-        self.copy_stream = torch.cuda.Stream(self.device)
         # Compact int32 layout of one batch: ids, positions, pool_index [T]; cu [S+1]; first, last,
         # count, normalize [R]. Rows never exceed tokens + 1 and sequences never exceed tokens + 1
         # (the padding sequence).
         cap = 8 * max_batch_tokens + 16
-        self.host_in = [torch.empty(cap, dtype=torch.int32, pin_memory=True) for _ in range(self.SLOTS)]
-        self.staging = [torch.empty(cap, dtype=torch.int32, device=self.device) for _ in range(self.SLOTS)]
-        self.staged = [torch.cuda.Event() for _ in range(self.SLOTS)]
-        self.done = [torch.cuda.Event() for _ in range(self.SLOTS)]
-        self.static_in = torch.zeros(cap, dtype=torch.int32, device=self.device)
+        low, high = torch.cuda.Stream.priority_range()
+        self.lanes = (Lane(self.device, cap, high), Lane(self.device, cap, low))
         self.registered: list[int] = []  # host addresses we page-locked (register_host_memory)
-        self.slot = 0
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.defer_capture = defer_capture
+        self.wanted: dict[tuple[int, int, int], None] = {}  # buckets met under load, to capture when idle
         self.capture_seconds = 0.0
 
     # ---------------------------------------------------------------- layout
@@ -112,12 +123,14 @@ class CudaEngine:
         """(tokens, sequences, longest) of the graph that runs this batch, or None for eager."""
         if not self.graphs_on or batch.tokens > self.buckets[-1]:
             return None
-        tokens = self.buckets[bisect.bisect_left(self.buckets, batch.tokens)]
-        pad = tokens > batch.tokens
-        seqs = min(pow2_at_least(max(len(batch.cu_seqlens) - 1 + pad, batch.rows), 2), tokens + 1)
-        longest = min(pow2_at_least(batch.max_seqlen, 16), tokens, self.max_positions)
-        longest = max(longest, batch.max_seqlen)
-        return tokens, seqs, longest
+        return self.bucket_of(batch.tokens, len(batch.cu_seqlens) - 1, batch.rows, batch.max_seqlen)
+
+    def bucket_of(self, tokens: int, seqs: int, rows: int, longest: int) -> tuple[int, int, int]:
+        padded = self.buckets[bisect.bisect_left(self.buckets, tokens)]
+        pad = padded > tokens
+        seqs = min(pow2_at_least(max(seqs + pad, rows), 2), padded + 1)
+        bucket_longest = max(min(pow2_at_least(longest, 16), padded, self.max_positions), longest)
+        return padded, seqs, bucket_longest
 
     def fill(self, host: torch.Tensor, batch: PackedBatch, shape, normalize: np.ndarray | None = None) -> int:
         """Write the batch and its per-row normalize flags into a pinned slot in the layout of
@@ -149,51 +162,63 @@ class CudaEngine:
         hidden = self.model.hidden_states(ids, pos, cu, longest)
         return normalize_rows(pool_rows(hidden, index, first, last, count, self.pooling), norm)
 
-    def graph_for(self, shape):
-        graph = self.graphs.get(shape)
-        if graph is None:
-            inputs, _ = self.views(self.static_in, shape[0], shape[1], shape[1])
-            start = time.perf_counter()
-            with torch.cuda.stream(self.stream):
-                self.forward(inputs, shape[2])  # warm-up outside the graph: lazy inits, autotuning
-            self.stream.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool, stream=self.stream):
+    def capture(self, shape) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture the interactive lane's graph for `shape`, on its stream. Its inputs are the lane's
+        static inputs laid out as `shape`; they hold a valid padded batch (see fill) before the
+        warm-up run, so no index in them points out of bounds."""
+        lane = self.lanes[INTERACTIVE]
+        start = time.perf_counter()
+        slot = lane.next_slot()
+        lane.staged[slot].synchronize()
+        used = self.fill(lane.host_in[slot], warm_up_batch(), shape)
+        inputs, _ = self.views(lane.static_in, shape[0], shape[1], shape[1])
+        with torch.cuda.stream(lane.stream):
+            lane.static_in[:used].copy_(lane.host_in[slot][:used], non_blocking=True)
+            lane.staged[slot].record(lane.stream)
+            self.forward(inputs, shape[2])  # warm-up outside the graph: lazy inits, autotuning
+        lane.stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        # capture_begin/end rather than torch.cuda.graph(), which synchronizes the whole device
+        # and empties the allocator's cache first: the bulk lane may be running beside us.
+        with torch.cuda.stream(lane.stream):
+            graph.capture_begin(pool=self.pool)
+            try:
                 out = self.forward(inputs, shape[2])
-            graph = self.graphs[shape] = (g, out)
-            self.capture_seconds += time.perf_counter() - start
-        return graph
+            finally:
+                graph.capture_end()
+        self.graphs[shape] = (graph, out)
+        self.wanted.pop(shape, None)
+        self.capture_seconds += time.perf_counter() - start
+        return graph, out
 
-    def submit(self, batch: PackedBatch, out: np.ndarray | None = None, normalize: np.ndarray | None = None) -> Pending:
+    def submit(self, batch: PackedBatch, out=None, normalize: np.ndarray | None = None,
+               lane: int = INTERACTIVE) -> LazyTensor:
+        """Start a batch on a lane (INTERACTIVE: graphs, high priority; BULK: eager, low priority)."""
         with torch.inference_mode():
-            return self._submit(batch, out, normalize)
+            return self._submit(batch, out, normalize, lane)
 
-    def _submit(self, batch: PackedBatch, out: np.ndarray | None, normalize: np.ndarray | None) -> Pending:
-        slot = self.slot
-        self.slot = (slot + 1) % self.SLOTS
-        shape = self.bucket(batch)
-        self.staged[slot].synchronize()  # the copy that last read this pinned slot is done
-        used = self.fill(self.host_in[slot], batch, shape, normalize)
-        torch.cuda.set_stream(self.stream)  # the worker's one thread works on our stream
-        if used > self.COPY_STREAM_MIN:
-            # A sizeable input goes up on the copy stream, beside whatever the GPU still runs; the
-            # compute stream then takes it with one device-to-device copy.
-            with torch.cuda.stream(self.copy_stream):
-                self.staging[slot][:used].copy_(self.host_in[slot][:used], non_blocking=True)
-                self.staged[slot].record(self.copy_stream)
-            self.stream.wait_event(self.staged[slot])
-            self.static_in[:used].copy_(self.staging[slot][:used], non_blocking=True)
-        else:
-            # A query's few hundred bytes: one copy on the compute stream costs less than a stream hop.
-            self.static_in[:used].copy_(self.host_in[slot][:used], non_blocking=True)
-            self.staged[slot].record(self.stream)
-        if shape is None:
-            inputs, _ = self.views(self.static_in, batch.tokens, len(batch.cu_seqlens) - 1, batch.rows)
+    def _submit(self, batch: PackedBatch, out, normalize: np.ndarray | None, lane_index: int) -> LazyTensor:
+        lane = self.lanes[lane_index]
+        shape = self.bucket(batch) if lane_index == INTERACTIVE else None
+        graph = self.graphs.get(shape) if shape is not None else None
+        if shape is not None and graph is None:
+            if self.defer_capture:
+                self.wanted[shape] = None  # captured when the worker is idle (capture_one)
+                shape = None
+            else:
+                graph = self.capture(shape)
+        slot = lane.next_slot()
+        lane.staged[slot].synchronize()  # the copy that last read this pinned slot is done
+        used = self.fill(lane.host_in[slot], batch, shape, normalize)
+        torch.cuda.set_stream(lane.stream)  # the worker's one thread works on this lane's stream
+        self.upload(lane, slot, used)
+        if graph is None:
+            inputs, _ = self.views(lane.static_in, batch.tokens, len(batch.cu_seqlens) - 1, batch.rows)
             rows = self.forward(inputs, batch.max_seqlen)
         else:
-            graph, rows = self.graph_for(shape)
-            graph.replay()
-        if out is None:  # tests and tools: a pinned buffer of the caching host allocator
+            graph[0].replay()
+            rows = graph[1]
+        if out is None:  # tests, tools and the bulk lane: a pinned buffer of the caching host allocator
             result = torch.empty(batch.rows, self.hidden, dtype=torch.float32, pin_memory=True)
             result.copy_(rows[:batch.rows], non_blocking=True)
         else:  # the response rings, registered: each part's DMA lands in its answer record itself
@@ -201,12 +226,36 @@ class CudaEngine:
             for part in out if isinstance(out, list) else [out]:
                 torch.from_numpy(part).copy_(rows[at:at + len(part)], non_blocking=True)
                 at += len(part)
-        done = self.done[slot]  # reusable: this slot's previous result was read before we got here
-        done.record(self.stream)
-        return Pending(LazyTensor(result, done))
+        done = lane.done[slot]  # reusable: this slot's previous result was read before we got here
+        done.record(lane.stream)
+        return LazyTensor(result, done)
+
+    def upload(self, lane: Lane, slot: int, used: int) -> None:
+        """The pinned slot's inputs into the lane's static inputs, on the lane's stream."""
+        if used > self.COPY_STREAM_MIN:
+            # A sizeable input goes up on the copy stream, beside whatever the GPU still runs; the
+            # compute stream then takes it with one device-to-device copy.
+            with torch.cuda.stream(lane.copy_stream):
+                lane.staging[slot][:used].copy_(lane.host_in[slot][:used], non_blocking=True)
+                lane.staged[slot].record(lane.copy_stream)
+            lane.stream.wait_event(lane.staged[slot])
+            lane.static_in[:used].copy_(lane.staging[slot][:used], non_blocking=True)
+        else:
+            # A query's few hundred bytes: one copy on the compute stream costs less than a stream hop.
+            lane.static_in[:used].copy_(lane.host_in[slot][:used], non_blocking=True)
+            lane.staged[slot].record(lane.stream)
+
+    def capture_one(self) -> bool:
+        """Capture one bucket a batch met under load (it ran eagerly); False if none waits.
+        The worker calls this only when the interactive lane is idle."""
+        if not self.wanted:
+            return False
+        with torch.inference_mode():
+            self.capture(next(iter(self.wanted)))
+        return True
 
     def register_host_memory(self, address: int, nbytes: int) -> None:
-        """Page-lock memory we did not allocate (the response ring's mapping), so that copies into
+        """Page-lock memory we did not allocate (a response ring's mapping), so that copies into
         it are asynchronous DMA rather than a staged, blocking copy. Undone by close()."""
         page = mmap.PAGESIZE  # whole pages: the mapping's last page is ours to its end
         nbytes = -(-nbytes // page) * page
@@ -229,10 +278,37 @@ class CudaEngine:
         while self.registered:
             torch.cuda.cudart().cudaHostUnregister(self.registered.pop())
 
-    def warm_up(self) -> None:
-        """Load kernels and allocator state before READY; graphs stay lazy (captured on first use)."""
+    def warm_up(self, budget_s: float = 0.0) -> None:
+        """Load kernels and allocator state before READY (one eager batch on each lane), then
+        capture the likely query buckets, most likely first, for up to `budget_s` seconds."""
         graphs, self.graphs_on = self.graphs_on, False
         try:
-            self.submit(warm_up_batch()).result()
+            for lane in (INTERACTIVE, BULK):
+                self.submit(warm_up_batch(), lane=lane).result()
         finally:
             self.graphs_on = graphs
+        if not self.graphs_on or budget_s <= 0:
+            return
+        deadline = time.perf_counter() + budget_s
+        with torch.inference_mode():
+            for shape in self.query_buckets():
+                if time.perf_counter() > deadline:
+                    break
+                if shape not in self.graphs:
+                    self.capture(shape)
+
+    def query_buckets(self) -> list[tuple[int, int, int]]:
+        """The buckets batches of short texts (queries) meet, in the order a growing load meets
+        them: n texts of 8 to 24 tokens (the longest up to 64), for n = 1 up to the budget."""
+        seen: dict[tuple[int, int, int], None] = {}
+        n = 1
+        while n * 8 <= self.buckets[-1]:
+            for mean in (12, 8, 16, 24):
+                tokens = n * mean
+                if tokens > self.buckets[-1]:
+                    continue
+                for longest in (32, 16, 64):
+                    if longest >= mean:
+                        seen.setdefault(self.bucket_of(tokens, n, n, min(longest, tokens)), None)
+            n = n + 1 if n < 16 else n + max(1, n // 8)
+        return list(seen)

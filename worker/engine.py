@@ -3,12 +3,18 @@
 The worker loop only knows this interface:
 
     engine.register_host_memory(address, nbytes)   # each response ring's segment, once
-    pending = engine.submit(batch, out=[rows_view, ...], normalize=flags)  # starts the work; may
-                                                                    # return before it is done
+    pending = engine.submit(batch, out=[rows_view, ...], normalize=flags, lane=INTERACTIVE)
+                                     # starts the work; may return before it is done
     pending.done()                   # True once out holds the rows (never blocks)
     pending.result()                 # waits until out holds the rows; returns out
+    engine.capture_one()             # an idle moment: capture a graph a batch missed (CUDA)
     engine.unregister_host_memory(address)         # before a response ring goes
     engine.close()
+
+`pending` is a `PendingRows`: the CPU engine's is done when submit returns; the CUDA engine's is
+a LazyTensor (worker/lazy.py), done once the device's copies have landed. `engine.side_by_side`
+says whether the engine runs its two lanes (INTERACTIVE, BULK) at once: the CUDA engine does, on
+streams of two priorities; the CPU engine runs one batch at a time and ignores `lane`.
 
 `out` is a float32 [batch.rows, hidden] numpy array, or a list of them whose rows add up to the
 batch's, filled in order: for the worker, views of the batch's records in the response rings of
@@ -21,6 +27,8 @@ the engine for the worker's device.
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 import torch
 
@@ -28,30 +36,44 @@ from pollen.worker.models.base import EmbeddingModel
 from pollen.worker.models.pooling import normalize_rows, pool_rows
 from pollen.worker.packed import PackedBatch, warm_up_batch
 
+INTERACTIVE, BULK = 0, 1
 
-class Done:
-    """A result that is already computed (the CPU engine's pending handle)."""
+
+class PendingRows(Protocol):
+    """A submitted batch's rows: `done()` never blocks; `result()` waits and returns them (the
+    caller's `out`, or the engine's own array)."""
+
+    def done(self) -> bool: ...
+
+    def result(self): ...
+
+
+class ReadyRows:
+    """Rows computed already: the CPU engine's PendingRows."""
 
     __slots__ = ("rows",)
 
-    def __init__(self, rows: np.ndarray):
+    def __init__(self, rows):
         self.rows = rows
 
     def done(self) -> bool:
         return True  # the worker answers it at once instead of after the next batch
 
-    def result(self) -> np.ndarray:
+    def result(self):
         return self.rows
 
 
 class EagerEngine:
     """Op-by-op execution on the CPU: simple, exact, and the reference for the CUDA engine."""
 
+    side_by_side = False  # one batch at a time: the lanes mix in the batcher instead
+
     def __init__(self, model: EmbeddingModel):
         self.model = model
         self.pooling = model.spec.pooling
 
-    def submit(self, batch: PackedBatch, out: np.ndarray | None = None, normalize: np.ndarray | None = None) -> Done:
+    def submit(self, batch: PackedBatch, out=None, normalize: np.ndarray | None = None,
+               lane: int = INTERACTIVE) -> ReadyRows:
         t = torch.from_numpy
         with torch.inference_mode():
             hidden = self.model.hidden_states(t(batch.ids), t(batch.positions), t(batch.cu_seqlens),
@@ -61,12 +83,15 @@ class EagerEngine:
             if normalize is not None:
                 rows = normalize_rows(rows, t(np.asarray(normalize, dtype=np.int32)))
             if out is None:
-                return Done(rows.numpy())
+                return ReadyRows(rows.numpy())
             at = 0
             for part in out if isinstance(out, list) else [out]:
                 t(part).copy_(rows[at:at + len(part)])
                 at += len(part)
-        return Done(out)
+        return ReadyRows(out)
+
+    def capture_one(self) -> bool:
+        return False  # nothing to capture on the CPU
 
     def register_host_memory(self, address: int, nbytes: int) -> None:
         """Nothing to do: the CPU writes any memory directly."""
@@ -77,13 +102,14 @@ class EagerEngine:
     def close(self) -> None:
         pass
 
-    def warm_up(self) -> None:
+    def warm_up(self, budget_s: float = 0.0) -> None:
         """Pay first-call costs (allocator, kernels) before the worker says READY."""
         self.submit(warm_up_batch()).result()
 
 
 def make_engine(model: EmbeddingModel, device: str, **options) -> EagerEngine:
-    """options (max_batch_tokens, cuda_graphs, graph_max_tokens) matter to the CUDA engine only."""
+    """options (max_batch_tokens, cuda_graphs, graph_max_tokens, defer_capture) matter to the
+    CUDA engine only."""
     if device.startswith("cuda"):
         from pollen.worker.cuda_engine import CudaEngine
 

