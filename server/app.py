@@ -31,6 +31,11 @@ def response_ring_for(max_texts: int, hidden: int) -> int:
 def check_limits(cfg: ServeConfig, spec: ModelSpec) -> None:
     """Size what is automatic (the response rings) and refuse at start the settings that would
     fail requests later."""
+    if not cfg.max_batch_tokens:
+        cfg.max_batch_tokens = max(8192, spec.max_tokens)
+    if cfg.max_queued_tokens < cfg.max_batch_tokens:
+        raise ValueError(f"--max-queued-tokens {cfg.max_queued_tokens} is below --max-batch-tokens "
+                         f"{cfg.max_batch_tokens}")
     if cfg.max_batch_tokens < spec.max_tokens:
         raise ValueError(f"--max-batch-tokens {cfg.max_batch_tokens} is below the model's limit of "
                          f"{spec.max_tokens} tokens: one long text could never be batched")

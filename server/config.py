@@ -45,7 +45,8 @@ class ServeConfig:
     listen_mode: str = _flag("0660", "file mode of a unix:/path socket (octal)")
     http_listen: str = _flag("127.0.0.1:8080", "HTTP address (OpenAI-compatible /v1/embeddings, /health, /metrics): "
                              "host:port, or an empty string for no HTTP door")
-    max_batch_tokens: int = _flag(8192, "token budget of one model batch (sequences are packed, never padded)")
+    max_batch_tokens: int = _flag(0, "token budget of one model batch (sequences are packed, never padded; 0: "
+                                  "8192, or the model's limit when that is larger, so its longest text fits)")
     bulk_batch_tokens: int = _flag(0, "most tokens of PRIORITY_BULK work in one batch (0: --max-batch-tokens); "
                                    "lower keeps interactive latency low under bulk load, higher gives bulk "
                                    "throughput")
@@ -95,7 +96,7 @@ class ServeConfig:
             self.workers = len(gpus)
         elif self.devices:
             raise ValueError("--devices picks GPUs; it needs --device cuda")
-        for name in ("workers", "max_batch_tokens", "max_queued_tokens", "max_texts_per_request",
+        for name in ("workers", "max_queued_tokens", "max_texts_per_request",
                      "max_request_bytes", "tokenizer_threads", "request_ring_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -122,6 +123,8 @@ class ServeConfig:
             raise ValueError(f"--listen-mode must be an octal file mode like 0660, got {self.listen_mode!r}") from None
         if self.worker_hang_timeout <= 0:
             raise ValueError("--worker-hang-timeout must be more than 0")
+        if self.max_batch_tokens < 0:
+            raise ValueError(f"--max-batch-tokens must be 0 (auto) or more, got {self.max_batch_tokens}")
         if self.max_queued_tokens < self.max_batch_tokens:
             raise ValueError("--max-queued-tokens must be at least --max-batch-tokens")
         if self.http_listen:
