@@ -105,7 +105,8 @@ async def serve(cfg: ServeConfig, stop: asyncio.Event | None = None, serving=Non
     try:
         if cfg.http_listen:
             door = HttpDoor(service)
-            http = HttpServer(door.handle, error_response, max_body_bytes=cfg.max_request_bytes)
+            http = HttpServer(door.handle, error_response, max_body_bytes=cfg.max_request_bytes,
+                              write_timeout=cfg.http_write_timeout)
             host, _, port = cfg.http_listen.rpartition(":")
             await http.start(host, int(port))
         log.info("loading %s on %d %s worker(s)", spec.name, cfg.workers, cfg.device)

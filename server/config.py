@@ -33,6 +33,8 @@ class ServeConfig:
     listen: str = _flag("127.0.0.1:50051", "gRPC address: host:port or unix:/path")
     http_listen: str = _flag("127.0.0.1:8080", "HTTP address (OpenAI-compatible /v1/embeddings, /health, /metrics): "
                              "host:port, or an empty string for no HTTP door")
+    http_write_timeout: float = _flag(30.0, "seconds an HTTP answer may wait unread (the connection's write "
+                                      "buffer over 64 KiB) before the connection is reset")
     max_batch_tokens: int = _flag(8192, "token budget of one model batch (sequences are packed, never padded)")
     bulk_batch_tokens: int = _flag(0, "most tokens of PRIORITY_BULK work in one batch (0: --max-batch-tokens); "
                                    "lower keeps interactive latency low under bulk load, higher gives bulk "
@@ -84,11 +86,16 @@ class ServeConfig:
         if self.max_queued_tokens < self.max_batch_tokens:
             raise ValueError("--max-queued-tokens must be at least --max-batch-tokens")
         if self.http_listen:
-            host, _, port = self.http_listen.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"--http-listen must be host:port or empty, got {self.http_listen!r}")
+            self.check_http()
         if self.shutdown_grace < 0:
             raise ValueError("--shutdown-grace must be 0 or more")
+
+    def check_http(self) -> None:
+        host, _, port = self.http_listen.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--http-listen must be host:port or empty, got {self.http_listen!r}")
+        if self.http_write_timeout <= 0:
+            raise ValueError(f"--http-write-timeout must be above 0, got {self.http_write_timeout}")
 
     def gpu_list(self) -> list[int]:
         """The GPU indices that get a worker each (cuda only)."""

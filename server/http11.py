@@ -20,7 +20,9 @@ discard what the client still sends for up to LINGER_S, so the kernel does not a
 bytes with a reset that would destroy our error response before the client reads it.
 
 Timeouts: `idle_timeout` between requests (the connection closes quietly), `read_timeout` for one
-request to arrive (408).
+request to arrive (408), `write_timeout` for an answer the client does not read: the transport
+pauses us when its buffer passes its high-water mark (`write_buffer_bytes`), and a connection
+whose buffer has not drained within `write_timeout` is reset.
 
 Memory per connection is bounded. Reading: one request (its head up to `max_head_bytes`, its
 body up to `max_body_bytes`), plus HELD_BYTES of pipelined requests after it (and the socket read
@@ -34,6 +36,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import socket
+import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -51,6 +55,7 @@ _REASONS = {
     500: "Internal Server Error", 501: "Not Implemented", 503: "Service Unavailable",
     504: "Gateway Timeout", 505: "HTTP Version Not Supported",
 }
+_RESET_ON_CLOSE = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets and drops the unsent bytes
 
 
 @dataclass(slots=True)
@@ -86,13 +91,14 @@ ErrorBody = Callable[[int, str], Response]
 class HttpServer:
     def __init__(self, handler: Handler, error_response: ErrorBody, *, max_body_bytes: int,
                  max_head_bytes: int = 16 << 10, idle_timeout: float = 75.0,
-                 read_timeout: float = 30.0, write_buffer_bytes: int = 64 << 10):
+                 read_timeout: float = 30.0, write_timeout: float = 30.0, write_buffer_bytes: int = 64 << 10):
         self.handler = handler
         self.error_response = error_response  # builds the body of protocol errors (4xx), in the door's format
         self.max_body_bytes = max_body_bytes
         self.max_head_bytes = max_head_bytes
         self.idle_timeout = idle_timeout      # how long a kept-alive connection may wait for its next request
         self.read_timeout = read_timeout      # how long one request's head and body may take to arrive
+        self.write_timeout = write_timeout    # how long an answer may sit unread over the buffer's high-water mark
         self.write_buffer_bytes = write_buffer_bytes
         self.connections: set[_Connection] = set()
         self.stopping = False
@@ -129,7 +135,8 @@ class HttpServer:
 class _Connection(asyncio.Protocol):
     """One client connection. Its states: waiting for a request (idle timer), reading one (read
     timer), handling it (`task`), writing its answer (`outgoing`, then `draining` until the
-    transport's buffer is under its low-water mark), lingering after an error. `busy` covers everything from a request's first byte
+    transport's buffer is under its low-water mark; the write timer runs while the transport has
+    paused us), lingering after an error. `busy` covers everything from a request's first byte
     until its answer is drained."""
 
     def __init__(self, server: HttpServer):
@@ -151,6 +158,7 @@ class _Connection(asyncio.Protocol):
         self.held = 0            # bytes received while a request is handled or its answer drained
         self.reading_paused = False
         self.timer: asyncio.TimerHandle | None = None
+        self.write_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -184,7 +192,9 @@ class _Connection(asyncio.Protocol):
         return False  # the transport closes (after writing what it holds)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_timer()
+        for timer in (self.timer, self.write_timer):
+            if timer is not None:
+                timer.cancel()
         if self.task is not None:
             self.task.cancel()
         self.outgoing.clear()
@@ -194,9 +204,12 @@ class _Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.paused = True
+        self.write_timer = self.loop.call_later(self.server.write_timeout, self._write_timed_out)
 
     def resume_writing(self) -> None:
         self.paused = False
+        self.write_timer.cancel()
+        self.write_timer = None
         if self.outgoing:
             self._pump()
         elif self.draining:
@@ -280,8 +293,8 @@ class _Connection(asyncio.Protocol):
 
     def _pump(self) -> None:
         """Hand the answer to the transport a chunk at a time, while it is not paused: its buffer
-        stays within about two chunks (the transport resumes us only once a write has gone out
-        whole)."""
+        stays within about two chunks, and each chunk must be taken by the client within
+        write_timeout (the transport resumes us only once a write has gone out whole)."""
         chunk = self.server.write_buffer_bytes
         while self.outgoing and not self.paused:
             part = self.outgoing.popleft()
@@ -350,6 +363,14 @@ class _Connection(asyncio.Protocol):
 
     def _read_timed_out(self) -> None:
         self._fail(ProtocolError(408, "the request did not arrive in time"))
+
+    def _write_timed_out(self) -> None:
+        """The client has not read its answer for write_timeout: reset the connection, so that
+        neither our buffer nor the kernel's keeps the unread bytes."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+        self.abort()
 
     def _set_timer(self, delay: float, callback) -> None:
         self._cancel_timer()
