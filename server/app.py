@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import platform
+import resource
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pollen.common.model_spec import read_model_spec
 from pollen.server.admission import Admission
-from pollen.server.config import ServeConfig
+from pollen.server.config import ServeConfig, open_files_limit
 from pollen.server.http11 import HttpServer
 from pollen.server.http_door import HttpDoor, error_response
 from pollen.server.service import EmbedderService
@@ -61,10 +62,19 @@ def check_platform() -> None:
                            f"{platform.machine()!r}, where they would need fences Python cannot issue")
 
 
+def raise_fd_limit() -> None:
+    """Raise the soft open-files limit to the one --http-max-connections was checked against."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = open_files_limit()
+    if soft < limit:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+
+
 async def serve(cfg: ServeConfig, stop: asyncio.Event | None = None, serving=None) -> None:
     """Serve until SIGTERM/SIGINT (or until `stop` is set, for in-process use such as tests);
     `serving(pool)` is called once the workers are ready."""
     check_platform()
+    raise_fd_limit()
     removed = cleanup_stale_segments()
     if removed:
         log.info("removed %d shared-memory segments left by a dead server", len(removed))
@@ -106,7 +116,7 @@ async def serve(cfg: ServeConfig, stop: asyncio.Event | None = None, serving=Non
         if cfg.http_listen:
             door = HttpDoor(service)
             http = HttpServer(door.handle, error_response, max_body_bytes=cfg.max_request_bytes,
-                              write_timeout=cfg.http_write_timeout)
+                              max_connections=cfg.http_max_connections, write_timeout=cfg.http_write_timeout)
             host, _, port = cfg.http_listen.rpartition(":")
             await http.start(host, int(port))
         log.info("loading %s on %d %s worker(s)", spec.name, cfg.workers, cfg.device)

@@ -4,8 +4,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import resource
 
 from pollen.common.model_spec import default_model_path
+
+# Descriptors kept for everything but HTTP connections: gRPC's, the workers' pipes, eventfds and
+# rings, the tokenizer and logs. --http-max-connections must fit under the open-files limit with these.
+FD_RESERVE = 256
 
 # Field annotations (strings, under `from __future__ import annotations`) to argparse types.
 _TYPES = {"str | None": str, "str": str, "int": int, "float": float}
@@ -33,6 +38,8 @@ class ServeConfig:
     listen: str = _flag("127.0.0.1:50051", "gRPC address: host:port or unix:/path")
     http_listen: str = _flag("127.0.0.1:8080", "HTTP address (OpenAI-compatible /v1/embeddings, /health, /metrics): "
                              "host:port, or an empty string for no HTTP door")
+    http_max_connections: int = _flag(0, "HTTP connections open at once; past it a new one is answered 503 and "
+                                      f"closed (0: min(1024, the open-files limit - {FD_RESERVE}))")
     http_write_timeout: float = _flag(30.0, "seconds an HTTP answer may wait unread (the connection's write "
                                       "buffer over 64 KiB) before the connection is reset")
     max_batch_tokens: int = _flag(8192, "token budget of one model batch (sequences are packed, never padded)")
@@ -94,6 +101,13 @@ class ServeConfig:
         host, _, port = self.http_listen.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"--http-listen must be host:port or empty, got {self.http_listen!r}")
+        limit = open_files_limit()
+        room = limit - FD_RESERVE
+        if self.http_max_connections == 0:
+            self.http_max_connections = min(1024, room)
+        if not 1 <= self.http_max_connections <= room:
+            raise ValueError(f"--http-max-connections {self.http_max_connections} does not fit under the open-files "
+                             f"limit of {limit} with {FD_RESERVE} kept for gRPC and the workers: at most {room}")
         if self.http_write_timeout <= 0:
             raise ValueError(f"--http-write-timeout must be above 0, got {self.http_write_timeout}")
 
@@ -119,6 +133,13 @@ class ServeConfig:
         parser = argparse.ArgumentParser(prog="pollen serve", description="Serve embeddings over gRPC.")
         add_flags(parser, environ if environ is not None else os.environ)
         return cls(**vars(parser.parse_args(argv)))
+
+
+def open_files_limit() -> int:
+    """The open-files limit `pollen serve` runs under: the hard RLIMIT_NOFILE, to which it raises
+    the soft one at start (server/app.py), or the soft one where the hard one is unlimited."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if hard == resource.RLIM_INFINITY else max(soft, hard)
 
 
 def visible_gpus() -> int:

@@ -13,7 +13,8 @@ What it refuses, always with a response before closing:
   with neither header has an empty body, as RFC 9112 says);
 - malformed request lines and headers, conflicting Content-Lengths, a target that is not a path:
   400; versions other than 1.0 and 1.1: 505;
-- a request that has begun but not arrived whole within `read_timeout`: 408.
+- a request that has begun but not arrived whole within `read_timeout`: 408;
+- a connection past `max_connections` open ones: 503 as soon as it is accepted, then closed.
 
 After an error the connection closes with a "lingering close": we stop writing, then read and
 discard what the client still sends for up to LINGER_S, so the kernel does not answer the unread
@@ -90,11 +91,12 @@ ErrorBody = Callable[[int, str], Response]
 
 class HttpServer:
     def __init__(self, handler: Handler, error_response: ErrorBody, *, max_body_bytes: int,
-                 max_head_bytes: int = 16 << 10, idle_timeout: float = 75.0,
+                 max_connections: int = 1024, max_head_bytes: int = 16 << 10, idle_timeout: float = 75.0,
                  read_timeout: float = 30.0, write_timeout: float = 30.0, write_buffer_bytes: int = 64 << 10):
         self.handler = handler
         self.error_response = error_response  # builds the body of protocol errors (4xx), in the door's format
         self.max_body_bytes = max_body_bytes
+        self.max_connections = max_connections
         self.max_head_bytes = max_head_bytes
         self.idle_timeout = idle_timeout      # how long a kept-alive connection may wait for its next request
         self.read_timeout = read_timeout      # how long one request's head and body may take to arrive
@@ -103,6 +105,9 @@ class HttpServer:
         self.connections: set[_Connection] = set()
         self.stopping = False
         self._server: asyncio.AbstractServer | None = None
+        self._refusal = _standalone(error_response(
+            503, f"the server holds its limit of {max_connections} HTTP connections (--http-max-connections); "
+                 "retry later or reuse a connection"))
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
@@ -144,7 +149,7 @@ class _Connection(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()
         self.closed = self.loop.create_future()
         self.transport: asyncio.Transport | None = None
-        self.conn: h11.Connection | None = None
+        self.conn: h11.Connection | None = None  # None: refused past the connection cap
         self.busy = False
         self.head_only = False  # the request is HEAD: its answer has no body
         self.request: Request | None = None
@@ -162,14 +167,18 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
+        if len(self.server.connections) >= self.server.max_connections:
+            transport.write(self.server._refusal)
+            transport.close()
+            return
         self.server.connections.add(self)
         transport.set_write_buffer_limits(high=self.server.write_buffer_bytes)
         self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.server.max_head_bytes)
         self._set_timer(self.server.idle_timeout, self.transport.close)
 
     def data_received(self, data: bytes) -> None:
-        if self.lingering:
-            return  # discarding what the client still sends after an error
+        if self.conn is None or self.lingering:
+            return  # refused, or discarding what the client still sends after an error
         self.conn.receive_data(data)
         if self.task is not None or self.outgoing or self.draining:
             # A pipelined request: kept for its turn, and reading pauses once too much waits.
@@ -389,3 +398,16 @@ def _refusal_of(exc: h11.RemoteProtocolError) -> ProtocolError:
         return ProtocolError(411, "Transfer-Encoding bodies are not accepted; send Content-Length")
     return ProtocolError(exc.error_status_hint, f"malformed request: {message}")
 
+
+def _standalone(response: Response) -> bytes:
+    """`response` as bytes for a connection whose request will not be read (refused at accept):
+    h11 serializes a response only as the answer to a request, so it answers a stand-in one."""
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(b"GET / HTTP/1.1\r\nHost: pollen\r\n\r\n")
+    conn.next_event()
+    headers = [(b"Content-Type", response.content_type.encode("latin-1")),
+               (b"Content-Length", b"%d" % len(response.body)), (b"Connection", b"close")]
+    headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items()]
+    return b"".join((conn.send(h11.Response(status_code=response.status, headers=headers,
+                                            reason=_REASONS[response.status].encode("latin-1"))),
+                     conn.send(h11.Data(data=response.body)), conn.send(h11.EndOfMessage())))

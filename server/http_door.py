@@ -81,7 +81,8 @@ _AT_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 
 
 _PROTOCOL_CODES = {400: "bad_request", 408: "request_timeout", 411: "length_required", 413: "request_too_large",
-                   431: "headers_too_large", 500: "internal", 505: "http_version_not_supported"}
+                   431: "headers_too_large", 500: "internal", 503: "unavailable",
+                   505: "http_version_not_supported"}
 
 
 def error_response(status: int, message: str, *, code: str | None = None, param: str | None = None) -> Response:

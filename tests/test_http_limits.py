@@ -1,26 +1,39 @@
-"""The HTTP door's bounds under abuse: clients that never read their answers are reset after
---http-write-timeout."""
+"""The HTTP door's bounds under abuse: clients that never read their answers are reset within
+--http-write-timeout, connections past --http-max-connections are refused while gRPC and the
+held connections go on, and the open-files limit is raised at start and checked in the config."""
 from __future__ import annotations
 
 import fcntl
 import http.client
 import json
+import resource
 import socket
 import struct
+import subprocess
 import termios
 import time
 
+import grpc
 import pytest
 
-from tests.conftest import ServerProcess
+from pollen.v1 import embedder_pb2 as pb
+from pollen.v1 import embedder_pb2_grpc as pb_grpc
+from tests.conftest import POLLEN, ServerProcess, vectors
 
+CAP = 6
 WRITE_TIMEOUT_S = 2.0
 TCP_CLOSE = 7  # tcp_info.tcpi_state
 
 
 @pytest.fixture(scope="module")
 def limited():
-    srv = ServerProcess("--http-write-timeout", str(WRITE_TIMEOUT_S)).start()
+    # Start under a low soft open-files limit, which the server raises to the hard one.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
+    try:
+        srv = ServerProcess("--http-max-connections", str(CAP), "--http-write-timeout", str(WRITE_TIMEOUT_S)).start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     yield srv
     assert srv.terminate() == 0
 
@@ -87,3 +100,52 @@ def test_clients_that_never_read_are_reset_after_the_write_timeout(limited):
     reply = conn.getresponse()
     assert reply.status == 200 and len(json.loads(reply.read())["data"]) == 512  # a client that reads is answered
     conn.close()
+
+
+def test_connections_past_the_cap_are_refused_and_the_rest_go_on(limited):
+    held = [http.client.HTTPConnection("127.0.0.1", limited.http_port, timeout=30) for _ in range(CAP)]
+    assert [get_health(c) for c in held] == [200] * CAP  # now CAP idle keep-alive connections
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", limited.http_port), timeout=30) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            received, _ = read_all(sock)
+        head, _, payload = received.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 ") and b"Connection: close" in head, received
+        assert b"--http-max-connections" in payload
+    assert get_health(held[0]) == 200  # the connections within the cap are served
+    with grpc.insecure_channel(limited.listen) as channel:  # and gRPC is not starved
+        reply = pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=["still fine"]), timeout=30)
+    assert vectors(reply).shape == (1, 384)
+    held.pop().close()
+    deadline = time.monotonic() + 10
+    while True:  # the freed place is taken by the next connection, once the server has seen the close
+        fresh = http.client.HTTPConnection("127.0.0.1", limited.http_port, timeout=30)
+        try:
+            if get_health(fresh) == 200:
+                break
+        except (ConnectionError, http.client.HTTPException):
+            pass
+        assert time.monotonic() < deadline, "a connection under the cap was refused"
+        fresh.close()
+        time.sleep(0.1)
+    for conn in held + [fresh]:
+        conn.close()
+
+
+def test_the_soft_open_files_limit_is_raised_to_the_hard_one(limited):
+    with open(f"/proc/{limited.pid}/limits") as f:
+        soft, hard = next(line.split()[3:5] for line in f if line.startswith("Max open files"))
+    assert soft == hard == str(resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+
+
+def test_a_cap_over_the_open_files_limit_is_refused_at_start():
+    from pollen.server.config import FD_RESERVE, ServeConfig, open_files_limit
+
+    room = open_files_limit() - FD_RESERVE
+    assert ServeConfig.from_args([], environ={}).http_max_connections == min(1024, room)
+    assert ServeConfig.from_args(["--http-max-connections", str(room)], environ={}).http_max_connections == room
+    with pytest.raises(ValueError, match="--http-max-connections"):
+        ServeConfig.from_args(["--http-max-connections", str(room + 1)], environ={})
+    done = subprocess.run([POLLEN, "serve", "--http-max-connections", str(room + 1)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "does not fit under the open-files limit" in done.stderr
