@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 
 import h11
 
+from pollen.server.errors import cut
+
 log = logging.getLogger("pollen.http")
 
 LINGER_S = 2.0
@@ -289,7 +291,7 @@ class _Connection(asyncio.Protocol):
         try:
             response = await self.server.handler(request)
         except Exception:
-            log.exception("HTTP handler failed on %s %s", request.method, request.path)
+            log.exception("HTTP handler failed on %s %s", request.method, cut(request.path))
             response = self.server.error_response(500, "internal error (logged by the server)")
         # A cancelled handler (the client left, or the stop's grace ran out) ends here, unanswered.
         self.task = None
@@ -392,11 +394,11 @@ class _Connection(asyncio.Protocol):
 
 
 def _refusal_of(exc: h11.RemoteProtocolError) -> ProtocolError:
-    """h11's reason for refusing a request, as our status."""
+    """h11's reason for refusing a request, as our status; its message quotes the client's bytes, cut."""
     message = str(exc)
     if "Transfer-Encoding" in message:  # h11 frames chunked bodies only; we frame none
         return ProtocolError(411, "Transfer-Encoding bodies are not accepted; send Content-Length")
-    return ProtocolError(exc.error_status_hint, f"malformed request: {message}")
+    return ProtocolError(exc.error_status_hint, f"malformed request: {cut(message)}")
 
 
 def _standalone(response: Response) -> bytes:

@@ -25,7 +25,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pollen.common import encodings
-from pollen.server.errors import RequestError
+from pollen.server.errors import ECHO_CHARS, RequestError, cut, echo
 from pollen.server.http11 import Request, Response
 from pollen.server.metrics import REGISTRY, count_request
 from pollen.server.service import EmbedderService
@@ -78,6 +78,8 @@ _HTTP_STATUS = {
 }
 _ROUTES = {"/v1/embeddings": "POST", "/v1/models": "GET", "/health": "GET", "/metrics": "GET"}
 _AT_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+# msgspec's own words around a value it quotes are short: a longer message is a long value quoted.
+_MSGSPEC_CHARS = 60 + ECHO_CHARS
 
 
 _PROTOCOL_CODES = {400: "bad_request", 408: "request_timeout", 411: "length_required", 413: "request_too_large",
@@ -113,10 +115,10 @@ class HttpDoor:
     async def handle(self, request: Request) -> Response:
         method = _ROUTES.get(request.path)
         if method is None:
-            return error_response(404, f"no route {request.path!r}; routes: {', '.join(_ROUTES)}",
+            return error_response(404, f"no route {echo(request.path)}; routes: {', '.join(_ROUTES)}",
                                   code="not_found")
         if request.method != method:
-            response = error_response(405, f"{request.path} takes {method}, not {request.method}",
+            response = error_response(405, f"{request.path} takes {method}, not {cut(request.method)}",
                                       code="method_not_allowed")
             response.headers["Allow"] = method
             return response
@@ -157,11 +159,13 @@ def to_embed_request(request: Request) -> tuple[pb.EmbedRequest, str]:
         text = str(exc)
         match = _AT_PATH.search(text)
         param = match.group(1) if match else None
+        # msgspec quotes the bad value (an enum value, an unknown field's name) whole: cut it.
+        text = cut(text[:match.start()], _MSGSPEC_CHARS) + match.group() if match else cut(text, _MSGSPEC_CHARS)
         if param in _CHOICES:  # msgspec names the bad value; name the good ones too
             text += f" (one of: {', '.join(_CHOICES[param])})"
         raise Rejected(f"invalid request body: {text}", param) from None
     except msgspec.DecodeError as exc:
-        raise Rejected(f"the body is not valid JSON: {exc}") from None
+        raise Rejected(f"the body is not valid JSON: {cut(str(exc), _MSGSPEC_CHARS)}") from None
     message = pb.EmbedRequest(
         dimensions=body.dimensions or 0, normalize=body.normalize, encoding=encodings.BY_NAME[body.encoding],
         truncate=_TRUNCATES[body.truncate], max_tokens=body.max_tokens, prompt_name=body.prompt_name,
