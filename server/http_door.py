@@ -35,7 +35,10 @@ log = logging.getLogger("pollen.http")
 
 DOOR = "http"
 
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+# The proto's uint32 fields: a value past 2**32 - 1 is refused here, naming the field.
+UINT32_MAX = 2**32 - 1
+Positive32 = Annotated[int, msgspec.Meta(ge=1, le=UINT32_MAX)]
+NonNegative32 = Annotated[int, msgspec.Meta(ge=0, le=UINT32_MAX)]
 
 
 class EmbeddingsBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -43,20 +46,20 @@ class EmbeddingsBody(msgspec.Struct, forbid_unknown_fields=True):
     # token-id lists (ids as our Tokenize returns them, special tokens included).
     input: str | list[str | int | list[int]] | None = None
     model: str | None = None           # accepted and ignored: this server serves one model
-    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    dimensions: Positive32 | None = None
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None            # accepted and ignored
     # pollen's own options, as in EmbedRequest (lower-case enum names).
     encoding: Literal[encodings.NAMES] = "float32"
     normalize: bool = True             # OpenAI's vectors are unit length; gRPC's default is False
     truncate: Literal["none", "end", "start"] = "none"
-    max_tokens: NonNegative = 0
+    max_tokens: NonNegative32 = 0
     prompt_name: str = ""
     prompt: str = ""
     long_input: Literal["truncate", "chunk_mean"] = "truncate"
     chunks: list[str] | None = None    # contextual chunks of ONE document, instead of `input`
     priority: Literal["interactive", "bulk"] = "interactive"
-    timeout_ms: NonNegative = 0
+    timeout_ms: NonNegative32 = 0
 
 
 _DECODER = msgspec.json.Decoder(EmbeddingsBody)
@@ -113,14 +116,16 @@ class HttpDoor:
         self.serving = False  # mirrors the gRPC health status: set by server/app.py
 
     async def handle(self, request: Request) -> Response:
+        """Route a request. HEAD is answered as GET is (server/http11.py sends no body with it)."""
         method = _ROUTES.get(request.path)
         if method is None:
             return error_response(404, f"no route {echo(request.path)}; routes: {', '.join(_ROUTES)}",
                                   code="not_found")
-        if request.method != method:
-            response = error_response(405, f"{request.path} takes {method}, not {cut(request.method)}",
+        if request.method != method and not (request.method == "HEAD" and method == "GET"):
+            allow = "GET, HEAD" if method == "GET" else method
+            response = error_response(405, f"{request.path} takes {allow}, not {cut(request.method)}",
                                       code="method_not_allowed")
-            response.headers["Allow"] = method
+            response.headers["Allow"] = allow
             return response
         if request.path == "/v1/embeddings":
             return await self.embeddings(request)
