@@ -306,14 +306,17 @@ class _Connection(asyncio.Protocol):
         """Hand the answer to the transport a chunk at a time, while it is not paused: its buffer
         stays within about two chunks, and each chunk must be taken by the client within
         write_timeout (the transport resumes us only once a write has gone out whole)."""
-        chunk = self.server.write_buffer_bytes
         while self.outgoing and not self.paused:
-            part = self.outgoing.popleft()
-            if len(part) > chunk:
-                part = memoryview(part)
-                self.outgoing.appendleft(part[chunk:])
-                part = part[:chunk]
-            self.transport.write(part)
+            batch, room = [], self.server.write_buffer_bytes
+            while self.outgoing and room:
+                part = self.outgoing.popleft()
+                if len(part) > room:
+                    part = memoryview(part)
+                    self.outgoing.appendleft(part[room:])
+                    part = part[:room]
+                batch.append(part)
+                room -= len(part)
+            self.transport.writelines(batch)  # one system call for the head and a small body
         if not self.outgoing and not self.transport.is_closing():
             self._after_response()
 
