@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import pathlib
 import platform
 import socket
@@ -107,7 +108,7 @@ def measure(label: str, commit_id: str, queries: int, warmup: int) -> dict:
     import h11
 
     texts = [d.split(".")[0] for d in make_docs(queries, seed=2)]
-    srv = ServerProcess("--log-level", "WARNING").start(timeout=60)
+    srv = ServerProcess("--log-level", "WARNING").start(timeout=180)
     try:
         http, rpc = latencies(srv.http_port, srv.listen, texts, warmup)
     finally:
@@ -135,16 +136,19 @@ def main() -> int:
     parser.add_argument("--queries", type=int, default=1000)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--out", default=str(REPO / "load" / "results"))
+    parser.add_argument("--name", default="http-cpu", help="the results file is <out>/<name>-<date>.{json,md}")
     args = parser.parse_args()
 
     run = measure(args.label, args.commit or commit(), args.queries, args.warmup)
-    stem = f"http-cpu-{run['date']}"
+    stem = f"{args.name}-{run['date']}"
     path = pathlib.Path(args.out) / f"{stem}.json"
     runs = [r for r in (json.loads(path.read_text())["runs"] if path.exists() else []) if r["label"] != args.label]
     runs.append(run)
+    settings = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("POLLEN_")) or "none"
     header = (f"# One query at a time: HTTP keep-alive and gRPC unary, {run['date']}\n\n"
               f"{run['device']}; python {run['versions']['python']}, grpcio {run['versions']['grpcio']}, "
-              f"h11 {run['versions']['h11']}; model all-MiniLM-L6-v2 on the CPU, `pollen serve` defaults.\n"
+              f"h11 {run['versions']['h11']}; `pollen serve` defaults (all-MiniLM-L6-v2 on the CPU) but for "
+              f"the POLLEN_* settings in the environment: {settings}.\n"
               f"Command: `python load/bench_http.py --label LABEL` ({args.queries} queries after {args.warmup} "
               "of warm-up; HTTP and gRPC take turns query by query; client and server on the same "
               "machine).\n\n")

@@ -107,7 +107,7 @@ class HttpServer:
         self.connections: set[_Connection] = set()
         self.stopping = False
         self._server: asyncio.AbstractServer | None = None
-        self._refusal = _standalone(error_response(
+        self.refusal = _standalone(error_response(
             503, f"the server holds its limit of {max_connections} HTTP connections (--http-max-connections); "
                  "retry later or reuse a connection"))
 
@@ -170,7 +170,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
         if len(self.server.connections) >= self.server.max_connections:
-            transport.write(self.server._refusal)
+            transport.write(self.server.refusal)
             transport.close()
             return
         self.server.connections.add(self)
