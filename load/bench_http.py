@@ -108,22 +108,25 @@ def measure(label: str, commit_id: str, queries: int, warmup: int) -> dict:
     import h11
 
     texts = [d.split(".")[0] for d in make_docs(queries, seed=2)]
+    load_before = os.getloadavg()[0]
     srv = ServerProcess("--log-level", "WARNING").start(timeout=180)
     try:
         http, rpc = latencies(srv.http_port, srv.listen, texts, warmup)
     finally:
         srv.terminate()
+    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]  # 1-minute load average, before and after
     return {"label": label, "commit": commit_id, "date": datetime.date.today().isoformat(), "device": machine(),
             "versions": {"python": platform.python_version(), "grpcio": grpc.__version__, "h11": h11.__version__},
-            "http": http, "grpc": rpc}
+            "load_average": load, "http": http, "grpc": rpc}
 
 
 def table(runs: list[dict]) -> str:
-    lines = ["| run | commit | HTTP p50 | HTTP p99 | gRPC p50 | gRPC p99 | HTTP - gRPC (p50) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| run | commit | load before, after | HTTP p50 | HTTP p99 | gRPC p50 | gRPC p99 | HTTP - gRPC (p50) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in runs:
         h, g = r["http"], r["grpc"]
-        lines.append(f"| {r['label']} | {r['commit']} | {h['p50_ms']} ms | {h['p99_ms']} ms | {g['p50_ms']} ms | "
+        lines.append(f"| {r['label']} | {r['commit']} | {r['load_average'][0]}, {r['load_average'][1]} | "
+                     f"{h['p50_ms']} ms | {h['p99_ms']} ms | {g['p50_ms']} ms | "
                      f"{g['p99_ms']} ms | {h['p50_ms'] - g['p50_ms']:+.3f} ms |")
     return "\n".join(lines)
 
