@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pollen.common.model_spec import MIN_MATRYOSHKA_DIMS, ModelSpec
-from pollen.server.errors import invalid
+from pollen.server.errors import echo, invalid
 from pollen.server.tokenizer import TextTokenizer
 from pollen.shared_mem.records import RowPlan
 from pollen.v1 import embedder_pb2 as pb
@@ -98,7 +98,7 @@ class Admission:
             return ""
         if prompt_name not in self.prompts:
             known = ", ".join(sorted(self.prompts)) if self.prompts else "none (the model defines no prompts)"
-            raise invalid(f"prompt_name {prompt_name!r} is not one of the model's prompts; known: {known}")
+            raise invalid(f"prompt_name {echo(prompt_name)} is not one of the model's prompts; known: {known}")
         return self.prompts[prompt_name]
 
     def check_options(self, request: pb.EmbedRequest) -> None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import platform
+import resource
 import signal
 
 from pollen.common.model_spec import ModelSpec, read_model_spec
-from pollen.server.config import ServeConfig
+from pollen.server.config import ServeConfig, open_files_limit
 from pollen.server.supervisor import Supervisor
 from pollen.shared_mem import records
 from pollen.shared_mem.ring import Ring, cleanup_stale_segments
@@ -64,9 +65,19 @@ def check_platform() -> None:
                            f"{platform.machine()!r}, where they would need fences Python cannot issue")
 
 
+def raise_fd_limit() -> None:
+    """Raise the soft open-files limit to the one --http-max-connections was checked against
+    (the frontends inherit it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = open_files_limit()
+    if soft < limit:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+
+
 async def serve(cfg: ServeConfig, metrics_dir: str | None = None) -> None:
     """Serve until SIGTERM/SIGINT."""
     check_platform()
+    raise_fd_limit()
     removed = cleanup_stale_segments()
     if removed:
         log.info("removed %d shared-memory segments left by a dead server", len(removed))

@@ -4,9 +4,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import resource
 
 from pollen.common.engine_options import EngineOptions, parse_switch
 from pollen.common.model_spec import default_model_path
+
+# Descriptors kept for everything but HTTP connections: gRPC's, the workers' pipes, eventfds and
+# rings, the tokenizer and logs. --http-max-connections must fit under the open-files limit with these.
+FD_RESERVE = 256
 
 # Field annotations (strings, under `from __future__ import annotations`) to argparse types.
 _TYPES = {"str | None": str, "str": str, "int": int, "float": float, "bool": parse_switch}
@@ -45,6 +50,10 @@ class ServeConfig:
     listen_mode: str = _flag("0660", "file mode of a unix:/path socket (octal)")
     http_listen: str = _flag("127.0.0.1:8080", "HTTP address (OpenAI-compatible /v1/embeddings, /health, /metrics): "
                              "host:port, or an empty string for no HTTP door")
+    http_max_connections: int = _flag(0, "HTTP connections open at once; past it a new one is answered 503 and "
+                                      f"closed (0: min(1024, the open-files limit - {FD_RESERVE}))")
+    http_write_timeout: float = _flag(30.0, "seconds an HTTP answer may wait unread (the connection's write "
+                                      "buffer over 64 KiB) before the connection is reset")
     max_batch_tokens: int = _flag(0, "token budget of one model batch (sequences are packed, never padded; 0: "
                                   "8192, or the model's limit when that is larger, so its longest text fits)")
     bulk_batch_tokens: int = _flag(0, "most tokens of PRIORITY_BULK work in one batch (0: --max-batch-tokens); "
@@ -128,12 +137,24 @@ class ServeConfig:
         if self.max_queued_tokens < self.max_batch_tokens:
             raise ValueError("--max-queued-tokens must be at least --max-batch-tokens")
         if self.http_listen:
-            host, _, port = self.http_listen.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"--http-listen must be host:port or empty, got {self.http_listen!r}")
+            self.check_http()
         if self.shutdown_grace < 0:
             raise ValueError("--shutdown-grace must be 0 or more")
         self.engine_options()  # names a bad engine option here rather than in each worker
+
+    def check_http(self) -> None:
+        host, _, port = self.http_listen.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--http-listen must be host:port or empty, got {self.http_listen!r}")
+        limit = open_files_limit()
+        room = limit - FD_RESERVE
+        if self.http_max_connections == 0:
+            self.http_max_connections = min(1024, room)
+        if not 1 <= self.http_max_connections <= room:
+            raise ValueError(f"--http-max-connections {self.http_max_connections} does not fit under the open-files "
+                             f"limit of {limit} with {FD_RESERVE} kept for gRPC and the workers: at most {room}")
+        if self.http_write_timeout <= 0:
+            raise ValueError(f"--http-write-timeout must be above 0, got {self.http_write_timeout}")
 
     def gpu_list(self) -> list[int]:
         """The GPU indices that get a worker each (cuda only)."""
@@ -172,6 +193,11 @@ class ServeConfig:
         return cls(**vars(parser.parse_args(argv)))
 
 
+def open_files_limit() -> int:
+    """The open-files limit `pollen serve` runs under: the hard RLIMIT_NOFILE, to which it raises
+    the soft one at start (server/app.py), or the soft one where the hard one is unlimited."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if hard == resource.RLIM_INFINITY else max(soft, hard)
 def visible_device(gpu: int, inherited: str | None) -> str:
     """The physical GPU of the server's GPU `gpu`: the gpu-th entry of the server's own
     CUDA_VISIBLE_DEVICES when it has one, else `gpu` itself."""

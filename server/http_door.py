@@ -25,7 +25,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pollen.common import encodings
-from pollen.server.errors import RequestError
+from pollen.server.errors import ECHO_CHARS, RequestError, cut, echo
 from pollen.server.http11 import Request, Response
 from pollen.server.metrics import count_request
 from pollen.server.service import EmbedderService
@@ -35,7 +35,10 @@ log = logging.getLogger("pollen.http")
 
 DOOR = "http"
 
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+# The proto's uint32 fields: a value past 2**32 - 1 is refused here, naming the field.
+UINT32_MAX = 2**32 - 1
+Positive32 = Annotated[int, msgspec.Meta(ge=1, le=UINT32_MAX)]
+NonNegative32 = Annotated[int, msgspec.Meta(ge=0, le=UINT32_MAX)]
 
 
 class EmbeddingsBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -43,20 +46,20 @@ class EmbeddingsBody(msgspec.Struct, forbid_unknown_fields=True):
     # token-id lists (ids as our Tokenize returns them, special tokens included).
     input: str | list[str | int | list[int]] | None = None
     model: str | None = None           # accepted and ignored: this server serves one model
-    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    dimensions: Positive32 | None = None
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None            # accepted and ignored
     # pollen's own options, as in EmbedRequest (lower-case enum names).
     encoding: Literal[encodings.NAMES] = "float32"
     normalize: bool = True             # OpenAI's vectors are unit length; gRPC's default is False
     truncate: Literal["none", "end", "start"] = "none"
-    max_tokens: NonNegative = 0
+    max_tokens: NonNegative32 = 0
     prompt_name: str = ""
     prompt: str = ""
     long_input: Literal["truncate", "chunk_mean"] = "truncate"
     chunks: list[str] | None = None    # contextual chunks of ONE document, instead of `input`
     priority: Literal["interactive", "bulk"] = "interactive"
-    timeout_ms: NonNegative = 0
+    timeout_ms: NonNegative32 = 0
 
 
 _DECODER = msgspec.json.Decoder(EmbeddingsBody)
@@ -78,10 +81,13 @@ _HTTP_STATUS = {
 }
 _ROUTES = {"/v1/embeddings": "POST", "/v1/models": "GET", "/health": "GET", "/metrics": "GET"}
 _AT_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+# msgspec's own words around a value it quotes are short: a longer message is a long value quoted.
+_MSGSPEC_CHARS = 60 + ECHO_CHARS
 
 
 _PROTOCOL_CODES = {400: "bad_request", 408: "request_timeout", 411: "length_required", 413: "request_too_large",
-                   431: "headers_too_large", 500: "internal", 505: "http_version_not_supported"}
+                   431: "headers_too_large", 500: "internal", 503: "unavailable",
+                   505: "http_version_not_supported"}
 
 
 def error_response(status: int, message: str, *, code: str | None = None, param: str | None = None) -> Response:
@@ -108,17 +114,19 @@ class HttpDoor:
         self.registry = registry  # what /metrics serializes (server/metrics.py, exposition)
         self.model = service.spec.name
         self.created = int(time.time())
-        self.serving = False  # mirrors the gRPC health status: set by server/app.py
+        self.serving = False  # mirrors the gRPC health status: set by server/frontend.py
 
     async def handle(self, request: Request) -> Response:
+        """Route a request. HEAD is answered as GET is (server/http11.py sends no body with it)."""
         method = _ROUTES.get(request.path)
         if method is None:
-            return error_response(404, f"no route {request.path!r}; routes: {', '.join(_ROUTES)}",
+            return error_response(404, f"no route {echo(request.path)}; routes: {', '.join(_ROUTES)}",
                                   code="not_found")
-        if request.method != method:
-            response = error_response(405, f"{request.path} takes {method}, not {request.method}",
+        if request.method != method and not (request.method == "HEAD" and method == "GET"):
+            allow = "GET, HEAD" if method == "GET" else method
+            response = error_response(405, f"{request.path} takes {allow}, not {cut(request.method)}",
                                       code="method_not_allowed")
-            response.headers["Allow"] = method
+            response.headers["Allow"] = allow
             return response
         if request.path == "/v1/embeddings":
             return await self.embeddings(request)
@@ -157,11 +165,13 @@ def to_embed_request(request: Request) -> tuple[pb.EmbedRequest, str]:
         text = str(exc)
         match = _AT_PATH.search(text)
         param = match.group(1) if match else None
+        # msgspec quotes the bad value (an enum value, an unknown field's name) whole: cut it.
+        text = cut(text[:match.start()], _MSGSPEC_CHARS) + match.group() if match else cut(text, _MSGSPEC_CHARS)
         if param in _CHOICES:  # msgspec names the bad value; name the good ones too
             text += f" (one of: {', '.join(_CHOICES[param])})"
         raise Rejected(f"invalid request body: {text}", param) from None
     except msgspec.DecodeError as exc:
-        raise Rejected(f"the body is not valid JSON: {exc}") from None
+        raise Rejected(f"the body is not valid JSON: {cut(str(exc), _MSGSPEC_CHARS)}") from None
     message = pb.EmbedRequest(
         dimensions=body.dimensions or 0, normalize=body.normalize, encoding=encodings.BY_NAME[body.encoding],
         truncate=_TRUNCATES[body.truncate], max_tokens=body.max_tokens, prompt_name=body.prompt_name,

@@ -12,7 +12,7 @@ from pollen.common.model_spec import ModelSpec
 from pollen.server import metrics
 from pollen.server.admission import Admission
 from pollen.server.config import ServeConfig
-from pollen.server.errors import RequestError, invalid
+from pollen.server.errors import RequestError, cut, echo, invalid
 from pollen.server.metrics import count_request
 from pollen.server.router import Router
 from pollen.v1 import embedder_pb2 as pb
@@ -99,8 +99,9 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             except RequestError as exc:
                 response = error_response(request.id, exc)
             except Exception as exc:  # a bug must still answer the message, and say so
-                log.exception("stream message %r failed", request.id)
-                response = error_response(request.id, RequestError(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}"))
+                log.exception("stream message %s failed", echo(request.id))
+                response = error_response(request.id, RequestError(grpc.StatusCode.INTERNAL,
+                                                                   f"internal error: {cut(repr(exc))}"))
             finally:
                 in_flight.discard(request.id)
             answers.put_nowait(response)
@@ -114,7 +115,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
                     elif request.id in in_flight:
                         count_request("grpc", grpc.StatusCode.INVALID_ARGUMENT.name)
                         answers.put_nowait(error_response(request.id, invalid(
-                            f"id {request.id!r} is still in flight on this stream; ids must be unique "
+                            f"id {echo(request.id)} is still in flight on this stream; ids must be unique "
                             "until answered")))
                     else:
                         in_flight.add(request.id)
@@ -163,7 +164,7 @@ async def unary(context, method: str, work):
         await context.abort(exc.code, exc.message)
     except Exception as exc:  # never a bare UNKNOWN: say it is ours, and log it
         log.exception("%s failed", method)
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {cut(repr(exc))}")
 
 
 def error_response(request_id: str, exc: RequestError) -> pb.EmbedResponse:
