@@ -36,7 +36,7 @@ UNDECODABLE_LOG_INTERVAL_S = 10.0
 class Undecodable:
     """Stands in for a request message whose bytes did not decode as its type."""
 
-    __slots__ = ("type_name", "size", "reason")
+    __slots__ = ("reason", "size", "type_name")
 
     def __init__(self, type_name: str, size: int, reason: str):
         self.type_name, self.size, self.reason = type_name, size, reason
@@ -47,12 +47,12 @@ def lenient(message_type):
     def decode(data: bytes):
         try:
             return message_type.FromString(data)
-        except Exception as exc:  # DecodeError, or anything else protobuf raises on bad bytes
+        except Exception as exc:  # noqa: BLE001 - DecodeError, or whatever else bad bytes raise: never into grpc
             return Undecodable(message_type.DESCRIPTOR.full_name, len(data), str(exc))
     return decode
 
 
-def add_to_server(service: "EmbedderService", server) -> None:
+def add_to_server(service: EmbedderService, server) -> None:
     """Register every Embedder method (read from the proto's descriptor) with lenient deserializers."""
     kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
              (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -49,12 +50,8 @@ class ServerProcess:
 
     def start(self, timeout: float = SERVING_WITHIN_S) -> "ServerProcess":
         t0 = time.monotonic()
-        stderr = open(self.log, "ab") if self.log else None
-        try:
+        with open(self.log, "ab") if self.log else contextlib.nullcontext() as stderr:
             self.proc = subprocess.Popen([POLLEN, *self.args], env=self.env, stderr=stderr)
-        finally:
-            if stderr:
-                stderr.close()
         channel = grpc.insecure_channel(self.listen)
         health = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() - t0 < timeout:

@@ -4,6 +4,7 @@ and nobody else loses anything."""
 from __future__ import annotations
 
 import asyncio
+import pathlib
 import random
 import time
 
@@ -13,7 +14,7 @@ import pytest
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
 from tests.conftest import ServerProcess, vectors
-from tests.test_prompt_bounds import memory_mb
+from tests.test_prompt_bounds import memory_mb, reset_peak
 
 EMBED = "/pollen.v1.Embedder/Embed"
 EMBED_STREAM = "/pollen.v1.Embedder/EmbedStream"
@@ -47,7 +48,7 @@ def test_garbage_unary_bodies_are_invalid_argument_and_logged_once(hostile):
         assert details == {"the request is not a valid pollen.v1.EmbedRequest"}
         stub = pb_grpc.EmbedderStub(channel)
         assert vectors(stub.Embed(pb.EmbedRequest(texts=["still fine"]), timeout=30)).shape == (1, 384)
-    lines = open(hostile.log, errors="replace").read().splitlines()
+    lines = pathlib.Path(hostile.log).read_text(errors="replace").splitlines()
     about = [line for line in lines if "not a valid" in line]
     assert 1 <= len(about) <= 2, about
     assert not any("Traceback" in line or " ERROR " in line for line in lines), lines[-20:]
@@ -101,8 +102,7 @@ async def never_reads_then_reads(stub, server) -> tuple[int, int, dict, int]:
         await call.done_writing()
 
     before = memory_mb(server.pid)["VmRSS"]
-    with open(f"/proc/{server.pid}/clear_refs", "w") as f:
-        f.write("5")
+    reset_peak(server.pid)
     writer = asyncio.create_task(write_all())
     last, still_since = -1, time.monotonic()
     while time.monotonic() - still_since < 3.0 and not writer.done():  # until writes stop moving

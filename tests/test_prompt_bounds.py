@@ -16,7 +16,7 @@ from pollen.server.errors import RequestError
 from pollen.server.tokenizer import PROMPT_MAX_CHARS, TextTokenizer
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
-from tests.conftest import ServerProcess, vectors
+from tests.conftest import ServerProcess
 
 # The frontend's peak RSS may grow by at most this much while it serves the requests below
 # (docs/architecture.md, "Bounds").
@@ -31,6 +31,12 @@ def memory_mb(pid: int) -> dict[str, int]:
     with open(f"/proc/{pid}/status") as f:
         return {k: int(v.split()[0]) // 1024 for k, v in (line.split(":", 1) for line in f)
                 if k in ("VmRSS", "VmHWM")}
+
+
+def reset_peak(pid: int) -> None:
+    """VmHWM := VmRSS, so that VmHWM is from now on the peak of what follows."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +64,7 @@ def test_prompt_amplification_stays_under_the_memory_bound(full_server):
         stub = pb_grpc.EmbedderStub(channel)
         stub.Embed(pb.EmbedRequest(texts=["warm up"]), timeout=30)
         before = memory_mb(pid)["VmRSS"]
-        with open(f"/proc/{pid}/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS: from now on it is this test's peak
+        reset_peak(pid)
         for request in amplifying:
             for call, message in ((stub.Embed, request),
                                   (stub.Tokenize, pb.TokenizeRequest(texts=request.texts, prompt=request.prompt,
