@@ -18,8 +18,9 @@ encodes, so the frontend never hands it more than the model can see:
   `PROMPT_MAX_CHARS` characters and fewer tokens than the room.
 
 A cut point is where the tokenizer is known to start a new word whatever comes before or after:
-before ASCII whitespace, an ASCII punctuation mark or a CJK ideograph, for BERT's normalizer and
-pre-tokenizer (which split there, and change no character there). Tokens of a piece that ends or
+before ASCII whitespace, an ASCII punctuation mark or a CJK ideograph (when the normalizer splits
+those), for BERT's normalizer and pre-tokenizer (which split there, and change no character
+there), but never inside a special token written in the text. Tokens of a piece that ends or
 starts at a cut point are then exactly the first or last tokens of the whole text. A run of
 characters without a cut point (and every text, for tokenizers whose cut points we do not know)
 is tokenized whole: about 60 bytes a character while it lasts.
@@ -54,13 +55,21 @@ _BERT_CUTS = re.compile("[ \t\n\r!-/:-@\\[-`{-~\u3400-\u4dbf\u4e00-\u9fff\uf900-
                         "\U00020000-\U0002a6df\U0002a700-\U0002ceaf\U0002f800-\U0002fa1f]")
 
 
+_BERT_CUTS_NO_CJK = re.compile("[ \t\n\r!-/:-@\\[-`{-~]")
+
+
 def cut_pattern(config: dict) -> re.Pattern | None:
-    """The characters a piece may start at (see the module docstring); None: no cut is known safe."""
+    """The characters a piece may start at (see the module docstring); None: no cut is known safe.
+    Added tokens (`[MASK]`) are matched in the raw text before anything else: they must be
+    matched as they are written (not normalized, no stripping), and a cut never falls inside one
+    (TextTokenizer.cut_at)."""
     normalizer = config.get("normalizer") or {}
-    pre = config.get("pre_tokenizer") or {}
-    if normalizer.get("type") in (None, "BertNormalizer") and pre.get("type") == "BertPreTokenizer":
-        return _BERT_CUTS
-    return None
+    if (config.get("pre_tokenizer") or {}).get("type") != "BertPreTokenizer" or \
+            normalizer.get("type") not in (None, "BertNormalizer"):
+        return None
+    if any(t["normalized"] or t["lstrip"] or t["rstrip"] or t["single_word"] for t in config.get("added_tokens", ())):
+        return None
+    return _BERT_CUTS if normalizer.get("handle_chinese_chars") else _BERT_CUTS_NO_CJK
 
 
 class TextTokenizer:
@@ -76,7 +85,9 @@ class TextTokenizer:
         self.max_tokens = max_tokens
         self.special = self.tokenizer.num_special_tokens_to_add(False)
         self.prefix, self.suffix = self._specials_around()
-        self.cuts = cut_pattern(json.loads(self.tokenizer.to_str()))
+        config = json.loads(self.tokenizer.to_str())
+        self.cuts = cut_pattern(config)
+        self.added = [t["content"] for t in config.get("added_tokens", ()) if len(t["content"]) > 1]
         # The sizes of the pieces (tests make them tiny, so that cuts fall everywhere).
         self.chars_per_token, self.piece_chars, self.group_chars = chars_per_token, piece_chars, group_chars
 
@@ -213,12 +224,20 @@ class TextTokenizer:
             out[i].append(ids)
         return [np.concatenate(parts) for parts in out]
 
+    def cut_at(self, text: str, j: int) -> bool:
+        """Whether `j` (the position of a cut character) is a cut point: not inside an added token
+        written in the text, such as the `]` of `[MASK]`."""
+        return not any(text.startswith(token, s) for token in self.added
+                       for s in range(max(0, j - len(token) + 1), j))
+
     def cut_after(self, text: str, at: int) -> int:
         """The first cut point at or after `at`; len(text) when there is none."""
         if at >= len(text) or self.cuts is None:
             return len(text)
-        found = self.cuts.search(text, at)
-        return found.start() if found else len(text)
+        for found in self.cuts.finditer(text, at):
+            if self.cut_at(text, found.start()):
+                return found.start()
+        return len(text)
 
     def cut_before(self, text: str, at: int) -> int:
         """The last cut point after 0 and at or before `at`; 0 (the whole text) when there is none."""
@@ -227,7 +246,7 @@ class TextTokenizer:
         hi = at + 1
         while hi > 1:
             lo = max(1, hi - 4096)
-            found = [m.start() for m in self.cuts.finditer(text, lo, hi)]
+            found = [m.start() for m in self.cuts.finditer(text, lo, hi) if self.cut_at(text, m.start())]
             if found:
                 return found[-1]
             hi = lo

@@ -115,10 +115,11 @@ def reference(raw: Tokenizer, text: str, truncate: int, room: int) -> list[int] 
 
 # Characters around every cut point and the tokenizer's corner cases: separators, CJK, accents
 # (stripped by the normalizer), control characters (removed), non-ASCII spaces and punctuation,
-# and a word too long for WordPiece (one [UNK]).
+# a word too long for WordPiece (one [UNK]), and special tokens written in the text (each one
+# token, though made of punctuation and letters).
 PIECES = st.sampled_from(["a", "b", "word", "Ünï", " ", "  ", "\t", "\n", ".", ",", "!", "-", "東", "京",
                           "あ", "\u0301", "\x00", "\x1c", "\u00a0", "\u3000", "\u3001", "\uff0c", "\u2014",
-                          "🙂", "İ", "ﬁ", "x" * 120])
+                          "🙂", "İ", "ﬁ", "x" * 120, "[MASK]", "[SEP]", "[UNK]", "[CLS]"])
 
 
 @settings(derandomize=True, max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
