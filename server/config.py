@@ -73,7 +73,8 @@ class ServeConfig:
         elif self.devices:
             raise ValueError("--devices picks GPUs; it needs --device cuda")
         for name in ("workers", "max_batch_tokens", "max_queued_tokens", "max_texts_per_request",
-                     "max_stream_in_flight", "max_request_bytes", "tokenizer_threads", "request_ring_bytes", "response_ring_bytes"):
+                     "max_stream_in_flight", "max_request_bytes", "tokenizer_threads", "request_ring_bytes",
+                     "response_ring_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.bulk_batch_tokens < 0:

@@ -165,12 +165,15 @@ JSONISH = st.recursive(
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.sampled_from(NAMES) | st.text(max_size=8),
                                                                   inner, max_size=6),
     max_leaves=20)
-VALID = {"input": st.one_of(TEXT.filter(bool), st.lists(TEXT, max_size=4), st.lists(st.integers(0, 30_000), max_size=9),
+VALID = {"input": st.one_of(TEXT.filter(bool), st.lists(TEXT, max_size=4),
+                           st.lists(st.integers(0, 30_000), max_size=9),
                            st.lists(st.lists(st.integers(-1, 2**32), max_size=5), max_size=3)),
-         "encoding_format": st.sampled_from(["float", "base64"]), "encoding": st.sampled_from(["float32", "int8", "ubinary"]),
+         "encoding_format": st.sampled_from(["float", "base64"]),
+         "encoding": st.sampled_from(["float32", "int8", "ubinary"]),
          "normalize": st.booleans(), "truncate": st.sampled_from(["none", "end", "start"]),
          "dimensions": st.integers(1, 400), "max_tokens": st.integers(0, 300), "prompt": TEXT,
-         "long_input": st.sampled_from(["truncate", "chunk_mean"]), "priority": st.sampled_from(["interactive", "bulk"]),
+         "long_input": st.sampled_from(["truncate", "chunk_mean"]),
+         "priority": st.sampled_from(["interactive", "bulk"]),
          "chunks": st.lists(TEXT, max_size=3), "timeout_ms": st.integers(0, 10**6), "model": st.text(max_size=8)}
 
 

@@ -11,6 +11,7 @@ import time
 import grpc
 import pytest
 
+from pollen.server.config import ServeConfig
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
 from tests.conftest import ServerProcess, vectors
@@ -120,3 +121,10 @@ async def never_reads_then_reads(stub, server) -> tuple[int, int, dict, int]:
         answers.setdefault(response.id, []).append(response)
     await writer
     return sent_when_stalled, peak_growth, answers, TOTAL
+
+
+def test_stream_window_flag_and_variable():
+    assert ServeConfig.from_args([], environ={}).max_stream_in_flight == 256
+    assert ServeConfig.from_args([], environ={"POLLEN_MAX_STREAM_IN_FLIGHT": "8"}).max_stream_in_flight == 8
+    with pytest.raises(ValueError, match="--max-stream-in-flight must be at least 1"):
+        ServeConfig.from_args(["--max-stream-in-flight", "0"], environ={})
