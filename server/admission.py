@@ -4,7 +4,8 @@ Every refusal names the field and the problem, so a client can fix its request f
 The request options resolve here (docs/architecture.md, "Request options"):
 - prompt_name / prompt: prepended to every text before tokenization; the checkpoint's
   default_prompt_name applies when a request names neither. Refused with token_ids (those are
-  the complete model input) and the default is not applied to them.
+  the complete model input) and the default is not applied to them. At most PROMPT_MAX_CHARS
+  characters and fewer tokens than the limit leaves for text (docs/architecture.md, "Bounds").
 - max_tokens: the limit per sequence, at most the model's.
 - long_input CHUNK_MEAN: texts over the limit become overlapping windows (server/tokenizer.py)
   whose pooled vectors the worker averages, weighted by each window's tokens.
@@ -20,7 +21,7 @@ import numpy as np
 
 from pollen.common.model_spec import MIN_MATRYOSHKA_DIMS, ModelSpec
 from pollen.server.errors import echo, invalid
-from pollen.server.tokenizer import TextTokenizer
+from pollen.server.tokenizer import PROMPT_MAX_CHARS, TextTokenizer
 from pollen.shared_mem.records import RowPlan
 from pollen.v1 import embedder_pb2 as pb
 
@@ -87,19 +88,30 @@ class Admission:
                           f"{self.tokenizer.special} special tokens")
         return max_tokens or self.spec.max_tokens
 
-    def prompt(self, prompt_name: str, prompt: str, explicit_only: bool = False) -> str:
+    def prompt(self, prompt_name: str, prompt: str, limit: int) -> str:
+        """The prompt to prepend (named, literal or the model's default), checked to be at most
+        PROMPT_MAX_CHARS characters and to leave room for text under `limit`: it is tokenized
+        with every text (server/tokenizer.py), so its size multiplies by the request's texts."""
         if prompt_name and prompt:
             raise invalid("set either prompt_name or prompt, not both")
-        if prompt:
-            return prompt
-        if not prompt_name and not explicit_only:
-            prompt_name = self.spec.default_prompt_name
-        if not prompt_name:
-            return ""
-        if prompt_name not in self.prompts:
-            known = ", ".join(sorted(self.prompts)) if self.prompts else "none (the model defines no prompts)"
-            raise invalid(f"prompt_name {echo(prompt_name)} is not one of the model's prompts; known: {known}")
-        return self.prompts[prompt_name]
+        field = "prompt"
+        if not prompt:
+            named = prompt_name or self.spec.default_prompt_name
+            if not named:
+                return ""
+            if named not in self.prompts:
+                known = ", ".join(sorted(self.prompts)) if self.prompts else "none (the model defines no prompts)"
+                raise invalid(f"prompt_name {echo(named)} is not one of the model's prompts; known: {known}")
+            prompt = self.prompts[named]
+            field = f"prompt_name {echo(named)}" if prompt_name else f"the model's default prompt_name {echo(named)}"
+        if len(prompt) > PROMPT_MAX_CHARS:
+            raise invalid(f"{field} has {len(prompt)} characters, over the limit of {PROMPT_MAX_CHARS} "
+                          "(the prompt is tokenized with every text)")
+        tokens = self.tokenizer.prompt_tokens(prompt)
+        if tokens >= self.tokenizer.room(limit):
+            raise invalid(f"{field} has {tokens} tokens, which leave no room for text under "
+                          f"{self.tokenizer.limit_name(limit)} ({self.tokenizer.special} of it for special tokens)")
+        return prompt
 
     def check_options(self, request: pb.EmbedRequest) -> None:
         given = [name for name, n in (("texts", len(request.texts)), ("token_ids", len(request.token_ids)),
@@ -135,7 +147,7 @@ class Admission:
         if request.token_ids:
             seqs = [self.check_ids(i, t.ids, request.truncate, limit) for i, t in enumerate(request.token_ids)]
         else:
-            prompt = self.prompt(request.prompt_name, request.prompt)
+            prompt = self.prompt(request.prompt_name, request.prompt, limit)
             chars = len(prompt) * max(1, len(request.texts)) + sum(map(len, request.texts)) + sum(map(len, request.chunks))
             if request.chunks:
                 seq, spans = await self.run(chars, self.tokenizer.encode_document, list(request.chunks), limit,
@@ -157,7 +169,7 @@ class Admission:
         self.check_count(len(request.texts))
         self.check_truncate(request.truncate)
         limit = self.limit(request.max_tokens)
-        prompt = self.prompt(request.prompt_name, request.prompt)
+        prompt = self.prompt(request.prompt_name, request.prompt, limit)
         chars = len(prompt) * len(request.texts) + sum(map(len, request.texts))
         return await self.run(chars, self.tokenizer.encode, list(request.texts), request.truncate, limit, prompt)
 

@@ -62,6 +62,9 @@ class ServeConfig:
     max_queued_tokens: int = _flag(2_000_000, "tokens admitted but not yet answered, over all workers; "
                                    "beyond it requests get RESOURCE_EXHAUSTED")
     max_texts_per_request: int = _flag(512, "texts (or token-id lists) in one request")
+    max_stream_in_flight: int = _flag(256, "EmbedStream messages one stream may have unanswered (read, their answer "
+                                      "not yet taken by gRPC); past it the stream's messages are not read until "
+                                      "the client reads answers, and gRPC's flow control holds the client back")
     max_request_bytes: int = _flag(8 << 20, "largest gRPC message or HTTP body accepted; larger ones are refused "
                                    "(gRPC: RESOURCE_EXHAUSTED, HTTP: 413)")
     worker_threads: int = _flag(0, "torch threads per CPU worker (0: the machine's cores divided among the workers)")
@@ -105,7 +108,7 @@ class ServeConfig:
             self.workers = len(gpus)
         elif self.devices:
             raise ValueError("--devices picks GPUs; it needs --device cuda")
-        for name in ("workers", "max_queued_tokens", "max_texts_per_request",
+        for name in ("workers", "max_queued_tokens", "max_texts_per_request", "max_stream_in_flight",
                      "max_request_bytes", "tokenizer_threads", "request_ring_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")

@@ -40,12 +40,11 @@ from pollen.server.config import ServeConfig
 from pollen.server.http11 import HttpServer
 from pollen.server.http_door import HttpDoor, error_response
 from pollen.server.router import Router
-from pollen.server.service import EmbedderService
+from pollen.server.service import EmbedderService, add_to_server
 from pollen.server.tokenizer import TextTokenizer
 from pollen.shared_mem.ring import Ring
 from pollen.shared_mem.server_state import ServerState
 from pollen.v1 import embedder_pb2 as pb
-from pollen.v1 import embedder_pb2_grpc as pb_grpc
 
 log = logging.getLogger("pollen.frontend")
 
@@ -78,7 +77,7 @@ def grpc_server(cfg: ServeConfig, service: EmbedderService, listen: str):
         ("grpc.server.max_pending_requests", 1 << 16),
         ("grpc.server.max_pending_requests_hard_limit", 1 << 17),
     ])
-    pb_grpc.add_EmbedderServicer_to_server(service, server)
+    add_to_server(service, server)  # deserializers that never raise: bad bytes get INVALID_ARGUMENT
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)

@@ -1,4 +1,10 @@
-"""pollen.v1.Embedder over grpc.aio. RequestError becomes a status here and nowhere else."""
+"""pollen.v1.Embedder over grpc.aio. RequestError becomes a status here and nowhere else.
+
+The methods are registered by `add_to_server`, whose request deserializers never raise: bytes that
+are not a valid request become an `Undecodable` the handler answers (INVALID_ARGUMENT), in order
+with the stream's other messages, instead of an exception inside grpc (a bare UNKNOWN and an
+ERROR traceback per call for unary calls, a stream ended silently with OK).
+"""
 from __future__ import annotations
 
 import asyncio
@@ -6,6 +12,7 @@ import logging
 import time
 
 import grpc
+from google.protobuf import message_factory
 
 from pollen.common import encodings, status
 from pollen.common.model_spec import ModelSpec
@@ -21,6 +28,68 @@ from pollen.v1 import embedder_pb2_grpc as pb_grpc
 log = logging.getLogger("pollen.service")
 
 _POOLING = {"mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS, "last": pb.POOLING_LAST}
+SERVICE = pb.DESCRIPTOR.services_by_name["Embedder"]
+# Undecodable messages are logged at most once per this many seconds, with a count.
+UNDECODABLE_LOG_INTERVAL_S = 10.0
+
+
+class Undecodable:
+    """Stands in for a request message whose bytes did not decode as its type."""
+
+    __slots__ = ("reason", "size", "type_name")
+
+    def __init__(self, type_name: str, size: int, reason: str):
+        self.type_name, self.size, self.reason = type_name, size, reason
+
+
+def lenient(message_type):
+    """A request deserializer that returns an Undecodable instead of raising."""
+    def decode(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, or whatever else bad bytes raise: never into grpc
+            return Undecodable(message_type.DESCRIPTOR.full_name, len(data), str(exc))
+    return decode
+
+
+def add_to_server(service: EmbedderService, server) -> None:
+    """Register every Embedder method (read from the proto's descriptor) with lenient deserializers."""
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    handlers = {}
+    for method in SERVICE.methods:
+        request = message_factory.GetMessageClass(method.input_type)
+        response = message_factory.GetMessageClass(method.output_type)
+        handlers[method.name] = kinds[method.client_streaming, method.server_streaming](
+            getattr(service, method.name), request_deserializer=lenient(request),
+            response_serializer=response.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+    server.add_registered_method_handlers(SERVICE.full_name, handlers)
+
+
+class ThrottledLog:
+    """A warning at most once per `interval` seconds, saying how many events it stands for."""
+
+    def __init__(self, logger: logging.Logger, interval: float):
+        self.logger, self.interval = logger, interval
+        self.count, self.last = 0, -interval
+
+    def warning(self, message: str, *args) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last >= self.interval:
+            self.logger.warning(message + " (%d since the last of these warnings)", *args, self.count)
+            self.count, self.last = 0, now
+
+
+_undecodable_log = ThrottledLog(log, UNDECODABLE_LOG_INTERVAL_S)
+
+
+def undecodable(request: Undecodable, method: str, where: str = "the request") -> RequestError:
+    """The refusal of an undecodable message, logged (throttled)."""
+    _undecodable_log.warning("%s: %s (%d bytes) is not a valid %s: %s", method, where, request.size,
+                             request.type_name, request.reason)
+    return invalid(f"{where} is not a valid {request.type_name}")
 
 
 class EmbedderService(pb_grpc.EmbedderServicer):
@@ -83,60 +152,29 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         return response
 
     async def Embed(self, request, context):
+        if isinstance(request, Undecodable):
+            count_request("grpc", grpc.StatusCode.INVALID_ARGUMENT.name)
+            await abort(context, undecodable(request, "Embed"))
         remaining = context.time_remaining()
         deadline_ns = time.monotonic_ns() + int(remaining * 1e9) if remaining is not None else 0
         return await unary(context, "Embed", self.counted_embed(request, "grpc", deadline_ns=deadline_ns))
 
     async def EmbedStream(self, request_iterator, context):
-        """Answer each message as soon as it is done; a bad message gets an error answer only."""
-        answers: asyncio.Queue = asyncio.Queue()
-        in_flight: set[str] = set()
-        tasks: set[asyncio.Task] = set()
-
-        async def answer(request: pb.EmbedRequest) -> None:
-            try:
-                response = await self.counted_embed(request, "grpc")
-            except RequestError as exc:
-                response = error_response(request.id, exc)
-            except Exception as exc:  # a bug must still answer the message, and say so
-                log.exception("stream message %s failed", echo(request.id))
-                response = error_response(request.id, RequestError(grpc.StatusCode.INTERNAL,
-                                                                   f"internal error: {cut(repr(exc))}"))
-            finally:
-                in_flight.discard(request.id)
-            answers.put_nowait(response)
-
-        async def read() -> None:
-            try:
-                async for request in request_iterator:
-                    if not request.id:
-                        count_request("grpc", grpc.StatusCode.INVALID_ARGUMENT.name)
-                        answers.put_nowait(error_response("", invalid("id is required on EmbedStream messages")))
-                    elif request.id in in_flight:
-                        count_request("grpc", grpc.StatusCode.INVALID_ARGUMENT.name)
-                        answers.put_nowait(error_response(request.id, invalid(
-                            f"id {echo(request.id)} is still in flight on this stream; ids must be unique "
-                            "until answered")))
-                    else:
-                        in_flight.add(request.id)
-                        task = asyncio.create_task(answer(request))
-                        tasks.add(task)
-                        task.add_done_callback(tasks.discard)
-                while tasks:
-                    await asyncio.wait(set(tasks))
-            finally:
-                answers.put_nowait(None)
-
-        reader = asyncio.create_task(read())
-        try:
-            while (response := await answers.get()) is not None:
-                yield response
-        finally:
-            reader.cancel()
-            for task in list(tasks):
-                task.cancel()
+        """Answer each message as soon as it is done; a bad message gets an error answer only.
+        One that does not decode ends the stream INVALID_ARGUMENT, after the earlier ones' answers."""
+        stream = EmbedStreamCall(self, request_iterator, self.cfg.max_stream_in_flight)
+        async for response in stream.responses():
+            yield response
+        if stream.undecodable is not None:
+            count_request("grpc", grpc.StatusCode.INVALID_ARGUMENT.name)
+            await abort(context, undecodable(stream.undecodable, "EmbedStream",
+                                             f"message {stream.received} of this stream"))
+        if stream.failure is not None:
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error reading the stream: {stream.failure!r}")
 
     async def Tokenize(self, request, context):
+        if isinstance(request, Undecodable):
+            await abort(context, undecodable(request, "Tokenize"))
         return await unary(context, "Tokenize", self.tokenize(request))
 
     async def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
@@ -146,6 +184,8 @@ class EmbedderService(pb_grpc.EmbedderServicer):
                                    usage=pb.Usage(prompt_tokens=sum(len(s) for s in seqs)))
 
     async def Info(self, request, context):
+        if isinstance(request, Undecodable):
+            await abort(context, undecodable(request, "Info"))
         return pb.InfoResponse(
             model=self.spec.name, dimensions=self.spec.hidden_size, max_tokens=self.spec.max_tokens,
             pooling=_POOLING.get(self.spec.pooling, pb.POOLING_UNSPECIFIED), encodings=list(encodings.SUPPORTED),
@@ -156,12 +196,16 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             prompts=dict(self.spec.prompts), matryoshka_dimensions=list(self.spec.matryoshka_dimensions))
 
 
+async def abort(context, exc: RequestError):
+    await context.abort(exc.code, exc.message)
+
+
 async def unary(context, method: str, work):
     """Await a unary method's work; RequestError becomes its status, a bug becomes INTERNAL."""
     try:
         return await work
     except RequestError as exc:
-        await context.abort(exc.code, exc.message)
+        await abort(context, exc)
     except Exception as exc:  # never a bare UNKNOWN: say it is ours, and log it
         log.exception("%s failed", method)
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {cut(repr(exc))}")
@@ -169,3 +213,84 @@ async def unary(context, method: str, work):
 
 def error_response(request_id: str, exc: RequestError) -> pb.EmbedResponse:
     return pb.EmbedResponse(id=request_id, error=pb.Error(code=status.number_of(exc.code), message=exc.message))
+
+
+class EmbedStreamCall:
+    """One EmbedStream call. A reader task takes messages while fewer than `window` are
+    unanswered (read, and their answer not yet handed to gRPC); each accepted message is answered
+    by its own task. A client that reads no answers therefore stops the reader once `window`
+    answers wait: gRPC's flow control then pushes back on the client's writes, and the stream
+    holds at most `window` messages and answers."""
+
+    def __init__(self, service: EmbedderService, requests, window: int):
+        self.service = service
+        self.requests = requests
+        self.slots = asyncio.Semaphore(window)  # one per unanswered message
+        self.answers: asyncio.Queue = asyncio.Queue()  # at most `window` long, by the slots
+        self.in_flight: set[str] = set()
+        self.tasks: set[asyncio.Task] = set()
+        self.received = 0
+        self.undecodable: Undecodable | None = None  # the message that ended the stream
+        self.failure: Exception | None = None  # reading the stream failed (a bug, or gRPC's)
+
+    async def responses(self):
+        """The answers in the order they are done; ends once every message read is answered."""
+        reader = asyncio.create_task(self.read())
+        try:
+            while (response := await self.answers.get()) is not None:
+                yield response
+                self.slots.release()  # gRPC took the answer: the reader may take one more message
+        finally:
+            reader.cancel()
+            for task in list(self.tasks):
+                task.cancel()
+
+    async def read(self) -> None:
+        try:
+            while True:
+                await self.slots.acquire()
+                try:
+                    request = await anext(self.requests)
+                except StopAsyncIteration:
+                    break
+                self.received += 1
+                if isinstance(request, Undecodable):
+                    self.undecodable = request
+                    break
+                self.accept(request)
+            while self.tasks:
+                await asyncio.wait(set(self.tasks))
+        except Exception as exc:
+            log.exception("reading an EmbedStream failed")
+            self.failure = exc
+        finally:
+            self.answers.put_nowait(None)
+
+    def accept(self, request: pb.EmbedRequest) -> None:
+        if not request.id:
+            self.refuse(error_response("", invalid("id is required on EmbedStream messages")))
+        elif request.id in self.in_flight:
+            self.refuse(error_response(request.id, invalid(
+                f"id {echo(request.id)} is still in flight on this stream; ids must be unique until answered")))
+        else:
+            self.in_flight.add(request.id)
+            task = asyncio.create_task(self.answer(request))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    def refuse(self, response: pb.EmbedResponse) -> None:
+        count_request("grpc", grpc.StatusCode.INVALID_ARGUMENT.name)
+        self.answers.put_nowait(response)
+
+    async def answer(self, request: pb.EmbedRequest) -> None:
+        try:
+            response = await self.service.counted_embed(request, "grpc")
+        except RequestError as exc:
+            response = error_response(request.id, exc)
+        except Exception as exc:  # a bug must still answer the message, and say so
+            log.exception("stream message %r failed", request.id)
+            response = error_response(request.id, RequestError(grpc.StatusCode.INTERNAL,
+                                                               f"internal error: {cut(repr(exc))}"))
+        finally:
+            self.in_flight.discard(request.id)
+        self.answers.put_nowait(response)

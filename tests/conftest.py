@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -37,7 +38,7 @@ class ServerProcess:
     """`pollen serve` in its own process, as a user would start it."""
 
     def __init__(self, *args: str, env: dict | None = None, listen: str | None = None,
-                 http_listen: str | None = None):
+                 http_listen: str | None = None, log: str | None = None):
         self.listen = listen or f"127.0.0.1:{free_port()}"
         # Always a free port of its own: the default (8080) would collide between servers.
         self.http_listen = http_listen or f"127.0.0.1:{free_port()}"
@@ -45,10 +46,12 @@ class ServerProcess:
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.started_in_s = None
+        self.log = log  # a file for the server's stderr (its log); None: this process's stderr
 
     def start(self, timeout: float = SERVING_WITHIN_S) -> "ServerProcess":
         t0 = time.monotonic()
-        self.proc = subprocess.Popen([POLLEN, *self.args], env=self.env)
+        with open(self.log, "ab") if self.log else contextlib.nullcontext() as stderr:
+            self.proc = subprocess.Popen([POLLEN, *self.args], env=self.env, stderr=stderr)
         channel = grpc.insecure_channel(self.listen)
         health = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() - t0 < timeout:

@@ -33,6 +33,11 @@ BAD = {
     "unknown encoding": (pb.EmbedRequest(id="b8", texts=["x"], encoding=99), "encoding 99 is not a known"),
     "unknown truncate": (pb.EmbedRequest(id="b9", texts=["x"], truncate=7), "truncate 7 is not a known"),
     "more texts than the limit": (pb.EmbedRequest(id="b10", texts=["x"] * 65), "65 inputs in one request, over the limit of 64"),
+    "prompt over 4096 characters": (pb.EmbedRequest(id="b21", texts=["x"], prompt="p" * 4097),
+                                    "prompt has 4097 characters, over the limit of 4096"),
+    "prompt leaving no room for text": (
+        pb.EmbedRequest(id="b22", texts=["x"], prompt="a b c d e f", max_tokens=8, truncate=pb.TRUNCATE_END),
+        "prompt has 6 tokens, which leave no room for text under the request's max_tokens 8"),
     "token ids too long with truncate NONE": (
         pb.EmbedRequest(id="b11", token_ids=[pb.TokenIds(ids=[1000] * 300)]), "token_ids[0] has 300 tokens"),
 }
