@@ -34,6 +34,10 @@ def check_limits(cfg: ServeConfig, spec: ModelSpec) -> None:
     fail requests later."""
     if not cfg.max_batch_tokens:
         cfg.max_batch_tokens = max(8192, spec.max_tokens)
+    if not cfg.bulk_batch_tokens and cfg.device == "cuda":
+        # Bulk batches replay graphs too (an eager one would hold the worker's thread for the
+        # milliseconds of its kernel launches, in front of any interactive request).
+        cfg.bulk_batch_tokens = min(cfg.max_batch_tokens, cfg.graph_max_tokens or cfg.max_batch_tokens)
     if cfg.max_queued_tokens < cfg.max_batch_tokens:
         raise ValueError(f"--max-queued-tokens {cfg.max_queued_tokens} is below --max-batch-tokens "
                          f"{cfg.max_batch_tokens}")

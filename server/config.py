@@ -56,9 +56,9 @@ class ServeConfig:
                                       "buffer over 64 KiB) before the connection is reset")
     max_batch_tokens: int = _flag(0, "token budget of one model batch (sequences are packed, never padded; 0: "
                                   "8192, or the model's limit when that is larger, so its longest text fits)")
-    bulk_batch_tokens: int = _flag(0, "most tokens of PRIORITY_BULK work in one batch (0: --max-batch-tokens); "
-                                   "lower keeps interactive latency low under bulk load, higher gives bulk "
-                                   "throughput")
+    bulk_batch_tokens: int = _flag(0, "most tokens of PRIORITY_BULK work in one batch (0: --graph-max-tokens on "
+                                   "cuda, --max-batch-tokens on cpu); lower keeps interactive latency low under "
+                                   "bulk load, higher gives bulk throughput")
     max_queued_tokens: int = _flag(2_000_000, "tokens admitted but not yet answered, over all workers; "
                                    "beyond it requests get RESOURCE_EXHAUSTED")
     max_texts_per_request: int = _flag(512, "texts (or token-id lists) in one request")

@@ -13,19 +13,22 @@ One batch's life (batch N+1 is submitted before batch N's result is awaited):
           registered with CUDA, so the copy is a true asynchronous DMA), records an event
     CPU   LazyTensor.result() waits on that event: the bytes are in the ring
 
-Two lanes, each its own CUDA stream, pinned slots and device inputs, so an interactive batch
-never queues behind a bulk one: INTERACTIVE runs on a high-priority stream with the graphs (the
-GPU schedules its kernels' blocks ahead of the bulk lane's as SMs free up), BULK on a
-low-priority stream, eagerly (its batches are large, where a graph gains nothing).
+Two lanes, each its own CUDA stream, pinned slots, device inputs and graphs, so an interactive
+batch never queues behind a bulk one: INTERACTIVE runs on a high-priority stream (the GPU
+schedules its kernels' blocks ahead of the bulk lane's as SMs free up), BULK on a low-priority
+one. Both replay graphs: an eager forward costs the worker's one thread milliseconds of kernel
+launches, during which an interactive request that arrives would wait.
 
-Graphs are captured into one shared memory pool (so memory grows with the largest bucket used,
-not with the number of buckets). A bucket is (tokens, sequences, longest sequence), each rounded
-up: flash attention's grid grows with the sequence count and the longest sequence, so both are
-part of the key. Padding tokens form one extra sequence pooled into a discarded row; padding
-sequences are empty. Capture happens in `warm_up` (the likely query buckets, within a time
+Each lane's graphs are captured into that lane's memory pool (so memory grows with the largest
+bucket used, not with the number of buckets; the lanes run at once, so they cannot share one).
+A bucket is (tokens, sequences, longest sequence), each rounded up: flash attention's grid grows
+with the sequence count and the longest sequence, so both are part of the key. Padding tokens
+form one extra sequence pooled into a discarded row; padding sequences are empty. Capture
+happens in `warm_up` (the likely query buckets, then the likely document buckets, within a time
 budget, before the worker says READY), and for a bucket first met under load either at once
 (`defer_capture=False`: the batch waits for its capture) or later: the batch runs eagerly now
-and `capture_one` captures the bucket when the worker is idle, so no client waits for a capture.
+and `capture_one` captures the bucket when the worker has no interactive work, so no client
+waits for a capture.
 """
 from __future__ import annotations
 
@@ -71,6 +74,9 @@ class Lane:
         self.done = [torch.cuda.Event() for _ in range(self.SLOTS)]
         self.static_in = torch.zeros(cap, dtype=torch.int32, device=device)
         self.slot = 0
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.wanted: dict[tuple[int, int, int], None] = {}  # buckets met under load, to capture later
 
     def next_slot(self) -> int:
         slot = self.slot
@@ -100,11 +106,18 @@ class CudaEngine:
         low, high = torch.cuda.Stream.priority_range()
         self.lanes = (Lane(self.device, cap, high), Lane(self.device, cap, low))
         self.registered: list[int] = []  # host addresses we page-locked (register_host_memory)
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle()
         self.defer_capture = defer_capture
-        self.wanted: dict[tuple[int, int, int], None] = {}  # buckets met under load, to capture when idle
         self.capture_seconds = 0.0
+
+    @property
+    def graphs(self) -> dict:
+        """The interactive lane's graphs, by bucket."""
+        return self.lanes[INTERACTIVE].graphs
+
+    @property
+    def wanted(self) -> dict:
+        """Buckets the interactive lane met under load and ran eagerly, to capture when idle."""
+        return self.lanes[INTERACTIVE].wanted
 
     # ---------------------------------------------------------------- layout
 
@@ -162,11 +175,11 @@ class CudaEngine:
         hidden = self.model.hidden_states(ids, pos, cu, longest)
         return normalize_rows(pool_rows(hidden, index, first, last, count, self.pooling), norm)
 
-    def capture(self, shape) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Capture the interactive lane's graph for `shape`, on its stream. Its inputs are the lane's
-        static inputs laid out as `shape`; they hold a valid padded batch (see fill) before the
-        warm-up run, so no index in them points out of bounds."""
-        lane = self.lanes[INTERACTIVE]
+    def capture(self, shape, lane_index: int = INTERACTIVE) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture a lane's graph for `shape`, on its stream. Its inputs are the lane's static
+        inputs laid out as `shape`; they hold a valid padded batch (see fill) before the warm-up
+        run, so no index in them points out of bounds."""
+        lane = self.lanes[lane_index]
         start = time.perf_counter()
         slot = lane.next_slot()
         lane.staged[slot].synchronize()
@@ -181,32 +194,32 @@ class CudaEngine:
         # capture_begin/end rather than torch.cuda.graph(), which synchronizes the whole device
         # and empties the allocator's cache first: the bulk lane may be running beside us.
         with torch.cuda.stream(lane.stream):
-            graph.capture_begin(pool=self.pool)
+            graph.capture_begin(pool=lane.pool)
             try:
                 out = self.forward(inputs, shape[2])
             finally:
                 graph.capture_end()
-        self.graphs[shape] = (graph, out)
-        self.wanted.pop(shape, None)
+        lane.graphs[shape] = (graph, out)
+        lane.wanted.pop(shape, None)
         self.capture_seconds += time.perf_counter() - start
         return graph, out
 
     def submit(self, batch: PackedBatch, out=None, normalize: np.ndarray | None = None,
                lane: int = INTERACTIVE) -> LazyTensor:
-        """Start a batch on a lane (INTERACTIVE: graphs, high priority; BULK: eager, low priority)."""
+        """Start a batch on a lane (INTERACTIVE: high priority; BULK: low priority)."""
         with torch.inference_mode():
             return self._submit(batch, out, normalize, lane)
 
     def _submit(self, batch: PackedBatch, out, normalize: np.ndarray | None, lane_index: int) -> LazyTensor:
         lane = self.lanes[lane_index]
-        shape = self.bucket(batch) if lane_index == INTERACTIVE else None
-        graph = self.graphs.get(shape) if shape is not None else None
+        shape = self.bucket(batch)
+        graph = lane.graphs.get(shape) if shape is not None else None
         if shape is not None and graph is None:
             if self.defer_capture:
-                self.wanted[shape] = None  # captured when the worker is idle (capture_one)
+                lane.wanted[shape] = None  # captured when there is no interactive work (capture_one)
                 shape = None
             else:
-                graph = self.capture(shape)
+                graph = self.capture(shape, lane_index)
         slot = lane.next_slot()
         lane.staged[slot].synchronize()  # the copy that last read this pinned slot is done
         used = self.fill(lane.host_in[slot], batch, shape, normalize)
@@ -246,13 +259,15 @@ class CudaEngine:
             lane.staged[slot].record(lane.stream)
 
     def capture_one(self) -> bool:
-        """Capture one bucket a batch met under load (it ran eagerly); False if none waits.
-        The worker calls this only when the interactive lane is idle."""
-        if not self.wanted:
-            return False
-        with torch.inference_mode():
-            self.capture(next(iter(self.wanted)))
-        return True
+        """Capture one bucket a batch met under load (it ran eagerly), the interactive lane's
+        first; False if none waits. The worker calls this only when it has no interactive work
+        (a bulk batch may run: the capture waits for the bulk lane's stream)."""
+        for lane_index, lane in enumerate(self.lanes):
+            if lane.wanted:
+                with torch.inference_mode():
+                    self.capture(next(iter(lane.wanted)), lane_index)
+                return True
+        return False
 
     def register_host_memory(self, address: int, nbytes: int) -> None:
         """Page-lock memory we did not allocate (a response ring's mapping), so that copies into
@@ -290,12 +305,14 @@ class CudaEngine:
         if not self.graphs_on or budget_s <= 0:
             return
         deadline = time.perf_counter() + budget_s
+        likely = [(shape, INTERACTIVE) for shape in self.query_buckets()]
+        likely += [(shape, BULK) for shape in self.document_buckets()]
         with torch.inference_mode():
-            for shape in self.query_buckets():
+            for shape, lane in likely:
                 if time.perf_counter() > deadline:
                     break
-                if shape not in self.graphs:
-                    self.capture(shape)
+                if shape not in self.lanes[lane].graphs:
+                    self.capture(shape, lane)
 
     def query_buckets(self) -> list[tuple[int, int, int]]:
         """The buckets batches of short texts (queries) meet, in the order a growing load meets
@@ -311,4 +328,16 @@ class CudaEngine:
                     if longest >= mean:
                         seen.setdefault(self.bucket_of(tokens, n, n, min(longest, tokens)), None)
             n = n + 1 if n < 16 else n + max(1, n // 8)
+        return list(seen)
+
+    def document_buckets(self) -> list[tuple[int, int, int]]:
+        """The buckets full batches of documents meet (bulk work): the largest token bucket, with
+        texts of about 128 to 2,048 tokens, the longest up to twice the mean."""
+        tokens = self.buckets[-1]
+        seen: dict[tuple[int, int, int], None] = {}
+        for mean in (256, 512, 128, 1024, 2048):
+            for longest in (2 * mean, mean, 4 * mean):
+                if mean <= tokens and longest <= self.max_positions:
+                    n = max(1, tokens // mean)  # a batch just short of the budget: a padding sequence too
+                    seen.setdefault(self.bucket_of(tokens - 1, n, n, min(longest, tokens - 1)), None)
         return list(seen)

@@ -103,13 +103,15 @@ class Worker:
             # Launch before collecting: batch N+1 is packed and launched while N still runs.
             if self.launch() | self.collect():
                 continue
+            if not self.open[INTERACTIVE] and not self.batcher.lanes[INTERACTIVE] and self.engine.capture_one():
+                continue  # no interactive work: a graph a batch missed under load is captured now
             if self.open[INTERACTIVE] or self.open[BULK]:
                 self.await_progress()
                 continue
             if self.stopping:
                 return
-            if self.engine.capture_one() or self.spin_for_requests():
-                continue  # idle: a graph a batch missed under load is captured now, off its path
+            if self.spin_for_requests():
+                continue
             wait_for_work(list(self.links.values()), self.control.fileno(), timeout=1.0)
             if os.getppid() != self.cfg.parent_pid:
                 return  # the server is gone; nobody will read our answers
