@@ -80,14 +80,14 @@ def test_result_records_decode(head, body):
 def test_batch_result_records_decode(data, figures, hidden, entries):
     at = records.raw_at(len(entries))
     buf = bytearray(at + sum(len(e[-1]) for e in entries))
-    records.pack_batch_header(memoryview(buf), *figures, len(entries), hidden)
+    records.pack_batch_header(memoryview(buf), *figures, len(entries), hidden, figures[0])
     table = records.batch_entries(memoryview(buf), len(entries))
     for i, (*fields, body) in enumerate(entries):
         table[i] = (*fields, at, len(body))
         buf[at:at + len(body)] = body
         at += len(body)
     report, results = records.decode_batch_result(memoryview(bytes(buf)))
-    assert (report.tokens, report.seqs, report.rows) == figures
+    assert (report.tokens, report.seqs, report.rows, report.batch_tokens) == (*figures, figures[0])
     assert report.req_ids.tolist() == [e[0] for e in entries]
     assert [(r.req_id, r.status, r.rows, r.dims, r.encoding, r.queue_us, r.inference_us, r.body) for r in results] \
         == [tuple(e) for e in entries]

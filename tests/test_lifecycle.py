@@ -117,7 +117,7 @@ def test_flags_read_pollen_environment_variables():
     assert (cfg.workers, cfg.max_batch_tokens, cfg.listen) == (3, 4096, "unix:/tmp/x.sock")
     assert ServeConfig.from_args(["--workers", "2"], environ={"POLLEN_WORKERS": "3"}).workers == 2
     with pytest.raises(ValueError, match="max-batch-tokens"):
-        ServeConfig.from_args(["--max-batch-tokens", "0"], environ={})
+        ServeConfig.from_args(["--max-batch-tokens", "-1"], environ={})
 
 
 def test_full_server_refuses_with_resource_exhausted_and_recovers():
