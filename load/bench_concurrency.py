@@ -111,23 +111,33 @@ def main() -> None:
     try:
         info = server_info(server.listen)
         result["server"] = info
+        watch = server_processes(server)
         if not args.skip_cold:
             cold = load_clients.run("unary", server.listen, server.http_listen, 128, args.client_processes, texts,
-                                    0.0, 10.0)
+                                    0.0, 10.0, watch=watch)
             warm = load_clients.run("unary", server.listen, server.http_listen, 128, args.client_processes, texts,
-                                    0.0, 10.0)
+                                    0.0, 10.0, watch=watch)
             result["cold"] = {"first_10s": cold, "next_10s": warm}
             print("cold", result["cold"], flush=True)
         for kind in args.kinds.split(","):
             for clients in map(int, args.clients.split(",")):
                 r = load_clients.run(kind, server.listen, server.http_listen, clients, args.client_processes, texts,
-                                     args.warm, args.seconds)
+                                     args.warm, args.seconds, watch=watch)
                 result["levels"][f"{kind}-{clients}"] = r
                 print(kind, r, flush=True)
     finally:
         server.terminate()
     write_results(os.path.dirname(args.out) or ".", os.path.basename(args.out), result, header(result, args),
                   table(result, args))
+
+
+def server_processes(server) -> dict[str, list[int]]:
+    """The server's frontend and worker pids, by their process titles."""
+    groups: dict[str, list[int]] = {"frontends": [], "workers": []}
+    for pid in server.child_pids():
+        title = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0]
+        groups["frontends" if title.startswith(b"pollen-frontend") else "workers"].append(pid)
+    return groups
 
 
 def server_info(target: str) -> dict:
@@ -167,6 +177,9 @@ def header(result: dict, args) -> str:
 def table(result: dict, args) -> str:
     rows = ["| clients | " + " | ".join(f"{k} q/s | {k} p50 ms | {k} p99 ms" for k in args.kinds.split(",")) + " |",
             "| --- |" + " --- | --- | --- |" * len(args.kinds.split(","))]
+    busy = ["", "Cores busy (frontends / worker / clients) at each level: " + "; ".join(
+        f"{key} {r['cores_busy']['frontends']:.1f} / {r['cores_busy']['workers']:.1f} / {r['cores_busy']['clients']:.1f}"
+        for key, r in result["levels"].items()) + "."]
     for clients in map(int, args.clients.split(",")):
         cells = []
         for kind in args.kinds.split(","):
@@ -174,7 +187,7 @@ def table(result: dict, args) -> str:
             cells += [f"{r['queries_per_s']:,.0f}", f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}"] if r and r["p50_ms"] \
                 else ["-", "-", "-"]
         rows.append(f"| {clients} | " + " | ".join(cells) + " |")
-    text = "\n".join(rows) + "\n"
+    text = "\n".join(rows + busy) + "\n"
     if "engine" in result:
         e = result["engine"]
         text += ("\nEngine alone on the same queries (mean " + f"{e['mean_tokens']:.1f} tokens): " + ", ".join(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import os
 import time
 
 import numpy as np
@@ -18,19 +19,25 @@ CONNECTIONS_PER_PROCESS = 16
 
 
 def run(kind: str, target: str, http_target: str, clients: int, processes: int, texts: list[str],
-        warm_s: float, seconds: float, priority: str = "interactive") -> dict:
-    """Run `clients` closed-loop clients in `processes` processes; figures over the timed window."""
+        warm_s: float, seconds: float, priority: str = "interactive", watch: dict[str, list[int]] | None = None) -> dict:
+    """Run `clients` closed-loop clients in `processes` processes; figures over the timed window.
+    `watch` names groups of pids (the server's frontends, its workers) whose CPU use over the
+    window is reported, in cores busy, beside the clients' own."""
     processes = max(1, min(processes, clients))
     shares = [clients // processes + (i < clients % processes) for i in range(processes)]
     start = time.time() + 1.5  # every process has started by then
     args = [(kind, target, http_target, n, texts[i::processes] or texts, start + warm_s, seconds, priority)
             for i, n in enumerate(shares)]
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
-        parts = pool.starmap(_process, args)
+        pending = pool.starmap_async(_process, args)
+        busy = _cores_busy(watch or {}, start + warm_s, seconds)
+        parts = pending.get()
     latencies = np.concatenate([p["latencies"] for p in parts]) if parts else np.empty(0)
     errors = sum(p["errors"] for p in parts)
     ms = latencies * 1e3
+    busy["clients"] = sum(p["cpu_s"] for p in parts) / seconds
     return {"clients": clients, "processes": processes, "completed": int(len(ms)), "errors": errors,
+            "cores_busy": busy,
             "queries_per_s": len(ms) / seconds,
             "p50_ms": float(np.percentile(ms, 50)) if len(ms) else None,
             "p99_ms": float(np.percentile(ms, 99)) if len(ms) else None}
@@ -113,10 +120,38 @@ async def _clients(kind, target, http_target, clients, texts, t0, seconds, prior
 
     while time.time() < t0 - 1.0:
         await asyncio.sleep(0.05)
+
+    async def cpu_window() -> float:  # this process's CPU seconds over the timed window
+        await asyncio.sleep(max(0.0, t0 - time.time()))
+        began = time.process_time()
+        await asyncio.sleep(max(0.0, end - time.time()))
+        return time.process_time() - began
+
+    window = asyncio.ensure_future(cpu_window())
     await asyncio.gather(*({"unary": unary, "stream": stream, "http": http}[kind](i) for i in range(clients)))
     for c in channels:
         await c.close()
-    return {"latencies": np.array(latencies), "errors": errors[0]}
+    return {"latencies": np.array(latencies), "errors": errors[0], "cpu_s": await window}
+
+
+def _cores_busy(watch: dict[str, list[int]], t0: float, seconds: float) -> dict[str, float]:
+    """Cores busy per group of pids over [t0, t0 + seconds] (user + system time, from /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu(pids: list[int]) -> float:
+        total = 0
+        for pid in pids:
+            try:
+                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])
+            except OSError:
+                pass
+        return total / tick
+
+    time.sleep(max(0.0, t0 - time.time()))
+    before = {name: cpu(pids) for name, pids in watch.items()}
+    time.sleep(max(0.0, t0 + seconds - time.time()))
+    return {name: (cpu(pids) - before[name]) / seconds for name, pids in watch.items()}
 
 
 async def _read_response(conn, reader) -> int:

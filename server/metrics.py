@@ -18,7 +18,9 @@ from __future__ import annotations
 import os
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pollen.shared_mem.server_state import PHASES
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
@@ -58,6 +60,13 @@ class StateCollector:
                                 "request ring.", value=self.state.backlog_total())
         yield GaugeMetricFamily("pollen_ready_workers", "Workers loaded and serving.",
                                 value=sum(self.state.ready(w) for w in range(self.state.workers)))
+        phases = CounterMetricFamily("pollen_worker_seconds", "Time each worker's loop has spent in each phase "
+                                     "(requests, launch, answer, wait): a worker busy all the time is the "
+                                     "bottleneck.", labels=["worker", "phase"])
+        for w in range(self.state.workers):
+            for phase, ns in zip(PHASES, self.state.phase_view(w).tolist()):
+                phases.add_metric([str(w), phase], ns / 1e9)
+        yield phases
 
 
 def exposition(state=None) -> CollectorRegistry:

@@ -4,7 +4,8 @@ every frontend and every worker must see of each other, without messages.
 Layout (little-endian, one 64-byte cache line per writer, so no two writers share a line)::
 
     line 0              magic "POLLENST" u64 | version u32 | frontends u32 | workers u32   (create())
-    line 1 + w          worker w:  heartbeat_ns u64 | ready u32 | pid u32 | batches u64      (worker w)
+    line 1 + w          worker w:  heartbeat_ns u64 | ready u32 | pid u32 | batches u64 |    (worker w)
+                                   phase_ns u64 [PHASES]
     line 1 + W + ...    frontend f: queued tokens routed to each worker, u64 [W], then its   (frontend f)
                         backlog to each worker (requests waiting for ring space), u64 [W]
                         (W <= 4 fits one line; more workers take more lines)
@@ -12,7 +13,9 @@ Layout (little-endian, one 64-byte cache line per writer, so no two writers shar
 - heartbeat_ns (CLOCK_MONOTONIC) is stored by the worker's loop at every turn, busy or idle (an
   idle worker turns at least once a second), so a heartbeat older than --worker-hang-timeout
   means the worker makes no progress: the supervisor kills it and it is restarted like after a
-  crash. ready is 1 from the worker's READY to its exit; batches counts the batches it ran.
+  crash. ready is 1 from the worker's READY to its exit; batches counts the batches it ran;
+  phase_ns is the time its loop has spent in each phase (PHASES), so /metrics shows whether a
+  worker's one thread is the bottleneck and where its time goes.
 - Each frontend stores its own row of queued tokens (admitted and not yet answered, per worker);
   admission (--max-queued-tokens) and routing read the sum of all rows: whole-server figures.
 
@@ -35,7 +38,10 @@ _MAGIC = int.from_bytes(b"POLLENST", "little")
 _VERSION = 1
 _HEAD = struct.Struct("<QIII")
 LINE = 64
-_WORKER_WORDS = LINE // 8  # u64 words per worker line: heartbeat, (ready, pid), batches
+_WORKER_WORDS = LINE // 8  # u64 words per worker line: heartbeat, (ready, pid), batches, phases
+# The worker loop's phases: reading requests (rings, control, deadlines), launching batches
+# (batching, planning, packing, the engine's launch), answering them (records), and waiting.
+PHASES = ("requests", "launch", "answer", "wait")
 
 
 def _row_lines(workers: int) -> int:
@@ -113,13 +119,18 @@ class ServerState:
     def ready(self, worker: int) -> bool:
         return bool(self._u32[2 * self._word(worker) + 2])
 
+    def phase_view(self, worker: int) -> np.ndarray:
+        """Worker `worker`'s phase_ns words, writable (the worker adds to them)."""
+        at = self._word(worker) + 3
+        return self._u64[at:at + len(PHASES)]
+
     def batches(self, worker: int) -> int:
         return int(self._u64[self._word(worker) + 2])
 
     def clear_worker(self, worker: int) -> None:
         """Forget a dead worker's line (the supervisor, before its successor starts)."""
         at = self._word(worker)
-        self._u64[at:at + 3] = 0
+        self._u64[at:at + 3 + len(PHASES)] = 0
 
     # ---- queued tokens ----
 

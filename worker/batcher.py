@@ -40,6 +40,7 @@ from pollen.shared_mem.records import RequestRecord
 
 INTERACTIVE, BULK = 0, 1
 QUANTUM_DIVISOR = 4  # a request's first-pass share of a batch: a quarter of its budget
+_ONE_ROW = np.arange(2, dtype=np.int64)  # row_offsets of a one-sequence, one-row request (read only)
 
 
 @dataclass(slots=True, eq=False)  # compared (and hashed) by identity: one object per request
@@ -56,6 +57,8 @@ class Job:
     @classmethod
     def of(cls, rec: RequestRecord, source: int = 0) -> "Job":
         n = len(rec.lengths)
+        if n == 1 and rec.rows is None:  # a query: the common case, kept cheap
+            return cls(rec, np.array((0, int(rec.lengths[0])), dtype=np.int64), _ONE_ROW, source)
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(rec.lengths, out=offsets[1:])
         if rec.rows is None:

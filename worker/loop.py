@@ -38,6 +38,8 @@ from pollen.worker.batcher import BULK, INTERACTIVE, Batcher, Job
 from pollen.worker.links import Link, wait_for_work
 from pollen.worker.packed import pack
 
+CONTROL_EVERY_NS = 5_000_000  # how often a busy loop looks at the control link
+
 
 @dataclass(slots=True)
 class Part:
@@ -94,27 +96,49 @@ class Worker:
     # ---- the loop ----
 
     def run(self) -> None:
+        """The loop. Each turn adds the time of its phases to the server state (PHASES)."""
         self.state.set_ready(self.cfg.index, True)
+        phase = self.state.phase_view(self.cfg.index)  # requests, launch, answer, wait (ns)
+        now = time.monotonic_ns
+        control_at = 0
         while True:
+            t0 = now()
             self.state.beat(self.cfg.index, self.batches)
-            self.handle_control()
+            if t0 >= control_at:  # the control link, every few ms: messages are rare
+                self.handle_control()
+                control_at = t0 + CONTROL_EVERY_NS
             self.drain_requests()
             self.drop_expired()
+            t1 = now()
             # Launch before collecting: batch N+1 is packed and launched while N still runs.
-            if self.launch() | self.collect():
+            launched = self.launch()
+            t2 = now()
+            answered = self.collect()
+            t3 = now()
+            phase[0] += t1 - t0
+            phase[1] += t2 - t1
+            phase[2] += t3 - t2
+            if launched or answered:
                 continue
-            if not self.open[INTERACTIVE] and not self.batcher.lanes[INTERACTIVE] and self.engine.capture_one():
-                continue  # no interactive work: a graph a batch missed under load is captured now
-            if self.open[INTERACTIVE] or self.open[BULK]:
-                self.await_progress()
-                continue
-            if self.stopping:
+            if self.stopping and not (self.open[INTERACTIVE] or self.open[BULK] or self.batcher):
                 return
-            if self.spin_for_requests():
-                continue
-            wait_for_work(list(self.links.values()), self.control.fileno(), timeout=1.0)
-            if os.getppid() != self.cfg.parent_pid:
-                return  # the server is gone; nobody will read our answers
+            self.idle()
+            phase[3] += now() - t3
+
+    def idle(self) -> None:
+        """Nothing to launch or answer this turn: capture a graph a batch missed (no interactive
+        work waits), wait for a running batch, or spin, then sleep, for new requests."""
+        if not self.open[INTERACTIVE] and not self.batcher.lanes[INTERACTIVE] and self.engine.capture_one():
+            return
+        if self.open[INTERACTIVE] or self.open[BULK]:
+            self.await_progress()
+            return
+        if self.spin_for_requests():
+            return
+        wait_for_work(list(self.links.values()), self.control.fileno(), timeout=1.0)
+        self.handle_control()
+        if os.getppid() != self.cfg.parent_pid:
+            raise SystemExit(0)  # the server is gone; nobody will read our answers
 
     def launch(self) -> bool:
         """Submit what the lanes take: side by side, each lane up to two batches in flight;
