@@ -138,8 +138,7 @@ class WorkerChannel:
 
     def publish(self) -> None:
         """Store this channel's queued tokens and backlog in the server state."""
-        self.state.queued[self.frontend, self.index] = self.queued_tokens
-        self.state.backlog[self.frontend, self.index] = len(self.backlog[0]) + len(self.backlog[1])
+        self.state.publish(self.frontend, self.index, self.queued_tokens, len(self.backlog[0]) + len(self.backlog[1]))
 
     def tick(self, generation: int) -> None:
         """The safety net for a lost wake-up (see shared_mem/ring.py): look again every few ms
@@ -204,7 +203,8 @@ class WorkerChannel:
         ring = self.requests
         if ring is None or not self.ready.is_set():
             return
-        Ring.drain_signal(ring.space_fd)
+        if ring.producer_sleeping:  # we asked the worker for a signal when room frees up
+            Ring.drain_signal(ring.space_fd)
         for first_try in (True, False):
             self.flush_lanes(ring)
             if not any(self.backlog):

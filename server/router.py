@@ -70,7 +70,8 @@ class Router:
 
     async def send(self, record: bytes, tokens: int, deadline_ns: int, priority: int) -> records.ResultRecord:
         """One request record to the ready worker with the fewest queued tokens; its answer."""
-        channel = min(self.channels, key=lambda c: (not c.ready.is_set(), self.state.queued_on(c.index)))
+        channel = self.channels[0] if len(self.channels) == 1 else min(
+            self.channels, key=lambda c: (not c.ready.is_set(), self.state.queued_on(c.index)))
         req_id = records.request_id(record)
         try:
             return await channel.submit(req_id, record, tokens, deadline_ns, priority)

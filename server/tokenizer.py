@@ -46,6 +46,9 @@ CHARS_PER_TOKEN = 8
 # CHUNK_MEAN tokenizes a long text in pieces of about this many characters.
 PIECE_CHARS = 1 << 15
 PROMPT_MAX_CHARS = 4096
+# A lone text (with its prompt) of at most this many characters is tokenized in one call with its
+# special tokens (a query's path); the tokenizer's cost for it is bounded by its length.
+SHORT_CHARS = 2048
 
 # BERT splits words before and after whitespace, ASCII punctuation and CJK ideographs (its
 # BertPreTokenizer, and BertNormalizer's handle_chinese_chars), and its normalizer leaves these
@@ -123,6 +126,12 @@ class TextTokenizer:
         limit = limit or self.max_tokens
         room = self.room(limit)
         self._check_texts(texts, "texts")
+        if len(texts) == 1 and len(prompt) + len(texts[0]) <= SHORT_CHARS:
+            # One short text (a query): one call of the tokenizer, special tokens and all; only a
+            # text that turns out too long takes the path below, which cuts it exactly.
+            ids = np.asarray(self.tokenizer.encode(prompt + texts[0]).ids, dtype=np.int32)
+            if len(ids) <= limit:
+                return [ids]
         start = truncate == pb.TRUNCATE_START
         out = []
         for i, (ids, whole) in enumerate(self._tails(prompt, texts, room) if start else

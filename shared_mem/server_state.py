@@ -6,9 +6,9 @@ Layout (little-endian, one 64-byte cache line per writer, so no two writers shar
     line 0              magic "POLLENST" u64 | version u32 | frontends u32 | workers u32   (create())
     line 1 + w          worker w:  heartbeat_ns u64 | ready u32 | pid u32 | batches u64 |    (worker w)
                                    phase_ns u64 [PHASES]
-    line 1 + W + ...    frontend f: queued tokens routed to each worker, u64 [W], then its   (frontend f)
-                        backlog to each worker (requests waiting for ring space), u64 [W]
-                        (W <= 4 fits one line; more workers take more lines)
+    after them         queued u64 [F][W]: frontend f's tokens routed to worker w            (frontend f)
+    after that         backlog u64 [F][W]: its requests for worker w waiting for ring space (frontend f)
+                       (each region starts on a line; a frontend writes only its own row)
 
 - heartbeat_ns (CLOCK_MONOTONIC) is stored by the worker's loop at every turn, busy or idle (an
   idle worker turns at least once a second), so a heartbeat older than --worker-hang-timeout
@@ -44,9 +44,9 @@ _WORKER_WORDS = LINE // 8  # u64 words per worker line: heartbeat, (ready, pid),
 PHASES = ("requests", "launch", "answer", "wait")
 
 
-def _row_lines(workers: int) -> int:
-    """Cache lines of one frontend's row: its queued tokens and its backlog, per worker."""
-    return -(-2 * workers * 8 // LINE)
+def _region_bytes(frontends: int, workers: int) -> int:
+    """Bytes of one [frontends][workers] u64 region, whole lines."""
+    return -(-frontends * workers * 8 // LINE) * LINE
 
 
 class ServerState:
@@ -54,19 +54,23 @@ class ServerState:
         self.name = name
         self._mm = mm
         _, _, self.frontends, self.workers = _HEAD.unpack_from(mm)
-        self._rows_at = LINE * (1 + self.workers)
-        words = _row_lines(self.workers) * LINE // 8
+        cells = self.frontends * self.workers
+        queued_at = LINE * (1 + self.workers)
+        backlog_at = queued_at + _region_bytes(self.frontends, self.workers)
         self._u64 = np.frombuffer(mm, dtype=np.uint64)
         self._u32 = np.frombuffer(mm, dtype=np.uint32)
-        rows = self._u64[self._rows_at // 8:self._rows_at // 8 + self.frontends * words].reshape(self.frontends, words)
         # queued[f, w]: frontend f's tokens routed to worker w (row f is frontend f's to write);
-        # backlog[f, w]: its requests for worker w waiting for ring space.
-        self.queued = rows[:, :self.workers]
-        self.backlog = rows[:, self.workers:2 * self.workers]
+        # backlog[f, w]: its requests for worker w waiting for ring space. The memoryviews are
+        # the same cells, flat: summing and storing through them costs a fraction of numpy's
+        # per-call overhead, on every request.
+        self.queued = self._u64[queued_at // 8:queued_at // 8 + cells].reshape(self.frontends, self.workers)
+        self.backlog = self._u64[backlog_at // 8:backlog_at // 8 + cells].reshape(self.frontends, self.workers)
+        self._queued = memoryview(mm)[queued_at:queued_at + 8 * cells].cast("Q")
+        self._backlog = memoryview(mm)[backlog_at:backlog_at + 8 * cells].cast("Q")
 
     @classmethod
     def size_for(cls, frontends: int, workers: int) -> int:
-        return LINE * (1 + workers) + frontends * _row_lines(workers) * LINE
+        return LINE * (1 + workers) + 2 * _region_bytes(frontends, workers)
 
     @classmethod
     def create(cls, frontends: int, workers: int, prefix: str = "pollen") -> ServerState:
@@ -134,14 +138,20 @@ class ServerState:
 
     # ---- queued tokens ----
 
+    def publish(self, frontend: int, worker: int, queued: int, backlog: int) -> None:
+        """Frontend `frontend`'s queued tokens and backlog for worker `worker`."""
+        at = frontend * self.workers + worker
+        self._queued[at] = queued
+        self._backlog[at] = backlog
+
     def queued_total(self) -> int:
-        return int(self.queued.sum())
+        return sum(self._queued)
 
     def queued_on(self, worker: int) -> int:
-        return int(self.queued[:, worker].sum())
+        return sum(self._queued[worker::self.workers])
 
     def backlog_total(self) -> int:
-        return int(self.backlog.sum())
+        return sum(self._backlog)
 
     def clear_frontend(self, frontend: int) -> None:
         """Forget a dead frontend's row (the supervisor, before its successor starts)."""
@@ -149,6 +159,8 @@ class ServerState:
         self.backlog[frontend] = 0
 
     def close(self) -> None:
+        self._queued.release()
+        self._backlog.release()
         self.queued = self.backlog = self._u64 = self._u32 = None
         try:
             self._mm.close()
