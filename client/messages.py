@@ -25,7 +25,7 @@ class EmbedError(Exception):
         self.request_id = request_id
 
     @classmethod
-    def from_rpc(cls, exc: grpc.RpcError) -> "EmbedError":
+    def from_rpc(cls, exc: grpc.RpcError) -> EmbedError:
         return cls(exc.code(), exc.details() or "")
 
 

@@ -72,7 +72,7 @@ class EngineOptions:
             raise ValueError(f"skinny_configs: no such file {self.skinny_configs!r}")
 
     @classmethod
-    def parse(cls, text: str) -> "EngineOptions":
+    def parse(cls, text: str) -> EngineOptions:
         """From comma-separated NAME=VALUE pairs, e.g. "skinny=0,skinny_configs=/tmp/t.json"."""
         names = {f.name for f in dataclasses.fields(cls)}
         values: dict = {}

@@ -215,7 +215,8 @@ def _check_qwen3_config(path: str, config: dict) -> None:
         raise UnsupportedModel(f"{path}: RoPE type {kind!r} is not supported (only the default)")
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     if heads % kv_heads:
-        raise UnsupportedModel(f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        raise UnsupportedModel(f"{path}: num_attention_heads {heads} is not a multiple of "
+                               f"num_key_value_heads {kv_heads}")
 
 
 def _check_weights(path: str) -> None:

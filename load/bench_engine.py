@@ -304,7 +304,7 @@ def bench_shape(shape, root, rate, args):
 
     # ---- HF transformers, bf16 sdpa, the sentence-transformers method
     hf = load_hf(path, torch.bfloat16)
-    r = {"queries": latency(lambda s: hf_embed(hf, [s], 1, pooling), q[:120])}
+    r = {"queries": latency(lambda s: hf_embed(hf, [s], 1, pooling), q[:120])}  # noqa: F821 (ruff: `del hf` below)
     sizes = {}
     for bs in (32, 64, 128):
         hf_throughput(hf, d[:256], bs, pooling)

@@ -136,7 +136,9 @@ def main() -> None:
     finally:
         server.terminate()
     m, s = result["meta"], result["server"]
-    ms = lambda r: f"p50 {r['p50_ms']:.2f} / p99 {r['p99_ms']:.2f} ms" if r["p50_ms"] is not None else "none answered"
+    def ms(r):
+        return f"p50 {r['p50_ms']:.2f} / p99 {r['p99_ms']:.2f} ms" if r["p50_ms"] is not None else "none answered"
+
     head = (f"# Interactive queries under bulk load through `pollen serve`, {m['date']}\n\n"
             f"{m.get('gpu', 'CPU')}, {m['cores']} cores, torch {m['torch']}, grpcio {m['grpcio']}; "
             f"{s['frontends']} frontends, {s['workers']} worker(s), server defaults. Command: "

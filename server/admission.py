@@ -148,7 +148,8 @@ class Admission:
             seqs = [self.check_ids(i, t.ids, request.truncate, limit) for i, t in enumerate(request.token_ids)]
         else:
             prompt = self.prompt(request.prompt_name, request.prompt, limit)
-            chars = len(prompt) * max(1, len(request.texts)) + sum(map(len, request.texts)) + sum(map(len, request.chunks))
+            chars = (len(prompt) * max(1, len(request.texts)) + sum(map(len, request.texts))
+                     + sum(map(len, request.chunks)))
             if request.chunks:
                 seq, spans = await self.run(chars, self.tokenizer.encode_document, list(request.chunks), limit,
                                             prompt)

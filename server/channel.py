@@ -10,7 +10,8 @@ backlog into the request ring while it has room (interactive first, so bulk neve
 interactive request back here). The worker's answers arrive on the response ring's eventfd
 (`read_answers`); each resolves its request's future. When the worker dies the channel reads the
 answers it finished, then puts every unanswered request back into the backlog in its original
-order, and the next worker gets them once it says READY: the client sees no error. A request the
+order, and another ready worker (or the next one here, once it says READY) gets them: the
+client sees no error. A request the
 worker had read from the ring when it died, MAX_ATTEMPTS times in a row, is answered INTERNAL
 instead, so one poisonous input cannot crash-loop a worker forever (a request still in the ring,
 or in the backlog, was never held and does not count).
@@ -89,6 +90,9 @@ class WorkerChannel:
         self.ready = asyncio.Event()
         self.generation = 0  # bumped at each attach, so the ticks of a dead worker's rings stop
         self.on_ready_change = lambda: None  # the frontend's health follows its workers
+        # After a death, the router hands the survivors to another ready worker (server/router.py);
+        # by default (and when no other worker is ready) they wait here for the restart.
+        self.on_orphans = self.adopt
 
     # ---- the worker's rings ----
 
@@ -103,7 +107,7 @@ class WorkerChannel:
 
     def detach(self, requeue: bool) -> None:
         """The worker is gone (or stopping): read what it answered, stop using its rings and,
-        with `requeue`, put every unanswered request back into the backlog for the next one."""
+        with `requeue`, hand every unanswered request on (`requeue`)."""
         if self.responses is None:
             return
         self.ready.clear()
@@ -131,9 +135,20 @@ class WorkerChannel:
             if sent.attempts >= MAX_ATTEMPTS:
                 self.fail(req_id, RequestError(grpc.StatusCode.INTERNAL,
                                                f"the worker died {sent.attempts} times while holding this request"))
+        survivors = [(req_id, self.inflight.pop(req_id)) for req_id in sorted(self.inflight)]
         self.backlog = (deque(), deque())
-        for req_id in sorted(self.inflight):
-            self.backlog[self.inflight[req_id].priority].append(req_id)
+        self.queued_tokens = 0
+        self.on_orphans(survivors)
+        self.publish()
+
+    def adopt(self, survivors: list[tuple[int, SentRequest]]) -> None:
+        """Take over unanswered requests of a dead worker (this one's or another's), in order."""
+        for req_id, sent in survivors:
+            sent.sent = False
+            self.inflight[req_id] = sent
+            self.queued_tokens += sent.tokens
+            self.backlog[sent.priority].append(req_id)
+        self.flush()
         self.publish()
 
     def publish(self) -> None:

