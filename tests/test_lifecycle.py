@@ -17,7 +17,8 @@ from tests.conftest import ServerProcess, cosine_rows, embed_all_at_once, shm_se
 
 
 def test_sigterm_answers_work_in_flight_and_exits_0(tmp_path):
-    srv = ServerProcess(listen=f"unix:{tmp_path}/pollen.sock").start()
+    # A grace long enough for this work on a busy 2-core machine (the default is 30 s).
+    srv = ServerProcess("--shutdown-grace", "120", listen=f"unix:{tmp_path}/pollen.sock").start()
     try:
         texts = [f"document {i} " + "with a few more words " * 20 for i in range(32)]
 
