@@ -13,6 +13,7 @@
 #   concurrency:  python load/bench_concurrency.py --tokenizer .whl/qwen3-tokenizer.json ARGS
 #   mixed:        python load/bench_mixed.py --tokenizer .whl/qwen3-tokenizer.json ARGS
 #   skinny:       python load/bench_skinny_linear.py ARGS (the query kernels' tile table)
+#   two:          python load/bench_two_gpus.py --tokenizer .whl/qwen3-tokenizer.json ARGS (2+ GPUs)
 set -o pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null || exit 1
@@ -28,4 +29,5 @@ case $what in
   concurrency) python3 load/bench_concurrency.py --tokenizer .whl/qwen3-tokenizer.json "$@" ;;
   mixed) python3 load/bench_mixed.py --tokenizer .whl/qwen3-tokenizer.json "$@" ;;
   skinny) python3 load/bench_skinny_linear.py "$@" ;;
+  two) python3 load/bench_two_gpus.py --tokenizer .whl/qwen3-tokenizer.json "$@" ;;
 esac
