@@ -135,22 +135,30 @@ def main() -> None:
         print("mixed", result["mixed"], result["mixed_bulk"], flush=True)
     finally:
         server.terminate()
-    m, s = result["meta"], result["server"]
-    def ms(r):
-        return f"p50 {r['p50_ms']:.2f} / p99 {r['p99_ms']:.2f} ms" if r["p50_ms"] is not None else "none answered"
+    write_results(os.path.dirname(args.out) or ".", os.path.basename(args.out), result, header(result),
+                  table(result, args.interactive_clients))
 
-    head = (f"# Interactive queries under bulk load through `pollen serve`, {m['date']}\n\n"
+
+def ms(r: dict) -> str:
+    return f"p50 {r['p50_ms']:.2f} / p99 {r['p99_ms']:.2f} ms" if r["p50_ms"] is not None else "none answered"
+
+
+def header(result: dict) -> str:
+    m, s = result["meta"], result["server"]
+    return (f"# Interactive queries under bulk load through `pollen serve`, {m['date']}\n\n"
             f"{m.get('gpu', 'CPU')}, {m['cores']} cores, torch {m['torch']}, grpcio {m['grpcio']}; "
             f"{s['frontends']} frontends, {s['workers']} worker(s), server defaults. Command: "
             f"`{result['command']}`.\n\n")
-    table = ("| figure | value |\n| --- | --- |\n"
-             f"| docs as texts through EmbedStream | {result['docs']['tokens_per_s']:,.0f} tokens/s |\n"
-             f"| bulk alone (PRIORITY_BULK) | {result['bulk_solo']['tokens_per_s']:,.0f} tokens/s |\n"
-             f"| {args.interactive_clients} interactive clients alone | {ms(result['idle'])} |\n"
-             f"| the same under bulk | {ms(result['mixed'])} |\n"
-             f"| bulk beside them | {result['mixed_bulk']['tokens_per_s']:,.0f} tokens/s "
-             f"({result['mixed_bulk']['share_of_solo']:.0%} of alone) |\n")
-    write_results(os.path.dirname(args.out) or ".", os.path.basename(args.out), result, head, table)
+
+
+def table(result: dict, interactive_clients: int) -> str:
+    return ("| figure | value |\n| --- | --- |\n"
+            f"| docs as texts through EmbedStream | {result['docs']['tokens_per_s']:,.0f} tokens/s |\n"
+            f"| bulk alone (PRIORITY_BULK) | {result['bulk_solo']['tokens_per_s']:,.0f} tokens/s |\n"
+            f"| {interactive_clients} interactive clients alone | {ms(result['idle'])} |\n"
+            f"| the same under bulk | {ms(result['mixed'])} |\n"
+            f"| bulk beside them | {result['mixed_bulk']['tokens_per_s']:,.0f} tokens/s "
+            f"({result['mixed_bulk']['share_of_solo']:.0%} of alone) |\n")
 
 
 if __name__ == "__main__":
