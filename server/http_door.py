@@ -25,6 +25,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pollen.common import encodings
+from pollen.server.admission import TRUNCATE_BY_NAME
 from pollen.server.errors import ECHO_CHARS, RequestError, cut, echo
 from pollen.server.http11 import Request, Response
 from pollen.server.metrics import count_request
@@ -52,7 +53,7 @@ class EmbeddingsBody(msgspec.Struct, forbid_unknown_fields=True):
     # pollen's own options, as in EmbedRequest (lower-case enum names).
     encoding: Literal[encodings.NAMES] = "float32"
     normalize: bool = True             # OpenAI's vectors are unit length; gRPC's default is False
-    truncate: Literal["none", "end", "start"] = "none"
+    truncate: Literal["none", "end", "start"] | None = None  # None: the server's --default-truncate
     max_tokens: NonNegative32 = 0
     prompt_name: str = ""
     prompt: str = ""
@@ -63,10 +64,10 @@ class EmbeddingsBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _DECODER = msgspec.json.Decoder(EmbeddingsBody)
-_CHOICES = {f.name: get_args(f.type) for f in msgspec.structs.fields(EmbeddingsBody)
-            if get_origin(f.type) is Literal}
+# The choices of each Literal field (`Literal[...] | None` included), named in refusals.
+_CHOICES = {f.name: get_args(t) for f in msgspec.structs.fields(EmbeddingsBody)
+            for t in (f.type, *get_args(f.type)) if get_origin(t) is Literal}
 _ENCODER = msgspec.json.Encoder()
-_TRUNCATES = {"none": pb.TRUNCATE_NONE, "end": pb.TRUNCATE_END, "start": pb.TRUNCATE_START}
 _LONG_INPUTS = {"truncate": pb.LONG_INPUT_TRUNCATE, "chunk_mean": pb.LONG_INPUT_CHUNK_MEAN}
 _PRIORITIES = {"interactive": pb.PRIORITY_INTERACTIVE, "bulk": pb.PRIORITY_BULK}
 
@@ -112,7 +113,7 @@ class HttpDoor:
     def __init__(self, service: EmbedderService, registry):
         self.service = service
         self.registry = registry  # what /metrics serializes (server/metrics.py, exposition)
-        self.model = service.spec.name
+        self.model = service.spec.name  # --served-model-name, else the checkpoint's (server/served_model.py)
         self.created = int(time.time())
         self.serving = False  # mirrors the gRPC health status: set by server/frontend.py
 
@@ -174,9 +175,10 @@ def to_embed_request(request: Request) -> tuple[pb.EmbedRequest, str]:
         raise Rejected(f"the body is not valid JSON: {cut(str(exc), _MSGSPEC_CHARS)}") from None
     message = pb.EmbedRequest(
         dimensions=body.dimensions or 0, normalize=body.normalize, encoding=encodings.BY_NAME[body.encoding],
-        truncate=_TRUNCATES[body.truncate], max_tokens=body.max_tokens, prompt_name=body.prompt_name,
-        prompt=body.prompt, long_input=_LONG_INPUTS[body.long_input], priority=_PRIORITIES[body.priority],
-        timeout_ms=body.timeout_ms)
+        max_tokens=body.max_tokens, prompt_name=body.prompt_name, prompt=body.prompt,
+        long_input=_LONG_INPUTS[body.long_input], priority=_PRIORITIES[body.priority], timeout_ms=body.timeout_ms)
+    if body.truncate is not None:  # left unset, the server's default applies (server/admission.py)
+        message.truncate = TRUNCATE_BY_NAME[body.truncate]
     if body.chunks is not None:
         if body.input is not None:
             raise Rejected("set either input or chunks, not both", "chunks")
