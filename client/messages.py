@@ -75,6 +75,15 @@ def build_request(texts: str | Sequence[str], *, dimensions: int = 0, normalize:
     return request
 
 
+def auth_metadata(api_key: str | None) -> tuple | None:
+    """The gRPC metadata that presents `api_key` (as the server's --api-key wants it), or None."""
+    if api_key is None:
+        return None
+    if not api_key or not all(33 <= ord(c) <= 126 for c in api_key):
+        raise ValueError("api_key must be non-empty printable ASCII without spaces")
+    return (("authorization", f"Bearer {api_key}"),)
+
+
 def decode(response: pb.EmbedResponse) -> np.ndarray:
     """The answer's rows: float32/float16 as they are, bfloat16 widened to float32 (exactly),
     int8 as a ScaledInt8Array, ubinary as packed uint8 rows (least-significant bit first)."""

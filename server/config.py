@@ -20,9 +20,10 @@ FD_RESERVE = 256
 _TYPES = {"str | None": str, "str": str, "int": int, "float": float, "bool": parse_switch}
 
 
-def _flag(default, text: str):
-    """A field that is also a flag --name-with-dashes and a variable POLLEN_NAME."""
-    return dataclasses.field(default=default, metadata={"help": text})
+def _flag(default, text: str, *, secret: bool = False):
+    """A field that is also a flag --name-with-dashes and a variable POLLEN_NAME. A secret one is
+    left out of the config's repr and of to_dict() (what child processes get on their command line)."""
+    return dataclasses.field(default=default, repr=not secret, metadata={"help": text, "secret": secret})
 
 
 def _engine_flag(name: str):
@@ -96,6 +97,13 @@ class ServeConfig:
     response_ring_bytes: int = _flag(0, "size of each response ring (one per frontend and worker) in shared memory "
                                      "(0: enough for one batch of --max-texts-per-request answers of the model's "
                                      "width, at least 16 MiB)")
+    api_key: str | None = _flag(None, "API keys clients must present (HTTP: Authorization: Bearer KEY; gRPC: "
+                                "the authorization metadata, Bearer KEY), comma-separated; prefer POLLEN_API_KEY "
+                                "or --api-key-file, since a flag's value shows in the process list "
+                                "(default: no keys, no authentication)", secret=True)
+    api_key_file: str | None = _flag(None, "a file of API keys, one a line (blank lines and lines starting with # "
+                                     "are skipped); with --api-key, either key is accepted")
+    metrics_auth: bool = _flag(False, "GET /metrics needs an API key too (health checks never do)")
     log_level: str = _flag("INFO", "logging level")
     # The engine's switches (pollen.common.engine_options.EngineOptions), for measuring and debugging.
     triton: bool = _engine_flag("triton")
@@ -196,8 +204,14 @@ class ServeConfig:
         return visible_device(self.gpu_list()[index], os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def to_dict(self) -> dict:
-        """Every field, for a child process to build the same config (ServeConfig(**d))."""
-        return dataclasses.asdict(self)
+        """Every field but the secrets, for a child process to build the same config (ServeConfig(**d)).
+        The dict travels on the child's command line, which every user of the machine can read; the
+        API keys reach the frontends through their environment instead (server/auth.py)."""
+        fields = dataclasses.asdict(self)
+        for field in dataclasses.fields(self):
+            if field.metadata.get("secret"):
+                fields[field.name] = None
+        return fields
 
     def engine_options(self) -> EngineOptions:
         """The options every worker's engine runs with (WorkerConfig.engine_options)."""
@@ -265,5 +279,7 @@ def add_flags(parser: argparse.ArgumentParser, environ) -> None:
         if value is not None:
             value = kind(value)
         text = f"{field.metadata['help']} [env {env}; default {field.default!r}]"
+        # A switch given alone (--metrics-auth) is on; --metrics-auth 0 and the variable still work.
+        alone = {"nargs": "?", "const": True} if kind is parse_switch else {}
         parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name, type=kind, default=value,
-                            help=argparse.SUPPRESS if field.metadata.get("hidden") else text)
+                            help=argparse.SUPPRESS if field.metadata.get("hidden") else text, **alone)

@@ -11,6 +11,10 @@ JSON forms of the encodings (`encoding`, ours; `encoding_format`, OpenAI's):
   ubinary as lists of the packed bytes (integers 0..255, least-significant bit first).
 - "base64": the row's raw little-endian bytes in that encoding (for float32 exactly what OpenAI
   sends); int8 rows carry `scale` here too.
+
+With API keys (server/auth.py), /v1/embeddings and /v1/models need `Authorization: Bearer KEY`,
+and /metrics does too with --metrics-auth; /health never does. A request without a valid key is
+answered 401 with WWW-Authenticate before its body is decoded.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pollen.common import encodings
 from pollen.server.admission import TRUNCATE_BY_NAME
+from pollen.server.auth import REALM
 from pollen.server.errors import ECHO_CHARS, RequestError, cut, echo
 from pollen.server.http11 import Request, Response
 from pollen.server.metrics import count_request
@@ -114,6 +119,8 @@ class HttpDoor:
         self.service = service
         self.registry = registry  # what /metrics serializes (server/metrics.py, exposition)
         self.model = service.spec.name  # --served-model-name, else the checkpoint's (server/served_model.py)
+        self.keys = service.keys
+        self.closed = {"/v1/embeddings", "/v1/models"} | ({"/metrics"} if service.cfg.metrics_auth else set())
         self.created = int(time.time())
         self.serving = False  # mirrors the gRPC health status: set by server/frontend.py
 
@@ -123,6 +130,10 @@ class HttpDoor:
         if method is None:
             return error_response(404, f"no route {echo(request.path)}; routes: {', '.join(_ROUTES)}",
                                   code="not_found")
+        if self.keys and request.path in self.closed:
+            refusal = self.refuse_unauthorized(request)
+            if refusal is not None:
+                return refusal
         if request.method != method and not (request.method == "HEAD" and method == "GET"):
             allow = "GET, HEAD" if method == "GET" else method
             response = error_response(405, f"{request.path} takes {allow}, not {cut(request.method)}",
@@ -138,6 +149,19 @@ class HttpDoor:
             status = "SERVING" if self.serving else "NOT_SERVING"
             return Response(200 if self.serving else 503, _ENCODER.encode({"status": status}))
         return Response(200, generate_latest(self.registry), content_type=CONTENT_TYPE_LATEST)
+
+    def refuse_unauthorized(self, request: Request) -> Response | None:
+        """401 unless the Authorization header carries one of the keys (RFC 6750's WWW-Authenticate
+        says why: no credentials, or an invalid token)."""
+        authorization = request.headers.get("authorization")
+        reason = self.keys.check(authorization)
+        if reason is None:
+            return None
+        if request.path == "/v1/embeddings":
+            count_request(DOOR, grpc.StatusCode.UNAUTHENTICATED.name)
+        response = error_response(401, reason, code="invalid_api_key")
+        response.headers["WWW-Authenticate"] = REALM + (', error="invalid_token"' if authorization else "")
+        return response
 
     async def embeddings(self, request: Request) -> Response:
         try:
