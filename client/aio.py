@@ -8,19 +8,21 @@ import grpc
 import numpy as np
 
 from pollen.client.client import CHANNEL_OPTIONS
-from pollen.client.messages import EmbedError, build_request, concatenate, decode, split
+from pollen.client.messages import EmbedError, auth_metadata, build_request, concatenate, decode, split
 from pollen.client.ordering import StreamOrder
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
 
 
 class AsyncClient:
-    """`async with AsyncClient("host:port") as client: await client.embed([...])`."""
+    """`async with AsyncClient("host:port") as client: await client.embed([...])`. `api_key`: as
+    Client's, sent with every call."""
 
     def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = 300.0,
-                 channel_options: Sequence[tuple] = ()):
+                 channel_options: Sequence[tuple] = (), api_key: str | None = None):
         self.target = target
         self.timeout = timeout
+        self._metadata = auth_metadata(api_key)
         self._channel = grpc.aio.insecure_channel(target, options=[*CHANNEL_OPTIONS, *channel_options])
         self._stub = pb_grpc.EmbedderStub(self._channel)
         self._info: pb.InfoResponse | None = None
@@ -28,7 +30,8 @@ class AsyncClient:
     async def info(self) -> pb.InfoResponse:
         if self._info is None:
             try:
-                self._info = await self._stub.Info(pb.InfoRequest(), timeout=self.timeout, wait_for_ready=True)
+                self._info = await self._stub.Info(pb.InfoRequest(), timeout=self.timeout, wait_for_ready=True,
+                                                   metadata=self._metadata)
             except grpc.RpcError as exc:
                 raise EmbedError.from_rpc(exc) from None
         return self._info
@@ -37,7 +40,8 @@ class AsyncClient:
         """As Client.embed; the pieces over max_texts_per_request are sent concurrently."""
         pieces = split(texts, (await self.info()).max_texts_per_request)
         try:
-            replies = await asyncio.gather(*(self._stub.Embed(build_request(p, **options), timeout=self.timeout)
+            replies = await asyncio.gather(*(self._stub.Embed(build_request(p, **options), timeout=self.timeout,
+                                                              metadata=self._metadata)
                                              for p in pieces))
         except grpc.RpcError as exc:
             raise EmbedError.from_rpc(exc) from None
@@ -49,7 +53,7 @@ class AsyncClient:
         order = StreamOrder(options, in_flight)
         source = _aiter(inputs)
         while not order.finished:
-            call = self._stub.EmbedStream(wait_for_ready=True)
+            call = self._stub.EmbedStream(wait_for_ready=True, metadata=self._metadata)
             try:
                 for message in order.resend():
                     await call.write(message)

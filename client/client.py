@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import grpc
 import numpy as np
 
-from pollen.client.messages import EmbedError, build_request, concatenate, decode, split
+from pollen.client.messages import EmbedError, auth_metadata, build_request, concatenate, decode, split
 from pollen.client.ordering import StreamOrder
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
@@ -19,12 +19,15 @@ CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconn
 
 
 class Client:
-    """`Client("host:port")`: embed() for lists of texts, embed_stream() for long iterables."""
+    """`Client("host:port")`: embed() for lists of texts, embed_stream() for long iterables.
+    `api_key`: for a server started with --api-key; sent with every call as the `authorization`
+    metadata (Bearer KEY)."""
 
     def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = 300.0,
-                 channel_options: Sequence[tuple] = ()):
+                 channel_options: Sequence[tuple] = (), api_key: str | None = None):
         self.target = target
         self.timeout = timeout
+        self._metadata = auth_metadata(api_key)
         self._channel = grpc.insecure_channel(target, options=[*CHANNEL_OPTIONS, *channel_options])
         self._stub = pb_grpc.EmbedderStub(self._channel)
         self._info: pb.InfoResponse | None = None
@@ -33,7 +36,8 @@ class Client:
         """The server's model and limits (asked once, then remembered)."""
         if self._info is None:
             try:
-                self._info = self._stub.Info(pb.InfoRequest(), timeout=self.timeout, wait_for_ready=True)
+                self._info = self._stub.Info(pb.InfoRequest(), timeout=self.timeout, wait_for_ready=True,
+                                             metadata=self._metadata)
             except grpc.RpcError as exc:
                 raise EmbedError.from_rpc(exc) from None
         return self._info
@@ -44,7 +48,7 @@ class Client:
         parts = []
         for piece in split(texts, self.info().max_texts_per_request):
             try:
-                reply = self._stub.Embed(build_request(piece, **options), timeout=self.timeout)
+                reply = self._stub.Embed(build_request(piece, **options), timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as exc:
                 raise EmbedError.from_rpc(exc) from None
             parts.append(decode(reply))
@@ -60,7 +64,7 @@ class Client:
         source = iter(inputs)
         while not order.finished:
             outbox: queue.SimpleQueue = queue.SimpleQueue()
-            call = self._stub.EmbedStream(_drain(outbox), wait_for_ready=True)
+            call = self._stub.EmbedStream(_drain(outbox), wait_for_ready=True, metadata=self._metadata)
             try:
                 for message in order.resend():
                     outbox.put(message)

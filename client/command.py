@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
@@ -19,13 +20,16 @@ def parser() -> argparse.ArgumentParser:
                "npy: a rows x dims array (ubinary: packed bytes); for int8 the scales go to <file>.scales.npy.")
     p.add_argument("texts", nargs="*", help="texts to embed; '-' (or none) reads one text per line from stdin")
     p.add_argument("--server", default="127.0.0.1:50051", help="gRPC address of the server [127.0.0.1:50051]")
+    p.add_argument("--api-key", default=None,
+                   help="the server's API key [env POLLEN_API_KEY, its first key when it lists several]")
     p.add_argument("--format", choices=("json", "npy"), default="json", help="output format [json]")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     p.add_argument("--dimensions", type=int, default=0, help="Matryoshka prefix length (0: the model's size)")
     p.add_argument("--encoding", choices=encodings.NAMES, default="float32")
     p.add_argument("--no-normalize", dest="normalize", action="store_false", help="keep the raw pooled vectors")
-    p.add_argument("--truncate", choices=("none", "end", "start"), default="none",
-                   help="too long texts: error (none), keep the start (end) or keep the end (start)")
+    p.add_argument("--truncate", choices=("none", "end", "start"), default=None,
+                   help="too long texts: error (none), keep the start (end) or keep the end (start) "
+                        "[the server's --default-truncate]")
     p.add_argument("--max-tokens", type=int, default=0)
     p.add_argument("--prompt-name", default="", help="a prompt the model defines, e.g. query")
     p.add_argument("--prompt", default="", help="a literal prefix for every text")
@@ -47,7 +51,7 @@ def main(argv: list[str]) -> int:
         print("pollen embed: --format npy writes binary; give -o FILE or redirect stdout", file=sys.stderr)
         return 2
     try:
-        with Client(args.server, timeout=args.timeout) as client:
+        with Client(args.server, timeout=args.timeout, api_key=api_key(args.api_key)) as client:
             rows = client.embed(texts, dimensions=args.dimensions, normalize=args.normalize,
                                 encoding=args.encoding, truncate=args.truncate, max_tokens=args.max_tokens,
                                 prompt_name=args.prompt_name, prompt=args.prompt, long_input=args.long_input)
@@ -63,6 +67,15 @@ def main(argv: list[str]) -> int:
     else:
         write_npy(rows, args.output)
     return 0
+
+
+def api_key(flag: str | None) -> str | None:
+    """--api-key, else POLLEN_API_KEY: the server's own variable may list several keys, comma-
+    separated, and any of them will do, so the first is taken."""
+    if flag is not None:
+        return flag
+    listed = [k.strip() for k in os.environ.get("POLLEN_API_KEY", "").split(",") if k.strip()]
+    return listed[0] if listed else None
 
 
 def write_json(rows: np.ndarray, model: str, encoding: str, output: str | None) -> None:

@@ -59,17 +59,29 @@ def enum_value(field: str, value) -> int:
 
 
 def build_request(texts: str | Sequence[str], *, dimensions: int = 0, normalize: bool = True,
-                  encoding="float32", truncate="none", max_tokens: int = 0, prompt_name: str = "",
+                  encoding="float32", truncate=None, max_tokens: int = 0, prompt_name: str = "",
                   prompt: str = "", long_input="truncate", priority="interactive", timeout_ms: int = 0,
                   request_id: str = "") -> pb.EmbedRequest:
-    """An EmbedRequest for texts (one string is one text). Enums take names or pb values."""
+    """An EmbedRequest for texts (one string is one text). Enums take names or pb values;
+    truncate None leaves it unset, for the server's --default-truncate."""
     texts = [texts] if isinstance(texts, str) else list(texts)
-    return pb.EmbedRequest(
+    request = pb.EmbedRequest(
         id=request_id, texts=texts, dimensions=dimensions or 0, normalize=normalize,
-        encoding=enum_value("encoding", encoding), truncate=enum_value("truncate", truncate),
-        max_tokens=max_tokens, prompt_name=prompt_name, prompt=prompt,
+        encoding=enum_value("encoding", encoding), max_tokens=max_tokens, prompt_name=prompt_name, prompt=prompt,
         long_input=enum_value("long_input", long_input), priority=enum_value("priority", priority),
         timeout_ms=timeout_ms)
+    if truncate is not None:
+        request.truncate = enum_value("truncate", truncate)
+    return request
+
+
+def auth_metadata(api_key: str | None) -> tuple | None:
+    """The gRPC metadata that presents `api_key` (as the server's --api-key wants it), or None."""
+    if api_key is None:
+        return None
+    if not api_key or not all(33 <= ord(c) <= 126 for c in api_key):
+        raise ValueError("api_key must be non-empty printable ASCII without spaces")
+    return (("authorization", f"Bearer {api_key}"),)
 
 
 def decode(response: pb.EmbedResponse) -> np.ndarray:

@@ -10,6 +10,8 @@ documents (4 passages a request); the
 texts come from load/corpus.py, made with fixed seeds. gRPC calls are reported to locust as
 request events (type "grpc") named after the call, so the stats table shows each beside HTTP's.
 An answer only counts as a success when it holds one vector of the model's size per text.
+Against a server with API keys, give one with --api-key (or POLLEN_API_KEY): every user sends it,
+gRPC users as the `authorization` metadata, HTTP users as the Authorization header.
 """
 from __future__ import annotations
 
@@ -40,6 +42,14 @@ TIMEOUT_S = 120
 @events.init_command_line_parser.add_listener
 def _add_grpc_target(parser) -> None:
     parser.add_argument("--grpc-target", default="127.0.0.1:50051", help="pollen's gRPC address")
+    first_key = next((k.strip() for k in os.environ.get("POLLEN_API_KEY", "").split(",") if k.strip()), "")
+    parser.add_argument("--api-key", default=first_key, help="the server's API key [env POLLEN_API_KEY]")
+
+
+def bearer(environment) -> dict[str, str]:
+    """The Authorization header for the --api-key given (none without one)."""
+    key = environment.parsed_options.api_key
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 class WrongAnswer(Exception):
@@ -75,6 +85,7 @@ class GrpcUser(User):
     def on_start(self) -> None:
         self.rng = random.Random(id(self))
         self.stub = shared_stub(self.environment.parsed_options.grpc_target)
+        self.metadata = tuple((k.lower(), v) for k, v in bearer(self.environment).items()) or None
 
     def report(self, name: str, started: float, length: int, exception: Exception | None) -> None:
         self.environment.events.request.fire(
@@ -91,7 +102,8 @@ class GrpcUnaryUser(GrpcUser):
         texts = pick(self.rng, kind)
         started, length, failure = time.perf_counter(), 0, None
         try:
-            answer = self.stub.Embed(pb.EmbedRequest(texts=texts, normalize=True), timeout=TIMEOUT_S)
+            answer = self.stub.Embed(pb.EmbedRequest(texts=texts, normalize=True), timeout=TIMEOUT_S,
+                                     metadata=self.metadata)
             check(answer, len(texts))
             length = len(answer.embeddings)
         except (grpc.RpcError, WrongAnswer) as exc:
@@ -126,7 +138,7 @@ class GrpcStreamUser(GrpcUser):
 
         started = time.perf_counter()
         try:
-            for answer in self.stub.EmbedStream(messages(), timeout=TIMEOUT_S):
+            for answer in self.stub.EmbedStream(messages(), timeout=TIMEOUT_S, metadata=self.metadata):
                 t0, kind, texts = sent.pop(answer.id)
                 try:
                     check(answer, texts)
@@ -148,11 +160,12 @@ class HttpEmbeddingsUser(FastHttpUser):
 
     def on_start(self) -> None:
         self.rng = random.Random(id(self))
+        self.headers = bearer(self.environment)
 
     def embed(self, kind: str) -> None:
         texts = pick(self.rng, kind)
         body = {"model": "pollen", "input": texts, "encoding_format": "float"}
-        with self.client.post("/v1/embeddings", json=body, name=f"/v1/embeddings {kind}",
+        with self.client.post("/v1/embeddings", json=body, name=f"/v1/embeddings {kind}", headers=self.headers,
                               catch_response=True, timeout=TIMEOUT_S) as reply:
             if reply.status_code != 200:
                 reply.failure(f"HTTP {reply.status_code}: {reply.text[:200]}")

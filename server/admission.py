@@ -2,10 +2,13 @@
 
 Every refusal names the field and the problem, so a client can fix its request from the message.
 The request options resolve here (docs/architecture.md, "Request options"):
-- prompt_name / prompt: prepended to every text before tokenization; the checkpoint's
-  default_prompt_name applies when a request names neither. Refused with token_ids (those are
-  the complete model input) and the default is not applied to them. At most PROMPT_MAX_CHARS
-  characters and fewer tokens than the limit leaves for text (docs/architecture.md, "Bounds").
+- prompt_name / prompt: prepended to every text before tokenization; the default prompt name
+  (--default-prompt-name, else the checkpoint's default_prompt_name) applies when a request
+  names neither. Refused with token_ids (those are the complete model input) and the default is
+  not applied to them. At most PROMPT_MAX_CHARS characters and fewer tokens than the limit leaves
+  for text (docs/architecture.md, "Bounds").
+- truncate: an unset one (proto3 `optional`: no field presence; over HTTP, no "truncate" key)
+  is the server's --default-truncate; one the request sets, TRUNCATE_NONE included, is kept.
 - max_tokens: the limit per sequence, at most the model's.
 - long_input CHUNK_MEAN: texts over the limit become overlapping windows (server/tokenizer.py)
   whose pooled vectors the worker averages, weighted by each window's tokens.
@@ -27,6 +30,8 @@ from pollen.v1 import embedder_pb2 as pb
 
 _ENCODINGS = set(pb.Encoding.values())
 _TRUNCATES = set(pb.Truncate.values())
+# --default-truncate's names (server/config.py TRUNCATE_NAMES) and the HTTP door's, as proto values.
+TRUNCATE_BY_NAME = {"none": pb.TRUNCATE_NONE, "end": pb.TRUNCATE_END, "start": pb.TRUNCATE_START}
 _LONG_INPUTS = set(pb.LongInput.values())
 _PRIORITIES = set(pb.Priority.values())
 # Requests with at most this many characters are tokenized on the event loop itself: a short
@@ -51,8 +56,10 @@ class Admitted:
 
 
 class Admission:
-    def __init__(self, spec: ModelSpec, tokenizer: TextTokenizer, executor: Executor, max_texts: int):
+    def __init__(self, spec: ModelSpec, tokenizer: TextTokenizer, executor: Executor, max_texts: int,
+                 default_truncate: str = "none"):
         self.spec = spec
+        self.default_truncate = TRUNCATE_BY_NAME[default_truncate]
         self.tokenizer = tokenizer
         self.executor = executor
         self.max_texts = max_texts
@@ -62,9 +69,13 @@ class Admission:
         if inputs > self.max_texts:
             raise invalid(f"{inputs} inputs in one request, over the limit of {self.max_texts}; split the request")
 
-    def check_truncate(self, truncate: int) -> None:
-        if truncate not in _TRUNCATES:
-            raise invalid(f"truncate {truncate} is not a known Truncate value")
+    def truncate(self, request: pb.EmbedRequest | pb.TokenizeRequest) -> int:
+        """The request's truncate, or the server's default when the request leaves it unset."""
+        if not request.HasField("truncate"):
+            return self.default_truncate
+        if request.truncate not in _TRUNCATES:
+            raise invalid(f"truncate {request.truncate} is not a known Truncate value")
+        return request.truncate
 
     def allowed_dimensions(self) -> str:
         if self.spec.matryoshka_dimensions:
@@ -103,7 +114,7 @@ class Admission:
                 known = ", ".join(sorted(self.prompts)) if self.prompts else "none (the model defines no prompts)"
                 raise invalid(f"prompt_name {echo(named)} is not one of the model's prompts; known: {known}")
             prompt = self.prompts[named]
-            field = f"prompt_name {echo(named)}" if prompt_name else f"the model's default prompt_name {echo(named)}"
+            field = f"prompt_name {echo(named)}" if prompt_name else f"the default prompt_name {echo(named)}"
         if len(prompt) > PROMPT_MAX_CHARS:
             raise invalid(f"{field} has {len(prompt)} characters, over the limit of {PROMPT_MAX_CHARS} "
                           "(the prompt is tokenized with every text)")
@@ -123,7 +134,6 @@ class Admission:
         self.check_count(len(request.texts) + len(request.token_ids) + len(request.chunks))
         if request.encoding not in _ENCODINGS:
             raise invalid(f"encoding {request.encoding} is not a known Encoding value")
-        self.check_truncate(request.truncate)
         if request.long_input not in _LONG_INPUTS:
             raise invalid(f"long_input {request.long_input} is not a known LongInput value")
         if request.priority not in _PRIORITIES:
@@ -142,10 +152,11 @@ class Admission:
 
     async def admit(self, request: pb.EmbedRequest) -> Admitted:
         self.check_options(request)
+        truncate = self.truncate(request)
         limit = self.limit(request.max_tokens)
         rows = None
         if request.token_ids:
-            seqs = [self.check_ids(i, t.ids, request.truncate, limit) for i, t in enumerate(request.token_ids)]
+            seqs = [self.check_ids(i, t.ids, truncate, limit) for i, t in enumerate(request.token_ids)]
         else:
             prompt = self.prompt(request.prompt_name, request.prompt, limit)
             chars = (len(prompt) * max(1, len(request.texts)) + sum(map(len, request.texts))
@@ -162,17 +173,16 @@ class Admission:
                 windows = await self.run(chars, self.tokenizer.encode_windows, list(request.texts), limit, prompt)
                 seqs, rows = window_plan(windows)
             else:
-                seqs = await self.run(chars, self.tokenizer.encode, list(request.texts), request.truncate, limit,
-                                      prompt)
+                seqs = await self.run(chars, self.tokenizer.encode, list(request.texts), truncate, limit, prompt)
         return Admitted(seqs, request.dimensions, request.normalize, request.encoding, rows, request.priority)
 
     async def admit_tokenize(self, request: pb.TokenizeRequest) -> list[np.ndarray]:
         self.check_count(len(request.texts))
-        self.check_truncate(request.truncate)
+        truncate = self.truncate(request)
         limit = self.limit(request.max_tokens)
         prompt = self.prompt(request.prompt_name, request.prompt, limit)
         chars = len(prompt) * len(request.texts) + sum(map(len, request.texts))
-        return await self.run(chars, self.tokenizer.encode, list(request.texts), request.truncate, limit, prompt)
+        return await self.run(chars, self.tokenizer.encode, list(request.texts), truncate, limit, prompt)
 
     async def run(self, chars: int, fn, *args):
         """fn(*args): inline when the input is small (see INLINE_CHARS), else on the tokenizer pool."""

@@ -13,7 +13,8 @@ import platform
 import resource
 import signal
 
-from pollen.common.model_spec import ModelSpec, read_model_spec
+from pollen.common.model_spec import ModelSpec
+from pollen.server import auth, served_model
 from pollen.server.config import ServeConfig, open_files_limit
 from pollen.server.supervisor import Supervisor
 from pollen.shared_mem import records
@@ -85,7 +86,8 @@ async def serve(cfg: ServeConfig, metrics_dir: str | None = None) -> None:
     removed = cleanup_stale_segments()
     if removed:
         log.info("removed %d shared-memory segments left by a dead server", len(removed))
-    spec = read_model_spec(cfg.model, pooling=cfg.pooling, attention=cfg.attention)
+    auth.hand_down(cfg)  # the API keys, read and checked once, go to the frontends' environment (server/auth.py)
+    spec = served_model.prepare(cfg)  # a Hub id becomes its local snapshot here, once (server/served_model.py)
     check_limits(cfg, spec)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

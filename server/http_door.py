@@ -11,6 +11,10 @@ JSON forms of the encodings (`encoding`, ours; `encoding_format`, OpenAI's):
   ubinary as lists of the packed bytes (integers 0..255, least-significant bit first).
 - "base64": the row's raw little-endian bytes in that encoding (for float32 exactly what OpenAI
   sends); int8 rows carry `scale` here too.
+
+With API keys (server/auth.py), /v1/embeddings and /v1/models need `Authorization: Bearer KEY`,
+and /metrics does too with --metrics-auth; /health never does. A request without a valid key is
+answered 401 with WWW-Authenticate before its body is decoded.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pollen.common import encodings
+from pollen.server.admission import TRUNCATE_BY_NAME
+from pollen.server.auth import REALM
 from pollen.server.errors import ECHO_CHARS, RequestError, cut, echo
 from pollen.server.http11 import Request, Response
 from pollen.server.metrics import count_request
@@ -52,7 +58,7 @@ class EmbeddingsBody(msgspec.Struct, forbid_unknown_fields=True):
     # pollen's own options, as in EmbedRequest (lower-case enum names).
     encoding: Literal[encodings.NAMES] = "float32"
     normalize: bool = True             # OpenAI's vectors are unit length; gRPC's default is False
-    truncate: Literal["none", "end", "start"] = "none"
+    truncate: Literal["none", "end", "start"] | None = None  # None: the server's --default-truncate
     max_tokens: NonNegative32 = 0
     prompt_name: str = ""
     prompt: str = ""
@@ -63,10 +69,10 @@ class EmbeddingsBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _DECODER = msgspec.json.Decoder(EmbeddingsBody)
-_CHOICES = {f.name: get_args(f.type) for f in msgspec.structs.fields(EmbeddingsBody)
-            if get_origin(f.type) is Literal}
+# The choices of each Literal field (`Literal[...] | None` included), named in refusals.
+_CHOICES = {f.name: get_args(t) for f in msgspec.structs.fields(EmbeddingsBody)
+            for t in (f.type, *get_args(f.type)) if get_origin(t) is Literal}
 _ENCODER = msgspec.json.Encoder()
-_TRUNCATES = {"none": pb.TRUNCATE_NONE, "end": pb.TRUNCATE_END, "start": pb.TRUNCATE_START}
 _LONG_INPUTS = {"truncate": pb.LONG_INPUT_TRUNCATE, "chunk_mean": pb.LONG_INPUT_CHUNK_MEAN}
 _PRIORITIES = {"interactive": pb.PRIORITY_INTERACTIVE, "bulk": pb.PRIORITY_BULK}
 
@@ -112,7 +118,9 @@ class HttpDoor:
     def __init__(self, service: EmbedderService, registry):
         self.service = service
         self.registry = registry  # what /metrics serializes (server/metrics.py, exposition)
-        self.model = service.spec.name
+        self.model = service.spec.name  # --served-model-name, else the checkpoint's (server/served_model.py)
+        self.keys = service.keys
+        self.closed = {"/v1/embeddings", "/v1/models"} | ({"/metrics"} if service.cfg.metrics_auth else set())
         self.created = int(time.time())
         self.serving = False  # mirrors the gRPC health status: set by server/frontend.py
 
@@ -122,6 +130,10 @@ class HttpDoor:
         if method is None:
             return error_response(404, f"no route {echo(request.path)}; routes: {', '.join(_ROUTES)}",
                                   code="not_found")
+        if self.keys and request.path in self.closed:
+            refusal = self.refuse_unauthorized(request)
+            if refusal is not None:
+                return refusal
         if request.method != method and not (request.method == "HEAD" and method == "GET"):
             allow = "GET, HEAD" if method == "GET" else method
             response = error_response(405, f"{request.path} takes {allow}, not {cut(request.method)}",
@@ -137,6 +149,19 @@ class HttpDoor:
             status = "SERVING" if self.serving else "NOT_SERVING"
             return Response(200 if self.serving else 503, _ENCODER.encode({"status": status}))
         return Response(200, generate_latest(self.registry), content_type=CONTENT_TYPE_LATEST)
+
+    def refuse_unauthorized(self, request: Request) -> Response | None:
+        """401 unless the Authorization header carries one of the keys (RFC 6750's WWW-Authenticate
+        says why: no credentials, or an invalid token)."""
+        authorization = request.headers.get("authorization")
+        reason = self.keys.check(authorization)
+        if reason is None:
+            return None
+        if request.path == "/v1/embeddings":
+            count_request(DOOR, grpc.StatusCode.UNAUTHENTICATED.name)
+        response = error_response(401, reason, code="invalid_api_key")
+        response.headers["WWW-Authenticate"] = REALM + (', error="invalid_token"' if authorization else "")
+        return response
 
     async def embeddings(self, request: Request) -> Response:
         try:
@@ -174,9 +199,10 @@ def to_embed_request(request: Request) -> tuple[pb.EmbedRequest, str]:
         raise Rejected(f"the body is not valid JSON: {cut(str(exc), _MSGSPEC_CHARS)}") from None
     message = pb.EmbedRequest(
         dimensions=body.dimensions or 0, normalize=body.normalize, encoding=encodings.BY_NAME[body.encoding],
-        truncate=_TRUNCATES[body.truncate], max_tokens=body.max_tokens, prompt_name=body.prompt_name,
-        prompt=body.prompt, long_input=_LONG_INPUTS[body.long_input], priority=_PRIORITIES[body.priority],
-        timeout_ms=body.timeout_ms)
+        max_tokens=body.max_tokens, prompt_name=body.prompt_name, prompt=body.prompt,
+        long_input=_LONG_INPUTS[body.long_input], priority=_PRIORITIES[body.priority], timeout_ms=body.timeout_ms)
+    if body.truncate is not None:  # left unset, the server's default applies (server/admission.py)
+        message.truncate = TRUNCATE_BY_NAME[body.truncate]
     if body.chunks is not None:
         if body.input is not None:
             raise Rejected("set either input or chunks, not both", "chunks")

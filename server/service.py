@@ -3,7 +3,10 @@
 The methods are registered by `add_to_server`, whose request deserializers never raise: bytes that
 are not a valid request become an `Undecodable` the handler answers (INVALID_ARGUMENT), in order
 with the stream's other messages, instead of an exception inside grpc (a bare UNKNOWN and an
-ERROR traceback per call for unary calls, a stream ended silently with OK).
+ERROR traceback per call for unary calls, a stream ended silently with OK). When the server has
+API keys (server/auth.py), every method is registered behind `guarded`, which ends a call
+without a valid `authorization` metadata UNAUTHENTICATED before the method sees it; the health
+and reflection services are registered apart and stay open.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from google.protobuf import message_factory
 
 from pollen.common import encodings, status
 from pollen.common.model_spec import ModelSpec
-from pollen.server import metrics
+from pollen.server import auth, metrics
 from pollen.server.admission import Admission
 from pollen.server.config import ServeConfig
 from pollen.server.errors import RequestError, cut, echo, invalid
@@ -60,8 +63,11 @@ def add_to_server(service: EmbedderService, server) -> None:
     for method in SERVICE.methods:
         request = message_factory.GetMessageClass(method.input_type)
         response = message_factory.GetMessageClass(method.output_type)
+        behavior = getattr(service, method.name)
+        if service.keys:
+            behavior = guarded(behavior, service.keys, method.name, method.server_streaming)
         handlers[method.name] = kinds[method.client_streaming, method.server_streaming](
-            getattr(service, method.name), request_deserializer=lenient(request),
+            behavior, request_deserializer=lenient(request),
             response_serializer=response.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
     server.add_registered_method_handlers(SERVICE.full_name, handlers)
@@ -83,6 +89,36 @@ class ThrottledLog:
 
 
 _undecodable_log = ThrottledLog(log, UNDECODABLE_LOG_INTERVAL_S)
+_refused_log = ThrottledLog(log, UNDECODABLE_LOG_INTERVAL_S)
+
+
+async def authorize(context, keys: auth.ApiKeys, method: str) -> None:
+    """End the call UNAUTHENTICATED unless its `authorization` metadata carries one of the keys.
+    An embedding call refused so counts in pollen_requests_total; the reason is logged
+    (throttled) with the peer's address, never with what the client sent."""
+    authorization = next((value for key, value in context.invocation_metadata() or () if key == "authorization"),
+                         None)
+    reason = keys.check(authorization)
+    if reason is not None:
+        if method in ("Embed", "EmbedStream"):
+            count_request("grpc", grpc.StatusCode.UNAUTHENTICATED.name)
+        _refused_log.warning("%s from %s refused UNAUTHENTICATED: %s", method, context.peer(), reason)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+
+def guarded(behavior, keys: auth.ApiKeys, method: str, server_streaming: bool):
+    """`behavior` (a method of EmbedderService) behind the API keys."""
+    if server_streaming:
+        async def guarded_stream(request, context):
+            await authorize(context, keys, method)
+            async for response in behavior(request, context):
+                yield response
+        return guarded_stream
+
+    async def guarded_call(request, context):
+        await authorize(context, keys, method)
+        return await behavior(request, context)
+    return guarded_call
 
 
 def undecodable(request: Undecodable, method: str, where: str = "the request") -> RequestError:
@@ -99,6 +135,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         self.admission = admission
         self.router = router
         self.frontend = frontend  # this process's index among the frontends
+        self.keys = auth.inherited()  # API keys both doors ask for (none: no authentication)
         self.active = 0       # embedding calls in progress (both doors)
         self.last_call = 0.0  # time.monotonic() when the last one began
 
