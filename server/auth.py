@@ -111,6 +111,11 @@ def hand_down(cfg) -> ApiKeys:
     return ApiKeys(keys)
 
 
+def without_keys(environ) -> dict[str, str]:
+    """An environment for a child that needs no keys (a worker): the keys' variables left out."""
+    return {k: v for k, v in environ.items() if k not in (KEYS_ENV, "POLLEN_API_KEY")}
+
+
 def inherited() -> ApiKeys:
     """In a frontend: the keys the supervisor handed down (none: no authentication)."""
     return ApiKeys([k for k in os.environ.get(KEYS_ENV, "").split("\n") if k])

@@ -31,7 +31,7 @@ import time
 
 from pollen.common import control
 from pollen.common.worker_config import WorkerConfig
-from pollen.server import metrics
+from pollen.server import auth, metrics
 from pollen.server.address import Claim, claim
 from pollen.server.config import ServeConfig
 from pollen.server.frontend import FrontendConfig
@@ -69,10 +69,11 @@ def worker_cores(cfg: ServeConfig, index: int) -> list[int]:
 class Child:
     """A frontend or worker process: its control link and its pidfd."""
 
-    def __init__(self, name: str, argv: list[str], theirs: socket.socket, ours: socket.socket, on_exit):
+    def __init__(self, name: str, argv: list[str], theirs: socket.socket, ours: socket.socket, on_exit,
+                 env: dict[str, str] | None = None):
         self.name = name
         self.control = ours
-        self.proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()])
+        self.proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()], env=env)
         theirs.close()  # the child has its copy
         self.pid = self.proc.pid
         self.pidfd = os.pidfd_open(self.pid)
@@ -167,7 +168,8 @@ class Supervisor:
             graph_max_tokens=cfg.graph_max_tokens, pooling=cfg.pooling, attention=cfg.attention,
             spin_us=cfg.worker_spin_us, warmup_s=cfg.warmup_seconds, engine_options=cfg.engine_options())
         argv = [sys.executable, "-m", "pollen.worker", wcfg.to_json()]
-        self.workers[w] = child = Child(f"worker {w}", argv, theirs, ours, lambda c, code: self.on_worker_exit(w, code))
+        self.workers[w] = child = Child(f"worker {w}", argv, theirs, ours, lambda c, code: self.on_worker_exit(w, code),
+                                        env=auth.without_keys(os.environ))
         log.info("worker %d started (pid %d)", w, child.pid)
         for f, frontend in enumerate(self.frontends):
             if frontend is not None and frontend.alive:

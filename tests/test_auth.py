@@ -170,6 +170,18 @@ def test_keys_are_never_logged(keyed):
         assert secret not in text
 
 
+def test_keys_reach_no_command_line_and_no_worker(keyed):
+    server, _ = keyed
+    for pid in server.child_pids():
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read()
+        assert not any(k.encode() in cmdline for k in KEYS)
+        if cmdline.startswith(b"pollen-worker["):  # the worker serves no door and gets no key
+            assert not any(k.encode() in environ for k in KEYS)
+
+
 def test_metrics_auth_and_a_key_file(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text(f"# rotated 2026-12\n\n{FILE_KEY}\n")
