@@ -6,15 +6,20 @@ what its pollen container's settings need."""
 from __future__ import annotations
 
 import copy
+import os
 import pathlib
 import socket
+import stat
+import urllib.request
 
 import kubernetes_validate
 import pytest
 import yaml
 
+from pollen.client import Client
 from pollen.server.app import shm_need
 from pollen.server.config import ServeConfig
+from tests.conftest import ServerProcess, free_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
@@ -22,7 +27,7 @@ MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
 VERSIONS = ("1.29.0", kubernetes_validate.utils.latest_version())
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def offline(monkeypatch):
     """Validation must need no network: any connection or name lookup fails the test."""
     def refuse(*args, **kwargs):
@@ -61,6 +66,7 @@ def test_there_are_the_sidecar_the_gpu_sidecar_and_the_pool():
                      ("sidecar-cpu.yaml", "Deployment"), ("sidecar-gpu.yaml", "Deployment")]
 
 
+@pytest.mark.usefixtures("offline")
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
 def test_every_manifest_validates_against_the_schemas(path, version):
@@ -72,6 +78,7 @@ def sidecar(doc: dict) -> dict:
     return doc["spec"]["template"]["spec"]["initContainers"][0]
 
 
+@pytest.mark.usefixtures("offline")
 @pytest.mark.parametrize("version", VERSIONS)
 def test_broken_copies_fail_validation(version):
     (good,) = documents(ROOT / "deploy" / "kubernetes" / "sidecar-cpu.yaml")
@@ -120,3 +127,26 @@ def test_each_dev_shm_volume_holds_its_pollen_and_one_worker_restart(path):
         volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
         assert volume["emptyDir"]["medium"] == "Memory"
         assert quantity(volume["emptyDir"]["sizeLimit"]) >= shm_need(cfg) + restart
+
+
+def test_the_cpu_sidecars_settings_serve_the_search_service_on_the_unix_socket(tmp_path):
+    """pollen started with the CPU sidecar's POLLEN_* variables (the socket in a temporary folder,
+    HTTP on loopback): /health answers the probes, a client embeds over the socket, whose mode
+    lets the pod's group in, and SIGTERM stops it cleanly."""
+    (doc,) = documents(ROOT / "deploy" / "kubernetes" / "sidecar-cpu.yaml")
+    env = {e["name"]: e["value"] for e in sidecar(doc)["env"]}
+    assert env["POLLEN_LISTEN"] == "unix:/run/pollen/pollen.sock"
+    socket_path = tmp_path / "pollen.sock"
+    env.update(POLLEN_LISTEN=f"unix:{socket_path}", POLLEN_HTTP_LISTEN=f"127.0.0.1:{free_port()}")
+    srv = ServerProcess(env=env, listen=f"unix:{socket_path}", http_listen=env["POLLEN_HTTP_LISTEN"])
+    srv.args = ["serve"]  # the variables alone, as in the pod
+    srv.start()
+    try:
+        probe = sidecar(doc)["readinessProbe"]["httpGet"]["path"]
+        with urllib.request.urlopen(f"http://{env['POLLEN_HTTP_LISTEN']}{probe}", timeout=5) as reply:
+            assert reply.status == 200
+        assert stat.S_IMODE(os.stat(socket_path).st_mode) == 0o660
+        with Client(f"unix://{socket_path}") as client:
+            assert client.embed(["a query from the search service"]).shape == (1, 384)
+    finally:
+        assert srv.terminate() == 0
