@@ -89,8 +89,8 @@ def shm_need(cfg: ServeConfig) -> int:
 def check_shm(cfg: ServeConfig) -> None:
     """Refuse to start when /dev/shm has less free space than shm_need. tmpfs files are sparse, so
     an undersized /dev/shm (Docker gives a container 64 MiB) would let every segment be created and
-    then kill a process with SIGBUS later, when a ring page is first written under load or when a
-    GPU worker pins its rings."""
+    fail later: SIGBUS in the process that first writes a ring page past the limit, under load, or
+    on a GPU a worker that cannot pin its response rings (pinning needs every page)."""
     need = shm_need(cfg)
     fs = os.statvfs(SHM_DIR)
     free = fs.f_bavail * fs.f_frsize
