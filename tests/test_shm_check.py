@@ -45,10 +45,11 @@ def test_the_need_is_what_the_segments_take_in_tmpfs():
 
 
 def test_a_server_that_dev_shm_cannot_hold_exits_1_at_start_saying_why():
-    """Rings of 4 GiB (the most a ring may have) for one worker more than /dev/shm can hold."""
+    """Request rings of 4 GiB (the most a ring may have) for more workers than /dev/shm can hold,
+    by at least a ring more (other servers on this machine may free some meanwhile)."""
     fs = os.statvfs(SHM_DIR)
     free = fs.f_bavail * fs.f_frsize
-    workers = free // (4 << 30) + 1
+    workers = free // (4 << 30) + 2
     proc = subprocess.Popen(
         [POLLEN, "serve", "--listen", f"127.0.0.1:{free_port()}", "--http-listen", f"127.0.0.1:{free_port()}",
          "--workers", str(workers), "--request-ring-bytes", str(4 << 30)],
