@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
+import os
 import platform
 import resource
 import signal
@@ -18,9 +20,16 @@ from pollen.server import auth, served_model
 from pollen.server.config import ServeConfig, open_files_limit
 from pollen.server.supervisor import Supervisor
 from pollen.shared_mem import records
-from pollen.shared_mem.ring import Ring, cleanup_stale_segments
+from pollen.shared_mem.ring import SHM_DIR, Ring, cleanup_stale_segments
+from pollen.shared_mem.server_state import ServerState
 
 log = logging.getLogger("pollen")
+
+# prometheus_client's multiprocess files (server/metrics.py) in /dev/shm: a counter and a histogram
+# file for each process that counts (the supervisor and each frontend), 64 KiB each at first and
+# doubling as label sets grow. 1 MiB a process leaves room for that growth and for the files a
+# restarted frontend leaves behind.
+SHM_METRICS_PER_PROCESS = 1 << 20
 
 
 def response_ring_for(max_texts: int, hidden: int) -> int:
@@ -62,6 +71,41 @@ def check_limits(cfg: ServeConfig, spec: ModelSpec) -> None:
                          f"{spec.max_tokens} tokens")
 
 
+def shm_need(cfg: ServeConfig) -> int:
+    """Bytes this server maps in /dev/shm, counted as tmpfs counts them (whole pages):
+    frontends x workers x (request ring + response ring) + server state + metrics files, where a
+    ring is its header and its capacity rounded up to 4 KiB (Ring.create). Call it after
+    check_limits, which sizes an automatic response ring."""
+    def pages(nbytes: int) -> int:
+        return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+
+    def ring(capacity: int) -> int:
+        return pages(Ring.HEADER_BYTES + -(-capacity // 4096) * 4096)
+
+    rings = cfg.frontends * cfg.workers * (ring(cfg.request_ring_bytes) + ring(cfg.response_ring_bytes))
+    state = pages(ServerState.size_for(cfg.frontends, cfg.workers))
+    return rings + state + (1 + cfg.frontends) * SHM_METRICS_PER_PROCESS
+
+
+def check_shm(cfg: ServeConfig) -> None:
+    """Refuse to start when /dev/shm has less free space than shm_need. tmpfs files are sparse, so
+    an undersized /dev/shm (Docker gives a container 64 MiB) would let every segment be created and
+    fail later: SIGBUS in the process that first writes a ring page past the limit, under load, or
+    on a GPU a worker that cannot pin its response rings (pinning needs every page)."""
+    need = shm_need(cfg)
+    fs = os.statvfs(SHM_DIR)
+    free = fs.f_bavail * fs.f_frsize
+    if need > free:
+        mib = 1 << 20
+        raise ValueError(
+            f"{SHM_DIR} has {free / mib:.1f} MiB free but this server needs {need / mib:.1f} MiB there: "
+            f"{cfg.frontends} frontend(s) x {cfg.workers} worker(s) x ({cfg.request_ring_bytes / mib:.1f} MiB "
+            f"request ring + {cfg.response_ring_bytes / mib:.1f} MiB response ring), plus the server state and "
+            f"{(1 + cfg.frontends) * SHM_METRICS_PER_PROCESS / mib:.0f} MiB of metrics files. Give it more shared "
+            f"memory (docker run --shm-size, or a memory emptyDir on /dev/shm in Kubernetes) or lower "
+            f"--request-ring-bytes, --response-ring-bytes or --frontends")
+
+
 def check_platform() -> None:
     """The rings rely on x86-64 memory ordering (shared_mem/ring.py says why); refuse elsewhere
     rather than risk reading a record before its bytes land."""
@@ -89,6 +133,7 @@ async def serve(cfg: ServeConfig, metrics_dir: str | None = None) -> None:
     auth.hand_down(cfg)  # the API keys, read and checked once, go to the frontends' environment (server/auth.py)
     spec = served_model.prepare(cfg)  # a Hub id becomes its local snapshot here, once (server/served_model.py)
     check_limits(cfg, spec)
+    check_shm(cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
