@@ -150,7 +150,7 @@ class ServeConfig:
         if self.warmup_seconds < 0:
             self.warmup_seconds = 30.0 if self.device == "cuda" else 0.0
         if self.worker_threads == 0:
-            self.worker_threads = max(1, (os.cpu_count() or 1) // self.workers)
+            self.worker_threads = max(1, usable_cores() // self.workers)
         if self.frontends < 0:
             raise ValueError(f"--frontends must be 0 (auto) or more, got {self.frontends}")
         if self.frontends == 0:
@@ -250,8 +250,23 @@ def default_frontends(device: str, workers: int) -> int:
     one per two cores left after each GPU worker's two (its loop and the driver's threads)."""
     if device != "cuda":
         return 1
-    spare = len(os.sched_getaffinity(0)) - 2 * workers
+    spare = usable_cores() - 2 * workers
     return max(1, min(16, spare // 2))
+
+
+def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The cores this process may use: its CPU affinity, capped by its cgroup's CPU quota (a
+    container's `--cpus` or a pod's CPU limit shows only there; the affinity still lists every
+    core of the host)."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        with open(cpu_max) as f:
+            quota, period = f.read().split()[:2]
+    except (OSError, ValueError):
+        return cores
+    if quota == "max":
+        return cores
+    return max(1, min(cores, -(-int(quota) // int(period))))
 
 
 def visible_gpus() -> int:

@@ -107,3 +107,15 @@ def test_worker_gpu_is_read_through_the_servers_own_visible_devices():
     assert visible_device(0, "GPU-3f2a") == "GPU-3f2a"
     with pytest.raises(ValueError, match="not among"):
         visible_device(2, "4,6")
+
+
+def test_usable_cores_follow_the_cgroup_quota(tmp_path):
+    from pollen.server.config import usable_cores
+
+    affinity = len(os.sched_getaffinity(0))
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("150000 100000\n")  # a container's --cpus 1.5: two cores to plan with
+    assert usable_cores(str(cpu_max)) == min(affinity, 2)
+    cpu_max.write_text("max 100000\n")
+    assert usable_cores(str(cpu_max)) == affinity
+    assert usable_cores(str(tmp_path / "absent")) == affinity
