@@ -33,7 +33,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pollen.common import control
 from pollen.common.model_spec import read_model_spec
-from pollen.server import metrics
+from pollen.server import metrics, tracing
 from pollen.server.admission import Admission
 from pollen.server.channel import WorkerChannel
 from pollen.server.config import ServeConfig
@@ -112,6 +112,7 @@ class Frontend:
         admission = Admission(spec, TextTokenizer(cfg.model, spec.max_tokens), executor, cfg.max_texts_per_request)
         channels = [WorkerChannel(w, fcfg.index, state) for w in range(cfg.workers)]
         service = EmbedderService(cfg, spec, admission, Router(cfg, channels, state), fcfg.index)
+        service.tracer = tracing.start(cfg.otlp_endpoint, fcfg.index)  # None without --otlp-endpoint
         frontend = cls(fcfg, cfg, state, executor, channels, service)
         for channel in channels:
             channel.on_ready_change = frontend.update_health
