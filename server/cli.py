@@ -8,7 +8,8 @@ import shutil
 import sys
 
 USAGE = """usage: pollen serve [flags]            serve embeddings over gRPC and HTTP (pollen serve --help)
-       pollen embed TEXT... [flags]    embed texts with a running server (pollen embed --help)"""
+       pollen embed TEXT... [flags]    embed texts with a running server (pollen embed --help)
+       pollen bulk IN OUT [flags]      embed a Parquet corpus on Ray, no server (pollen bulk --help)"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,6 +21,10 @@ def main(argv: list[str] | None = None) -> int:
         from pollen.client.command import main as embed  # the client side only: no torch, no server
 
         return embed(argv[1:])
+    if argv[0] == "bulk":
+        from pollen.bulk.command import main as bulk  # Ray and the engine in this process
+
+        return bulk(argv[1:])
     if argv[0] != "serve":
         print(f"pollen: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
         return 2
