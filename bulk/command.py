@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -66,6 +67,9 @@ def main(argv: list[str]) -> int:
                                 batch_size=args.batch_size, **engine_options(args))
         dataset.write_parquet(args.output)
         seconds = time.monotonic() - started
+    except Exception as exc:  # Ray has printed the traceback; end with the cause in one line
+        print(f"pollen bulk: failed: {root_cause(exc)}", file=sys.stderr)
+        return 1
     finally:
         ray.shutdown()
     import pyarrow.dataset
@@ -74,6 +78,14 @@ def main(argv: list[str]) -> int:
     print(json.dumps({"rows": rows, "seconds": round(seconds, 3), "rows_per_s": round(rows / seconds, 1),
                       "output": args.output}))
     return 0
+
+
+def root_cause(exc: BaseException) -> str:
+    """The first `SomeError: message` line of the exception's text (Ray's text holds the actor's
+    traceback, whose first error is the cause); else the text's last line."""
+    lines = str(exc).strip().splitlines()
+    errors = [line for line in lines if re.match(r"[A-Za-z_.]*(Error|Exception): ", line)]
+    return errors[0] if errors else lines[-1] if lines else type(exc).__name__
 
 
 def engine_options(args: argparse.Namespace) -> dict:

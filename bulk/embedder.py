@@ -105,7 +105,7 @@ class BulkEmbedder:
         """(index of the first text, token ids of consecutive texts) of at most max_batch_tokens."""
         start, seqs, tokens = 0, [], 0
         for at in range(0, len(texts), TOKENIZE_GROUP):
-            for ids in self.encode(texts[at:at + TOKENIZE_GROUP], at):
+            for ids in self.encode(texts, at):
                 if seqs and tokens + len(ids) > self.max_batch_tokens:
                     yield start, seqs
                     start, seqs, tokens = start + len(seqs), [], 0
@@ -114,12 +114,13 @@ class BulkEmbedder:
         if seqs:
             yield start, seqs
 
-    def encode(self, group: Sequence[str], at: int) -> list[np.ndarray]:
-        """Token ids of texts at..at + len(group), as the server's admission makes them."""
+    def encode(self, texts: Sequence[str], at: int) -> list[np.ndarray]:
+        """Token ids of texts[at:at + TOKENIZE_GROUP], as the server's admission makes them."""
+        group = texts[at:at + TOKENIZE_GROUP]
         for i, text in enumerate(group):
             if not isinstance(text, str) or not text:
                 kind = "empty" if isinstance(text, str) else f"not a string but {type(text).__name__}"
-                raise ValueError(f"text {at + i} is {kind}: every text needs at least one character")
+                raise ValueError(f"text {at + i} (of {len(texts)}) is {kind}: every text needs at least one character")
         try:
             return self.tokenizer.encode(list(group), self.truncate, self.spec.max_tokens, self.prompt)
         except RequestError as exc:

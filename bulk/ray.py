@@ -41,14 +41,21 @@ class PollenEmbedder:
     def __call__(self, batch):
         if isinstance(batch, pa.Table):
             self.check_columns(batch.column_names)
-            vectors = self.embedder.embed(batch.column(self.column).to_pylist())
+            vectors = self.embed(batch.column(self.column).to_pylist())
             return batch.append_column(self.output, fixed_size_lists(vectors))
         self.check_columns(list(batch.keys()))
-        vectors = self.embedder.embed(list(batch[self.column]))
+        vectors = self.embed(list(batch[self.column]))
         if isinstance(batch, dict):
             return {**batch, self.output: vectors}
         batch[self.output] = list(vectors)  # a pandas DataFrame: one array per row
         return batch
+
+    def embed(self, texts: list) -> np.ndarray:
+        try:
+            return self.embedder.embed(texts)
+        except ValueError as exc:  # the text's number is its place in this batch, not in the dataset
+            raise ValueError(f"column {self.column!r} of a batch: {exc} (filter empty and null texts out "
+                             "before embedding)") from None
 
     def check_columns(self, names: list[str]) -> None:
         if self.column not in names:

@@ -41,9 +41,9 @@ def test_a_matryoshka_cut_is_the_servers(stub):
 
 
 def test_bad_texts_and_options_are_named(embedder):
-    with pytest.raises(ValueError, match="text 70 is empty"):
+    with pytest.raises(ValueError, match=r"text 70 \(of 71\) is empty"):
         embedder.embed(["fine"] * 70 + [""])
-    with pytest.raises(ValueError, match="text 1 is not a string but NoneType"):
+    with pytest.raises(ValueError, match=r"text 1 \(of 2\) is not a string but NoneType"):
         embedder.embed(["fine", None])
     with pytest.raises(ValueError, match="dimensions 1000 is not offered"):
         BulkEmbedder(dimensions=1000)

@@ -74,3 +74,18 @@ def test_the_map_batches_class_takes_every_batch_format(stub):
         PollenEmbedder()(pa.table({"t": texts}))
     with pytest.raises(ValueError, match="exists already"):
         embed(pa.table({"t": texts, "embedding": [0, 0, 0]}))
+
+
+@pytest.mark.slow
+def test_pollen_bulk_names_a_bad_text_and_fails(tmp_path):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    pq.write_table(pa.table({"text": ["fine", "", "fine too"]}), folder / "a.parquet")
+    result = subprocess.run([POLLEN, "bulk", str(folder), str(tmp_path / "out")], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "pollen bulk: failed: ValueError: column 'text' of a batch: text 1 (of 3) is empty: every text needs at "
+        "least one character (filter empty and null texts out before embedding)")
+    refused = subprocess.run([POLLEN, "bulk", str(folder), str(folder)], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "is not empty" in refused.stderr  # never writes into a full folder
