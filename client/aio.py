@@ -7,23 +7,24 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 import grpc
 import numpy as np
 
-from pollen.client.client import CHANNEL_OPTIONS
 from pollen.client.messages import EmbedError, auth_metadata, build_request, concatenate, decode, split
 from pollen.client.ordering import StreamOrder
+from pollen.client.targets import channel_options as options_with
+from pollen.client.targets import channel_target, describe
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
 
 
 class AsyncClient:
-    """`async with AsyncClient("host:port") as client: await client.embed([...])`. `api_key`: as
-    Client's, sent with every call."""
+    """`async with AsyncClient("host:port") as client: await client.embed([...])`; replicas and
+    `api_key` as Client takes them."""
 
-    def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = 300.0,
+    def __init__(self, target: str | Sequence[str] = "127.0.0.1:50051", *, timeout: float | None = 300.0,
                  channel_options: Sequence[tuple] = (), api_key: str | None = None):
-        self.target = target
+        self.target = describe(target)
         self.timeout = timeout
         self._metadata = auth_metadata(api_key)
-        self._channel = grpc.aio.insecure_channel(target, options=[*CHANNEL_OPTIONS, *channel_options])
+        self._channel = grpc.aio.insecure_channel(channel_target(target), options=options_with(channel_options))
         self._stub = pb_grpc.EmbedderStub(self._channel)
         self._info: pb.InfoResponse | None = None
 

@@ -9,26 +9,25 @@ import numpy as np
 
 from pollen.client.messages import EmbedError, auth_metadata, build_request, concatenate, decode, split
 from pollen.client.ordering import StreamOrder
+from pollen.client.targets import channel_options as options_with
+from pollen.client.targets import channel_target, describe
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
-
-# Reconnect quickly after a server restart (gRPC's default back-off grows to two minutes).
-CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 1000),
-                   ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1))
 
 
 class Client:
     """`Client("host:port")`: embed() for lists of texts, embed_stream() for long iterables.
+    Replicas: `Client(["host1:50051", "host2:50051"])`, "host1:50051,host2:50051" or
+    "dns:///name:50051"; calls are balanced round robin over them (client/targets.py).
     `api_key`: for a server started with --api-key; sent with every call as the `authorization`
     metadata (Bearer KEY)."""
 
-    def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = 300.0,
+    def __init__(self, target: str | Sequence[str] = "127.0.0.1:50051", *, timeout: float | None = 300.0,
                  channel_options: Sequence[tuple] = (), api_key: str | None = None):
-        self.target = target
+        self.target = describe(target)
         self.timeout = timeout
         self._metadata = auth_metadata(api_key)
-        self._channel = grpc.insecure_channel(target, options=[*CHANNEL_OPTIONS, *channel_options])
+        self._channel = grpc.insecure_channel(channel_target(target), options=options_with(channel_options))
         self._stub = pb_grpc.EmbedderStub(self._channel)
         self._info: pb.InfoResponse | None = None
 
@@ -58,8 +57,9 @@ class Client:
                      reconnect_within: float = 60.0, **options) -> Iterator[np.ndarray]:
         """Answers for `inputs` in input order: a vector for each string, a 2-D array for each list
         of texts (sent as one message). Keeps `in_flight` messages on one EmbedStream; when the
-        server is UNAVAILABLE (restarted, say) it reconnects and sends the unanswered ones again,
-        giving up after `reconnect_within` seconds without a connection."""
+        server is UNAVAILABLE (restarted, say, or one of the replicas gone) it reconnects and sends
+        the unanswered ones again (on a replica that is up), giving up after `reconnect_within`
+        seconds without a connection."""
         order = StreamOrder(options, in_flight)
         source = iter(inputs)
         while not order.finished:

@@ -19,7 +19,9 @@ def parser() -> argparse.ArgumentParser:
         epilog="JSON: {\"model\", \"encoding\", \"embeddings\": one list per text, \"scales\" for int8}. "
                "npy: a rows x dims array (ubinary: packed bytes); for int8 the scales go to <file>.scales.npy.")
     p.add_argument("texts", nargs="*", help="texts to embed; '-' (or none) reads one text per line from stdin")
-    p.add_argument("--server", default="127.0.0.1:50051", help="gRPC address of the server [127.0.0.1:50051]")
+    p.add_argument("--server", default="127.0.0.1:50051",
+                   help="gRPC address of the server; replicas as host1:port,host2:port or dns:///name:port "
+                        "[127.0.0.1:50051]")
     p.add_argument("--api-key", default=None,
                    help="the server's API key [env POLLEN_API_KEY, its first key when it lists several]")
     p.add_argument("--format", choices=("json", "npy"), default="json", help="output format [json]")

@@ -9,7 +9,8 @@ import sys
 
 USAGE = """usage: pollen serve [flags]            serve embeddings over gRPC and HTTP (pollen serve --help)
        pollen embed TEXT... [flags]    embed texts with a running server (pollen embed --help)
-       pollen download MODEL [flags]   fetch a Hub model into the Hugging Face cache (pollen download --help)"""
+       pollen download MODEL [flags]   fetch a Hub model into the Hugging Face cache (pollen download --help)
+       pollen bulk IN OUT [flags]      embed a Parquet corpus on Ray, no server (pollen bulk --help)"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +24,10 @@ def main(argv: list[str] | None = None) -> int:
         return embed(argv[1:])
     if argv[0] == "download":
         return download(argv[1:])
+    if argv[0] == "bulk":
+        from pollen.bulk.command import main as bulk  # Ray and the engine in this process
+
+        return bulk(argv[1:])
     if argv[0] != "serve":
         print(f"pollen: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ import resource
 
 from pollen.common.engine_options import EngineOptions, parse_switch
 from pollen.common.model_spec import default_model_path
+from pollen.server import tracing
 
 # --default-truncate's values: the proto's Truncate names in lower case, as the HTTP door takes them.
 TRUNCATE_NAMES = ("none", "end", "start")
@@ -105,6 +106,9 @@ class ServeConfig:
                                      "are skipped); with --api-key, either key is accepted")
     metrics_auth: bool = _flag(False, "GET /metrics needs an API key too (health checks never do)")
     log_level: str = _flag("INFO", "logging level")
+    otlp_endpoint: str = _flag("", "OpenTelemetry collector for a span per embedding request: http://host:4318 "
+                               "(OTLP/HTTP) or grpc://host:4317 (OTLP/gRPC); empty: no tracing, nothing imported "
+                               "(needs pip install 'pollen[otel]')")
     # The engine's switches (pollen.common.engine_options.EngineOptions), for measuring and debugging.
     triton: bool = _engine_flag("triton")
     short_attention: bool = _engine_flag("short_attention")
@@ -171,6 +175,7 @@ class ServeConfig:
         if self.shutdown_grace < 0:
             raise ValueError("--shutdown-grace must be 0 or more")
         self.engine_options()  # names a bad engine option here rather than in each worker
+        tracing.check_endpoint(self.otlp_endpoint)
 
     def check_http(self) -> None:
         host, _, port = self.http_listen.rpartition(":")

@@ -32,7 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pollen.common import control
-from pollen.server import metrics
+from pollen.server import metrics, tracing
 from pollen.server.admission import Admission
 from pollen.server.channel import WorkerChannel
 from pollen.server.config import ServeConfig
@@ -113,6 +113,7 @@ class Frontend:
                               default_truncate=cfg.default_truncate)
         channels = [WorkerChannel(w, fcfg.index, state) for w in range(cfg.workers)]
         service = EmbedderService(cfg, spec, admission, Router(cfg, channels, state), fcfg.index)
+        service.tracer = tracing.start(cfg.otlp_endpoint, fcfg.index)  # None without --otlp-endpoint
         frontend = cls(fcfg, cfg, state, executor, channels, service)
         for channel in channels:
             channel.on_ready_change = frontend.update_health

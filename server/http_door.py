@@ -170,7 +170,7 @@ class HttpDoor:
             count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name)
             return error_response(400, exc.message, code="invalid_request", param=exc.param)
         try:
-            answer = await self.service.counted_embed(message, DOOR)
+            answer = await self.service.counted_embed(message, DOOR, headers=request.headers)
         except RequestError as exc:
             status = _HTTP_STATUS.get(exc.code, 500)
             if status >= 500 and exc.code != grpc.StatusCode.UNAVAILABLE:

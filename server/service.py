@@ -136,12 +136,15 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         self.router = router
         self.frontend = frontend  # this process's index among the frontends
         self.keys = auth.inherited()  # API keys both doors ask for (none: no authentication)
+        # server/otel.py's RequestTracer with --otlp-endpoint (the frontend sets it: server/tracing.py)
+        self.tracer = None
         self.active = 0       # embedding calls in progress (both doors)
         self.last_call = 0.0  # time.monotonic() when the last one began
 
-    async def embed(self, request: pb.EmbedRequest, *, deadline_ns: int = 0) -> pb.EmbedResponse:
+    async def embed(self, request: pb.EmbedRequest, *, deadline_ns: int = 0, span=None) -> pb.EmbedResponse:
         """deadline_ns: CLOCK_MONOTONIC ns by which the request must reach the model (0: none);
-        the request's own timeout_ms, counted from now, applies as well."""
+        the request's own timeout_ms, counted from now, applies as well. span: the request's
+        server/otel.py RequestSpan when tracing, told when admission is done."""
         if request.timeout_ms:
             own = time.monotonic_ns() + request.timeout_ms * 1_000_000
             deadline_ns = min(deadline_ns, own) if deadline_ns else own
@@ -150,6 +153,8 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         except asyncio.CancelledError:
             metrics.DROPPED.labels(reason="cancelled").inc()  # the client left while we tokenized
             raise
+        if span is not None:
+            span.admitted()
         result = await self.router.embed(job.seqs, job.dims, job.normalize, job.encoding, rows=job.rows,
                                        priority=job.priority, deadline_ns=deadline_ns)
         if result.status:
@@ -168,12 +173,18 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         """No call in progress, and none begun in the last `seconds` (a draining frontend's test)."""
         return self.active == 0 and time.monotonic() - self.last_call >= seconds
 
-    async def counted_embed(self, request: pb.EmbedRequest, door: str, **kwargs) -> pb.EmbedResponse:
-        """embed(), counted in the door's request, text and token metrics."""
+    async def counted_embed(self, request: pb.EmbedRequest, door: str, *, headers=None, method: str = "Embed",
+                            span=None, **kwargs) -> pb.EmbedResponse:
+        """embed(), counted in the door's request, text and token metrics. With a tracer, the call
+        runs in a span (server/otel.py) whose parent is the trace context in `headers` (gRPC's
+        invocation_metadata method, or HTTP's header dict; `method` names the gRPC call); the
+        tracer calls back here with the `span`."""
+        if span is None and self.tracer is not None:
+            return await self.tracer.trace(self.counted_embed, request, door, headers, method, **kwargs)
         self.active += 1
         self.last_call = time.monotonic()
         try:
-            response = await self.embed(request, **kwargs)
+            response = await self.embed(request, span=span, **kwargs)
         except RequestError as exc:
             count_request(door, exc.code.name)
             raise
@@ -194,12 +205,13 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             await abort(context, undecodable(request, "Embed"))
         remaining = context.time_remaining()
         deadline_ns = time.monotonic_ns() + int(remaining * 1e9) if remaining is not None else 0
-        return await unary(context, "Embed", self.counted_embed(request, "grpc", deadline_ns=deadline_ns))
+        return await unary(context, "Embed", self.counted_embed(request, "grpc", deadline_ns=deadline_ns,
+                                                                headers=context.invocation_metadata))
 
     async def EmbedStream(self, request_iterator, context):
         """Answer each message as soon as it is done; a bad message gets an error answer only.
         One that does not decode ends the stream INVALID_ARGUMENT, after the earlier ones' answers."""
-        stream = EmbedStreamCall(self, request_iterator, self.cfg.max_stream_in_flight)
+        stream = EmbedStreamCall(self, request_iterator, self.cfg.max_stream_in_flight, context.invocation_metadata)
         async for response in stream.responses():
             yield response
         if stream.undecodable is not None:
@@ -259,9 +271,10 @@ class EmbedStreamCall:
     answers wait: gRPC's flow control then pushes back on the client's writes, and the stream
     holds at most `window` messages and answers."""
 
-    def __init__(self, service: EmbedderService, requests, window: int):
+    def __init__(self, service: EmbedderService, requests, window: int, headers=None):
         self.service = service
         self.requests = requests
+        self.headers = headers  # the call's invocation_metadata, read when tracing
         self.slots = asyncio.Semaphore(window)  # one per unanswered message
         self.answers: asyncio.Queue = asyncio.Queue()  # at most `window` long, by the slots
         self.in_flight: set[str] = set()
@@ -321,7 +334,7 @@ class EmbedStreamCall:
 
     async def answer(self, request: pb.EmbedRequest) -> None:
         try:
-            response = await self.service.counted_embed(request, "grpc")
+            response = await self.service.counted_embed(request, "grpc", headers=self.headers, method="EmbedStream")
         except RequestError as exc:
             response = error_response(request.id, exc)
         except Exception as exc:  # a bug must still answer the message, and say so

@@ -6,7 +6,7 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PRODUCT = ("common", "server", "shared_mem", "worker", "client")
+PRODUCT = ("common", "server", "shared_mem", "worker", "client", "bulk")
 MAX_LINES = 60
 
 

@@ -16,7 +16,7 @@ def run_python(code: str, cwd) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("name", ["server", "worker", "shared_mem", "pollen_client", "client", "common"])
+@pytest.mark.parametrize("name", ["server", "worker", "shared_mem", "pollen_client", "client", "common", "bulk"])
 def test_repository_folders_are_not_top_level_modules_outside_the_checkout(tmp_path, name):
     result = run_python(f"import {name}", cwd=tmp_path)
     assert result.returncode != 0 and "ModuleNotFoundError" in result.stderr, result.stderr

@@ -1,0 +1,142 @@
+"""A span per embedding request, exported over OTLP (imported only with --otlp-endpoint: see
+server/tracing.py).
+
+Every Embed call, EmbedStream message and POST /v1/embeddings passes through
+`EmbedderService.counted_embed`; with a tracer it runs inside `RequestTracer.trace`, which opens a
+SERVER span whose parent is the trace context the client sent (W3C `traceparent` in gRPC metadata
+or an HTTP header, read by the global propagator: tracecontext and baggage unless OTEL_PROPAGATORS
+says otherwise). The span's attributes:
+
+    pollen.door            grpc or http
+    pollen.tokenize_us     from the call's start to its admission: checks and tokenization
+    pollen.queue_us        the answer's timing.queue_us: admission to the start of its last batch
+    pollen.inference_us    the answer's timing.inference_us: its first batch's start to its last's end
+    pollen.texts, pollen.tokens, pollen.dims
+    pollen.outcome         ok, or the status name (INVALID_ARGUMENT, CANCELLED, ...)
+    rpc.* / http.*         which call it was
+
+The provider samples as the SDK's defaults and OTEL_TRACES_SAMPLER say (parent-based: a client's
+unsampled traceparent is not recorded), batches spans on a thread of its own (OTEL_BSP_* tune it)
+and flushes them when the process exits. service.name is OTEL_SERVICE_NAME, else "pollen".
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+import grpc
+from opentelemetry import propagate
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from pollen.server.errors import RequestError, cut
+from pollen.v1 import embedder_pb2 as pb
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Embedder"].full_name
+# Statuses that are the server's fault: their spans are marked ERROR (OpenTelemetry's gRPC server
+# convention); a refused request keeps the status UNSET and says why in pollen.outcome.
+SERVER_FAULTS = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED,
+                 grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS}
+
+# gRPC's invocation_metadata (called only when tracing), or HTTP's headers (lower-case names).
+Headers = Callable[[], Iterable[tuple[str, str | bytes]]] | Mapping[str, str] | None
+
+
+def exporter_for(endpoint: str) -> SpanExporter:
+    """The OTLP exporter for `endpoint` (its scheme picks the transport: server/tracing.py)."""
+    scheme, rest = endpoint.split("://", 1)
+    if scheme in ("grpc", "grpcs"):
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+        return GrpcExporter(endpoint=rest.rstrip("/"), insecure=scheme == "grpc")
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+    host, slash, path = rest.partition("/")
+    url = endpoint if path.strip("/") else f"{scheme}://{host}/v1/traces"
+    return HttpExporter(endpoint=url)
+
+
+def carrier_of(headers: Headers) -> Mapping[str, str]:
+    if headers is None:
+        return {}
+    if isinstance(headers, Mapping):
+        return headers
+    return {key: value for key, value in headers() if isinstance(value, str)}  # -bin values are bytes
+
+
+class RequestSpan:
+    """One request's span, with the clock its tokenize time is measured on."""
+
+    __slots__ = ("span", "started_ns")
+
+    def __init__(self, span, started_ns: int):
+        self.span, self.started_ns = span, started_ns
+
+    def admitted(self) -> None:
+        """Admission (checks and tokenization) is done: the request goes to the workers."""
+        self.span.set_attribute("pollen.tokenize_us", (time.monotonic_ns() - self.started_ns) // 1000)
+
+    def answered(self, response: pb.EmbedResponse) -> None:
+        self.span.set_attributes({
+            "pollen.outcome": "ok", "pollen.texts": response.rows, "pollen.dims": response.dims,
+            "pollen.tokens": response.usage.prompt_tokens, "pollen.queue_us": response.timing.queue_us,
+            "pollen.inference_us": response.timing.inference_us})
+        self.span.end()
+
+    def failed(self, exc: BaseException) -> None:
+        if isinstance(exc, RequestError):
+            code, message = exc.code, exc.message
+        elif isinstance(exc, Exception):
+            code, message = grpc.StatusCode.INTERNAL, repr(exc)
+            self.span.record_exception(exc)
+        else:  # CancelledError: the client left, or the server stops
+            code, message = grpc.StatusCode.CANCELLED, "cancelled"
+        self.span.set_attribute("pollen.outcome", code.name)
+        if code in SERVER_FAULTS:
+            self.span.set_status(Status(StatusCode.ERROR, message))
+        self.span.end()
+
+
+class RequestTracer:
+    """A frontend process's tracer provider and exporter, and the spans of its requests."""
+
+    def __init__(self, endpoint: str, frontend: int):
+        resource = Resource.create({"pollen.frontend": frontend})
+        if resource.attributes.get(SERVICE_NAME, "").startswith("unknown_service"):
+            resource = resource.merge(Resource({SERVICE_NAME: "pollen"}))
+        self.provider = TracerProvider(resource=resource)  # flushes and shuts down at exit
+        self.provider.add_span_processor(BatchSpanProcessor(exporter_for(endpoint)))
+        self.tracer = self.provider.get_tracer("pollen.server")
+        self.propagator = propagate.get_global_textmap()
+
+    def start(self, request: pb.EmbedRequest, door: str, headers: Headers, method: str) -> RequestSpan:
+        started_ns = time.monotonic_ns()
+        parent = self.propagator.extract(carrier_of(headers))
+        if door == "grpc":
+            name = f"{SERVICE}/{method}"
+            attributes = {"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": method}
+            if request.id:
+                attributes["pollen.request_id"] = cut(request.id)  # the stream message's id
+        else:
+            name = "POST /v1/embeddings"
+            attributes = {"http.request.method": "POST", "http.route": "/v1/embeddings"}
+        attributes["pollen.door"] = door
+        span = self.tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
+        return RequestSpan(span, started_ns)
+
+    async def trace(self, counted, request: pb.EmbedRequest, door: str, headers: Headers, method: str, **kwargs):
+        """`counted(request, door, span=..., **kwargs)` (the service's counted_embed) inside a span."""
+        span = self.start(request, door, headers, method)
+        try:
+            response = await counted(request, door, span=span, **kwargs)
+        except BaseException as exc:
+            span.failed(exc)
+            raise
+        span.answered(response)
+        return response
+
+    def shutdown(self) -> None:
+        """Export what is left and stop the exporter (also done at process exit)."""
+        self.provider.shutdown()
