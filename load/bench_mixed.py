@@ -125,18 +125,36 @@ def main() -> None:
         result["idle"] = load_clients.run("unary", server.listen, server.http_listen, args.interactive_clients,
                                           2, texts, 1.0, args.seconds)
         print("interactive alone", result["idle"], flush=True)
+        before = worker_seconds(server.http_listen)
         with concurrent.futures.ThreadPoolExecutor(1) as thread:  # bulk's own client processes
             bulk = thread.submit(stream_docs, server.listen, docs, "bulk", args.seconds + 2)
             time.sleep(2.0)  # bulk saturates first
             result["mixed"] = load_clients.run("unary", server.listen, server.http_listen,
                                                args.interactive_clients, 2, texts, 1.0, args.seconds - 1)
             result["mixed_bulk"] = bulk.result()
+        after = worker_seconds(server.http_listen)
+        # Where the worker's one thread spent the mixed run (bulk's whole stream, about --seconds + 2).
+        result["mixed_worker_seconds"] = {k: after[k] - before.get(k, 0.0) for k in after}
         result["mixed_bulk"]["share_of_solo"] = result["mixed_bulk"]["tokens_per_s"] / result["bulk_solo"]["tokens_per_s"]
         print("mixed", result["mixed"], result["mixed_bulk"], flush=True)
     finally:
         server.terminate()
     write_results(os.path.dirname(args.out) or ".", os.path.basename(args.out), result, header(result),
                   table(result, args.interactive_clients))
+
+
+def worker_seconds(http_target: str) -> dict[str, float]:
+    """pollen_worker_seconds by phase, summed over workers, from /metrics."""
+    import urllib.request
+
+    out: dict[str, float] = {}
+    with urllib.request.urlopen(f"http://{http_target}/metrics", timeout=10) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith("pollen_worker_seconds"):
+                name, value = line.rsplit(" ", 1)
+                phase = name.split('phase="', 1)[1].split('"', 1)[0]
+                out[phase] = out.get(phase, 0.0) + float(value)
+    return out
 
 
 def ms(r: dict) -> str:
@@ -158,7 +176,10 @@ def table(result: dict, interactive_clients: int) -> str:
             f"| {interactive_clients} interactive clients alone | {ms(result['idle'])} |\n"
             f"| the same under bulk | {ms(result['mixed'])} |\n"
             f"| bulk beside them | {result['mixed_bulk']['tokens_per_s']:,.0f} tokens/s "
-            f"({result['mixed_bulk']['share_of_solo']:.0%} of alone) |\n")
+            f"({result['mixed_bulk']['share_of_solo']:.0%} of alone) |\n"
+            + ("| the worker's loop during that run, seconds by phase | " + ", ".join(
+                f"{k} {v:.2f}" for k, v in result["mixed_worker_seconds"].items()) + " |\n"
+               if result.get("mixed_worker_seconds") else ""))
 
 
 if __name__ == "__main__":
