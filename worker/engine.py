@@ -7,7 +7,7 @@ The worker loop only knows this interface:
                                      # starts the work; may return before it is done
     pending.done()                   # True once out holds the rows (never blocks)
     pending.result()                 # waits until out holds the rows; returns out
-    engine.capture_one()             # an idle moment: capture a graph a batch missed (CUDA)
+    engine.capture_one()             # no interactive work: capture a graph a batch missed (CUDA)
     engine.unregister_host_memory(address)         # before a response ring goes
     engine.close()
 

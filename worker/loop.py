@@ -110,6 +110,11 @@ class Worker:
             self.drain_requests()
             self.drop_expired()
             t1 = now()
+            if not self.open[INTERACTIVE] and not self.batcher.lanes[INTERACTIVE]:
+                # A bucket a batch met under load ran eagerly; capture it while no interactive
+                # work waits, so a steady bulk stream, which never leaves the worker idle, gets
+                # its graphs too (each bucket once: the set of buckets is finite).
+                self.engine.capture_one()
             # Launch before collecting: batch N+1 is packed and launched while N still runs.
             launched = self.launch()
             t2 = now()
@@ -126,10 +131,8 @@ class Worker:
             phase[3] += now() - t3
 
     def idle(self) -> None:
-        """Nothing to launch or answer this turn: capture a graph a batch missed (no interactive
-        work waits), wait for a running batch, or spin, then sleep, for new requests."""
-        if not self.open[INTERACTIVE] and not self.batcher.lanes[INTERACTIVE] and self.engine.capture_one():
-            return
+        """Nothing to launch or answer this turn: wait for a running batch, or spin, then sleep,
+        for new requests."""
         if self.open[INTERACTIVE] or self.open[BULK]:
             self.await_progress()
             return
