@@ -91,21 +91,28 @@ def main() -> None:
         sampler.join()
     finally:
         server.terminate()
-    cost = {title: (marks["end"][pid] - marks["start"][pid]) / max(1, load["completed"]) * 1e6
+    # Process titles without the model's temporary folder name, so runs compare line by line.
+    cost = {title.split(" cpu ")[0] if "worker" in title else title:
+            (marks["end"][pid] - marks["start"][pid]) / max(1, load["completed"]) * 1e6
             for pid, title in children.items()}
     result = {"meta": versions(), "label": args.label, "load": load, "cpu_us_per_request": cost}
     print(result, flush=True)
+    profile = ""
     if args.profile:
         marks["spy"].wait()
-        print(summarize_profile(os.path.join(args.profile, "frontend.txt")), flush=True)
+        profile = summarize_profile(os.path.join(args.profile, "frontend.txt"))
+        print(profile, flush=True)
     if args.out:
         m = result["meta"]
         head = (f"# CPU time per request, {m['date']}{' — ' + args.label if args.label else ''}\n\n"
                 f"{m['cores']} cores, torch {m['torch']}, grpcio {m['grpcio']}, Python {m['python']}. Command: "
                 f"`python load/bench_request_cpu.py --clients {args.clients} --kind {args.kind} --seconds "
-                f"{args.seconds}`; {load['queries_per_s']:,.0f} requests/s, p50 {load['p50_ms']:.2f} ms.\n\n")
+                f"{args.seconds}{' --profile DIR' if profile else ''}`; {load['queries_per_s']:,.0f} requests/s, p50 "
+                f"{load['p50_ms']:.2f} ms.\n\n")
         table = "| process | CPU µs per request |\n| --- | --- |\n" + "".join(
             f"| {title} | {us:,.0f} |\n" for title, us in sorted(cost.items()))
+        if profile:
+            table += "\nThe frontend's samples by function (py-spy, GIL-idle samples left out):\n\n" + profile
         write_results(os.path.dirname(args.out) or ".", os.path.basename(args.out), result, head, table)
 
 

@@ -30,7 +30,7 @@ def summarize_profile(path: str, top: int = 25) -> str:
         own[frames[-1]] += n
         for frame in set(frames):
             inclusive[frame] += n
-    rows = [f"{total} samples", "| own % | all % | function |", "| ---: | ---: | --- |"]
+    rows = [f"{total} samples", "", "| own % | all % | function |", "| ---: | ---: | --- |"]
     for frame, n in own.most_common(top):
         rows.append(f"| {100 * n / total:.1f} | {100 * inclusive[frame] / total:.1f} | `{frame}` |")
     rows += ["", "| all % | function (inclusive) |", "| ---: | --- |"]
