@@ -20,7 +20,8 @@ from pollen.server import auth, served_model
 from pollen.server.config import ServeConfig, open_files_limit
 from pollen.server.supervisor import Supervisor
 from pollen.shared_mem import records
-from pollen.shared_mem.ring import SHM_DIR, Ring, cleanup_stale_segments
+from pollen.shared_mem.ring import Ring
+from pollen.shared_mem.segment import SHM_DIR, cleanup_stale_segments
 from pollen.shared_mem.server_state import ServerState
 
 log = logging.getLogger("pollen")

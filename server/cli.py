@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import shutil
 import sys
 
@@ -46,7 +45,10 @@ def serve(argv: list[str]) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Every process of this server counts its metrics here, for /metrics to sum (server/metrics.py);
     # set before prometheus_client is imported, here and in the children that inherit it.
-    metrics_dir = os.path.join("/dev/shm", f"pollen-{os.getpid()}-{secrets.token_hex(16)}")
+    # Named like a segment, so cleanup_stale_segments removes it after a kill -9 too.
+    from pollen.shared_mem.segment import SHM_DIR, segment_name
+
+    metrics_dir = os.path.join(SHM_DIR, segment_name())
     os.mkdir(metrics_dir, 0o700)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     import uvloop

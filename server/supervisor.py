@@ -36,6 +36,7 @@ from pollen.server.address import Claim, claim
 from pollen.server.config import ServeConfig
 from pollen.server.frontend import FrontendConfig
 from pollen.shared_mem.ring import Ring
+from pollen.shared_mem.segment import unlink_segment
 from pollen.shared_mem.server_state import ServerState
 
 log = logging.getLogger("pollen.supervisor")
@@ -214,10 +215,7 @@ class Supervisor:
 
     def disconnect(self, f: int, w: int) -> None:
         for name in self.pairs.pop((f, w), ()):
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-            except FileNotFoundError:
-                pass
+            unlink_segment(name)
 
     def on_frontend_message(self, f: int, child: Child) -> None:
         try:

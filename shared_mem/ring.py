@@ -8,7 +8,8 @@ written when the other side has said it is asleep.
 Setup: the creator calls ``Ring.create()``, starts the peer with
 ``subprocess.Popen(..., pass_fds=[ring.data_fd, ring.space_fd])`` and hands it ``ring.name`` and
 the two fd numbers, which the peer passes to ``Ring.attach()``. The creator ``unlink()``s the
-segment when done; ``cleanup_stale_segments()`` at start-up removes those of crashed creators.
+segment when done; ``cleanup_stale_segments()`` (segment.py) at start-up removes those of crashed
+creators.
 
 An asyncio consumer does not block in ``wait_readable``; it watches ``data_fd``::
 
@@ -44,17 +45,14 @@ from __future__ import annotations
 
 import mmap
 import os
-import re
-import secrets
 import select
-import shutil
 import struct
 import time
 from collections import deque
 
 import numpy as np
 
-SHM_DIR = "/dev/shm"
+from pollen.shared_mem.segment import close_mapping, create_segment, map_segment, unlink_segment
 
 _MAGIC = int.from_bytes(b"POLLENRG", "little")
 _VERSION = 1
@@ -197,23 +195,18 @@ class Ring:
         if capacity <= 0 or capacity > 2**32:
             raise ValueError(f"ring capacity must be in 1..2**32 bytes, got {capacity}")
         capacity = -(-capacity // 4096) * 4096
-        name = f"{prefix}-{os.getpid()}-{secrets.token_hex(16)}"
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        name, mm = create_segment(cls.HEADER_BYTES + capacity, prefix)  # zero-filled: positions and flags are 0
         fds = []
         try:
-            os.ftruncate(fd, cls.HEADER_BYTES + capacity)  # zero-filled: positions and flags are 0
-            mm = mmap.mmap(fd, cls.HEADER_BYTES + capacity)
             _STATIC.pack_into(mm, 0, _MAGIC, _VERSION, capacity)
             for _ in range(2):
                 fds.append(os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
         except BaseException:
-            os.unlink(path)
+            unlink_segment(name)
+            mm.close()
             for efd in fds:
                 os.close(efd)
             raise
-        finally:
-            os.close(fd)  # the mapping keeps the segment alive
         return cls(name, mm, fds[0], fds[1], own_fds=True, wait_slice=wait_slice)
 
     @classmethod
@@ -224,16 +217,8 @@ class Ring:
         With ``own_fds`` (the default, right for a child that got them through ``pass_fds``),
         ``close()`` closes the two fds; pass False when they belong to another ``Ring`` object.
         """
-        if "/" in name:
-            raise ValueError(f"ring name must be a basename under {SHM_DIR}, got {name!r}")
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC)
-        try:
-            size = os.fstat(fd).st_size
-            if size < cls.HEADER_BYTES:
-                raise ValueError(f"{name} is not a pollen ring: {size} bytes")
-            mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        mm = map_segment(name, "ring", cls.HEADER_BYTES)
+        size = len(mm)
         magic, version, capacity = _STATIC.unpack_from(mm)
         if magic != _MAGIC or version != _VERSION or cls.HEADER_BYTES + capacity != size:
             mm.close()
@@ -485,10 +470,7 @@ class Ring:
         self._open.clear()
         self._u64 = self._u32 = None
         self._mv.release()
-        try:
-            self._mm.close()
-        except BufferError:
-            pass  # caller still holds a view; the mapping goes with it
+        close_mapping(self._mm)  # a view the caller still holds keeps it until that view goes
         if self._own_fds:
             for fd in (self.data_fd, self.space_fd):
                 try:
@@ -498,10 +480,7 @@ class Ring:
 
     def unlink(self) -> None:
         """Remove the segment file; idempotent. Attached processes keep their mappings."""
-        try:
-            os.unlink(os.path.join(SHM_DIR, self.name))
-        except FileNotFoundError:
-            pass
+        unlink_segment(self.name)
 
     def __enter__(self) -> Ring:
         return self
@@ -515,34 +494,3 @@ def _signal(fd: int) -> None:
         os.write(fd, _ONE)
     except BlockingIOError:
         pass  # counter saturated: the peer has plenty of wake-ups pending already
-
-
-def cleanup_stale_segments(prefix: str = "pollen") -> list[str]:
-    """Remove ``/dev/shm/{prefix}-{pid}-*`` segments (and metrics folders) whose creator pid is
-    gone; return their names.
-
-    A reused pid keeps its stale segment until that process dies too; that is only a leak.
-    """
-    pattern = re.compile(re.escape(prefix) + r"-(\d+)-[0-9a-f]+")
-    removed = []
-    for name in sorted(os.listdir(SHM_DIR)):
-        match = pattern.fullmatch(name)
-        if match is None or int(match.group(1)) <= 0:
-            continue
-        try:
-            os.kill(int(match.group(1)), 0)
-            continue  # alive
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # alive, another user's
-        path = os.path.join(SHM_DIR, name)
-        try:
-            if os.path.isdir(path):  # a metrics folder (server/metrics.py)
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
-            removed.append(name)
-        except FileNotFoundError:
-            pass
-    return removed

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import mmap
 import os
-import secrets
 import struct
 import time
 
 import numpy as np
 
-from pollen.shared_mem.ring import SHM_DIR
+from pollen.shared_mem.segment import close_mapping, create_segment, map_segment, unlink_segment
 
 _MAGIC = int.from_bytes(b"POLLENST", "little")
 _VERSION = 1
@@ -74,26 +73,13 @@ class ServerState:
 
     @classmethod
     def create(cls, frontends: int, workers: int, prefix: str = "pollen") -> ServerState:
-        # Named like the rings, so cleanup_stale_segments removes it after a kill -9 too.
-        name = f"{prefix}-{os.getpid()}-{secrets.token_hex(16)}"
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
-        try:
-            size = cls.size_for(frontends, workers)
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        name, mm = create_segment(cls.size_for(frontends, workers), prefix)
         _HEAD.pack_into(mm, 0, _MAGIC, _VERSION, frontends, workers)
         return cls(name, mm)
 
     @classmethod
     def attach(cls, name: str) -> ServerState:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC)
-        try:
-            mm = mmap.mmap(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
+        mm = map_segment(name, "server state", _HEAD.size)
         magic, version, _, _ = _HEAD.unpack_from(mm)
         if magic != _MAGIC or version != _VERSION:
             mm.close()
@@ -162,13 +148,7 @@ class ServerState:
         self._queued.release()
         self._backlog.release()
         self.queued = self.backlog = self._u64 = self._u32 = None
-        try:
-            self._mm.close()
-        except BufferError:
-            pass
+        close_mapping(self._mm)
 
     def unlink(self) -> None:
-        try:
-            os.unlink(os.path.join(SHM_DIR, self.name))
-        except FileNotFoundError:
-            pass
+        unlink_segment(self.name)

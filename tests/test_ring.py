@@ -12,7 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from pollen.shared_mem.ring import SHM_DIR, CommitFirst, Ring, cleanup_stale_segments
+from pollen.shared_mem.ring import CommitFirst, Ring
+from pollen.shared_mem.segment import SHM_DIR, cleanup_stale_segments
 
 PREFIX = "pollentest"
 

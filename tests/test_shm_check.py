@@ -10,7 +10,8 @@ import pytest
 
 from pollen.server.app import SHM_METRICS_PER_PROCESS, shm_need
 from pollen.server.config import ServeConfig
-from pollen.shared_mem.ring import SHM_DIR, Ring
+from pollen.shared_mem.ring import Ring
+from pollen.shared_mem.segment import SHM_DIR
 from pollen.shared_mem.server_state import ServerState
 from tests.conftest import POLLEN, free_port
 

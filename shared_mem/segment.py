@@ -1,0 +1,97 @@
+"""Named POSIX shared-memory segments under /dev/shm: how pollen names, creates, maps and removes
+them. The rings (ring.py), the server state (server_state.py) and the metrics folder (server/cli.py)
+all take their names from `segment_name`, so that `cleanup_stale_segments` finds whatever a
+killed server left behind by the pid in the name.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+import shutil
+
+SHM_DIR = "/dev/shm"
+
+
+def segment_name(prefix: str = "pollen") -> str:
+    """`{prefix}-{pid}-{random}`: unique, and tells cleanup_stale_segments whose it is."""
+    return f"{prefix}-{os.getpid()}-{secrets.token_hex(16)}"
+
+
+def create_segment(size: int, prefix: str = "pollen") -> tuple[str, mmap.mmap]:
+    """A new zero-filled segment of `size` bytes, mode 0600, mapped; its name and mapping. The
+    file is removed again if it cannot be sized or mapped."""
+    name = segment_name(prefix)
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        return name, mmap.mmap(fd, size)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)  # the mapping keeps the segment alive
+
+
+def map_segment(name: str, what: str, min_size: int) -> mmap.mmap:
+    """Map an existing segment by basename, whole; ValueError if `name` is a path or the segment
+    is smaller than `min_size` (then it is no pollen `what`)."""
+    if "/" in name:
+        raise ValueError(f"{what} name must be a basename under {SHM_DIR}, got {name!r}")
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if size < min_size:
+            raise ValueError(f"{name} is not a pollen {what}: {size} bytes")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def close_mapping(mm: mmap.mmap) -> None:
+    """Unmap now, or, while views into it are still alive, when the last one goes."""
+    try:
+        mm.close()
+    except BufferError:
+        pass
+
+
+def unlink_segment(name: str) -> None:
+    """Remove the segment's file; idempotent. Processes that mapped it keep their mappings."""
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
+
+
+def cleanup_stale_segments(prefix: str = "pollen") -> list[str]:
+    """Remove ``/dev/shm/{prefix}-{pid}-*`` segments (and metrics folders) whose creator pid is
+    gone; return their names.
+
+    A reused pid keeps its stale segment until that process dies too; that is only a leak.
+    """
+    pattern = re.compile(re.escape(prefix) + r"-(\d+)-[0-9a-f]+")
+    removed = []
+    for name in sorted(os.listdir(SHM_DIR)):
+        match = pattern.fullmatch(name)
+        if match is None or int(match.group(1)) <= 0:
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if os.path.isdir(path):  # a metrics folder (server/cli.py)
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed
