@@ -95,7 +95,7 @@ def main() -> int:
         engine.submit(pack([seq])).result()
         if i >= 30:
             times.append((time.perf_counter() - t) * 1e6)
-    result = {"date": datetime.date.today().isoformat(), "device": machine(),
+    result = {"date": datetime.date.today().isoformat(), "device": machine() if args.device == "cpu" else f"{torch.cuda.get_device_name()}, {machine()}",
               "versions": {"python": platform.python_version(), "torch": torch.__version__, "grpcio": grpc.__version__},
               "engine_alone_p50_us": p50_us(times), "shape": args.shape or "micro-bert", "device_kind": args.device,
               "server_flags": args.server_flags}
