@@ -149,7 +149,6 @@ class WorkerChannel:
             self.queued_tokens += sent.tokens
             self.backlog[sent.priority].append(req_id)
         self.flush()
-        self.publish()
 
     def publish(self) -> None:
         """Store this channel's queued tokens and backlog in the server state."""
@@ -179,7 +178,6 @@ class WorkerChannel:
         self.queued_tokens += tokens
         self.backlog[priority].append(req_id)
         self.flush()
-        self.publish()
         return future
 
     def cancel(self, req_id: int, reason: str) -> None:
@@ -214,9 +212,11 @@ class WorkerChannel:
 
     def flush(self) -> None:
         """Move backlogged requests into the ring while it has room: interactive ones first,
-        FIFO within a lane; one whose deadline passed is dropped instead."""
+        FIFO within a lane; one whose deadline passed is dropped instead. Publishes this
+        channel's figures in every case (callers change them just before)."""
         ring = self.requests
         if ring is None or not self.ready.is_set():
+            self.publish()
             return
         if ring.producer_sleeping:  # we asked the worker for a signal when room frees up
             Ring.drain_signal(ring.space_fd)
