@@ -142,8 +142,11 @@ def test_requests_expire_in_the_frontend_backlog_when_the_ring_is_full():
                      for i in range(4)]  # 8192 tokens: long batches ahead of everything else
             while sample(await scrape_async(server), "pollen_queued_tokens") < 4 * 8 * 256:
                 await asyncio.sleep(0.001)
+            # 300 ms: long enough for all 40 to arrive before the first expires (on a busy 2-core
+            # machine they trickle in over tens of ms), far shorter than the 8,192-token batch
+            # ahead of them (over a second on the CPU), so none reaches the model.
             late = [asyncio.ensure_future(stub.Embed(pb.EmbedRequest(token_ids=[ids(256, 2000 + i)] * 8,
-                                                                     timeout_ms=50))) for i in range(40)]
+                                                                     timeout_ms=300))) for i in range(40)]
             while not all(call.done() for call in late):
                 seen_backlog.append(sample(await scrape_async(server), "pollen_backlog_requests"))
             codes = []
