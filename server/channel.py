@@ -26,11 +26,7 @@ batched), which answers it DEADLINE_EXCEEDED or CANCELLED. Each drop is counted 
 metrics.DROPPED: here for the backlog, on the worker's answer otherwise.
 
 Everything here runs on the event loop's thread: answers arrive through loop.add_reader on the
-response ring's eventfd, or, for `spin_us` after an interactive request is sent, through a poll of
-the ring at every turn of the loop (`spin`): the loop then never sleeps while a query runs, so its
-answer is read the moment it is committed rather than after the worker's eventfd write has woken
-this process's core (on a virtual machine an idle core halts, and waking it costs about as much as
-the rest of the answer path). The worker writes no eventfd while we poll.
+response ring's eventfd.
 """
 from __future__ import annotations
 
@@ -53,10 +49,6 @@ from pollen.shared_mem.server_state import ServerState
 log = logging.getLogger("pollen.channel")
 
 MAX_ATTEMPTS = 3
-# The answer spin (`spin`) runs only while this channel has at most this many requests out: it
-# saves a lone query the wake-up of its frontend's core, but a frontend with more calls at once
-# wakes for their traffic anyway, and spinning there only takes cores from the other processes.
-SPIN_MAX_OUT = 2
 IDLE_TICK = 0.05  # seconds between safety-net looks while nothing is outstanding
 
 _DROP_REASONS = {records.DEADLINE_EXCEEDED: "deadline", records.CANCELLED: "cancelled"}
@@ -84,7 +76,7 @@ def dropped_error(reason: str) -> RequestError:
 
 
 class WorkerChannel:
-    def __init__(self, index: int, frontend: int, state: ServerState, spin_us: int = 0):
+    def __init__(self, index: int, frontend: int, state: ServerState):
         self.index = index
         self.frontend = frontend
         self.state = state
@@ -101,9 +93,6 @@ class WorkerChannel:
         # After a death, the router hands the survivors to another ready worker (server/router.py);
         # by default (and when no other worker is ready) they wait here for the restart.
         self.on_orphans = self.adopt
-        self.spin_ns = spin_us * 1000  # ServeConfig.frontend_spin_us
-        self.spin_until = 0            # CLOCK_MONOTONIC ns: poll the response ring until then
-        self.spinning = False
 
     # ---- the worker's rings ----
 
@@ -189,37 +178,7 @@ class WorkerChannel:
         self.queued_tokens += tokens
         self.backlog[priority].append(req_id)
         self.flush()
-        if self.spin_ns and priority == 0 and len(self.inflight) <= SPIN_MAX_OUT:
-            self.start_spin()
         return future
-
-    def start_spin(self) -> None:
-        """Poll the response ring at each turn of the loop for the next spin_us (see the module
-        docstring); bulk requests never start it, so a bulk stream leaves the core idle."""
-        self.spin_until = time.monotonic_ns() + self.spin_ns
-        if self.spinning or self.responses is None:
-            return
-        self.spinning = True
-        self.responses.set_consumer_sleeping(False)  # the worker need not write the eventfd
-        self.loop.call_soon(self.spin, self.generation)
-
-    def spin(self, generation: int) -> None:
-        """One look at the response ring; again at the next turn while requests are out and the
-        spin lasts, else back to the eventfd (the flag first, then one more look, as read_answers)."""
-        if generation != self.generation or self.responses is None:
-            self.spinning = False
-            return
-        ring = self.responses
-        if ring.has_data():
-            self.read_answers()
-        if 0 < len(self.inflight) <= SPIN_MAX_OUT and time.monotonic_ns() < self.spin_until:
-            ring.set_consumer_sleeping(False)
-            self.loop.call_soon(self.spin, generation)
-            return
-        self.spinning = False
-        ring.set_consumer_sleeping(True)
-        if ring.has_data():
-            self.read_answers()
 
     def cancel(self, req_id: int, reason: str) -> None:
         """The client left (or its deadline passed): drop the request if it has not reached the model."""

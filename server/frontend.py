@@ -112,7 +112,7 @@ class Frontend:
         executor = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="pollen-tokenize")
         admission = Admission(spec, TextTokenizer(cfg.model, spec.max_tokens), executor, cfg.max_texts_per_request,
                               default_truncate=cfg.default_truncate)
-        channels = [WorkerChannel(w, fcfg.index, state, cfg.frontend_spin_us) for w in range(cfg.workers)]
+        channels = [WorkerChannel(w, fcfg.index, state) for w in range(cfg.workers)]
         service = EmbedderService(cfg, spec, admission, Router(cfg, channels, state), fcfg.index)
         service.tracer = tracing.start(cfg.otlp_endpoint, fcfg.index)  # None without --otlp-endpoint
         frontend = cls(fcfg, cfg, state, executor, channels, service)

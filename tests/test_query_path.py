@@ -1,10 +1,8 @@
 """The short-request path: small requests are tokenized on the event loop (no hop to the pool),
-large ones in the pool; a worker that spins before it sleeps answers like one that sleeps; a
-frontend that polls its response ring while a query runs answers like one that sleeps, and stops."""
+large ones in the pool; a worker that spins before it sleeps answers like one that sleeps."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -59,54 +57,6 @@ def test_worker_spin_defaults_by_device():
     assert ServeConfig.from_args([], environ={}).worker_spin_us == 0
     assert ServeConfig.from_args(["--device", "cuda", "--devices", "0"], environ={}).worker_spin_us == 5000
     assert ServeConfig.from_args(["--worker-spin-us", "200"], environ={}).worker_spin_us == 200
-
-
-def test_frontend_spin_defaults_by_device():
-    assert ServeConfig.from_args([], environ={}).frontend_spin_us == 0
-    assert ServeConfig.from_args(["--device", "cuda", "--devices", "0"], environ={}).frontend_spin_us == 3000
-    assert ServeConfig.from_args(["--frontend-spin-us", "200"], environ={}).frontend_spin_us == 200
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def timed_call(stub, frontend: int, request: pb.EmbedRequest) -> tuple[np.ndarray, float]:
-    """The call's vectors and the frontend's CPU time over it, as a share of its wall time."""
-    wall, cpu = time.monotonic(), cpu_seconds(frontend)
-    got = vectors(stub.Embed(request, timeout=120))
-    return got, (cpu_seconds(frontend) - cpu) / (time.monotonic() - wall)
-
-
-def test_spinning_frontend_answers_polls_only_for_interactive_work_and_stops(reference):
-    """A spin long enough to cover the whole call: the frontend polls (busy) while an interactive
-    request runs, sleeps while a bulk one runs, and is quiet once nothing is out."""
-    srv = ServerProcess("--frontend-spin-us", "30000000", "--log-level", "WARNING").start()
-    texts = [f"document {i}: " + "a fairly long sentence about polling rings and sleeping cores " * 12
-             for i in range(96)]
-    try:
-        frontend = next(pid for pid in srv.child_pids()
-                        if open(f"/proc/{pid}/cmdline", "rb").read().startswith(b"pollen-frontend"))
-        with grpc.insecure_channel(srv.listen) as channel:
-            stub = pb_grpc.EmbedderStub(channel)
-            bulk, bulk_busy = timed_call(stub, frontend, pb.EmbedRequest(texts=texts, normalize=True,
-                                                                         priority=pb.PRIORITY_BULK))
-            interactive, interactive_busy = timed_call(stub, frontend, pb.EmbedRequest(texts=texts, normalize=True))
-            singles = [vectors(stub.Embed(pb.EmbedRequest(texts=[t], normalize=True), timeout=30))[0]
-                       for t in texts[:8]]
-            time.sleep(0.3)
-            idle_from = cpu_seconds(frontend)
-            time.sleep(1.0)
-            idle = cpu_seconds(frontend) - idle_from
-        want = reference(texts)
-        for got in (bulk, interactive, np.stack(singles)):
-            assert cosine_rows(got, want[:len(got)]).min() >= 0.9999
-        assert interactive_busy >= 0.3, f"the frontend used {interactive_busy:.0%} of a core while polling"
-        assert bulk_busy <= 0.15, f"the frontend used {bulk_busy:.0%} of a core while a bulk request ran"
-        assert idle <= 0.15, f"the frontend used {idle:.2f} s of CPU in 1 s with nothing out"
-    finally:
-        srv.terminate()
 
 
 def test_spinning_worker_answers_every_request(reference):
