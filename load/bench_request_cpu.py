@@ -65,6 +65,7 @@ def main() -> None:
     p.add_argument("--label", default="")
     p.add_argument("--out", default="")
     p.add_argument("--profile", default="", help="a folder for the frontend's py-spy profile")
+    p.add_argument("--native", action="store_true", help="the profile with native frames (slows the run)")
     args = p.parse_args()
     server = ServerProcess("--model", small_model(), "--log-level", "WARNING", "--worker-threads", "1").start()
     try:
@@ -80,7 +81,8 @@ def main() -> None:
             if args.profile:
                 os.makedirs(args.profile, exist_ok=True)
                 frontend = next(pid for pid, title in children.items() if "frontend" in title)
-                marks["spy"] = record_profile(frontend, args.seconds, os.path.join(args.profile, "frontend.txt"))
+                marks["spy"] = record_profile(frontend, args.seconds, os.path.join(args.profile, "frontend.txt"),
+                                              native=args.native)
             time.sleep(args.seconds)
             marks["end"] = {pid: cpu_seconds(pid) for pid in children}
 

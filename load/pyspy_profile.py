@@ -11,11 +11,14 @@ import subprocess
 import sys
 
 
-def record_profile(pid: int, seconds: float, path: str) -> subprocess.Popen:
-    """py-spy on `pid` for `seconds`, collapsed stacks into `path` (py-spy: the `profile` extra)."""
-    return subprocess.Popen([shutil.which("py-spy") or "py-spy", "record", "--pid", str(pid), "--duration",
-                             str(max(1, int(seconds))), "--rate", "250", "--format", "raw", "--output", path,
-                             "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+def record_profile(pid: int, seconds: float, path: str, native: bool = False) -> subprocess.Popen:
+    """py-spy on `pid` for `seconds`, collapsed stacks into `path` (py-spy: the `profile` extra).
+    `native` adds the C frames under the Python ones (grpc's Cython core, uvloop, protobuf); py-spy
+    must then pause the process at each sample, so the run is slower while it records."""
+    command = [shutil.which("py-spy") or "py-spy", "record", "--pid", str(pid), "--duration",
+               str(max(1, int(seconds))), "--rate", "250", "--format", "raw", "--output", path]
+    command += ["--native"] if native else ["--nonblocking"]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
 def summarize_profile(path: str, top: int = 25) -> str:
