@@ -27,6 +27,7 @@ class WorkerConfig:
     pooling: str | None = None
     attention: str | None = None
     bulk_batch_tokens: int = 0  # cap on bulk tokens per batch; 0: max_batch_tokens
+    bulk_sms: int = 0  # cuda: SMs of the bulk lane (ServeConfig.bulk_sms; -1 default, 0 all)
     spin_us: int = 0  # poll the request rings this long before sleeping (ServeConfig.worker_spin_us)
     warmup_s: float = 0.0  # seconds of graph captures before READY (ServeConfig.warmup_seconds)
     engine_options: EngineOptions = dataclasses.field(default_factory=EngineOptions)  # the kernels' switches

@@ -74,6 +74,10 @@ class ServeConfig:
     bulk_batch_tokens: int = _flag(0, "most tokens of PRIORITY_BULK work in one batch (0: --graph-max-tokens on "
                                    "cuda, --max-batch-tokens on cpu); lower keeps interactive latency low under "
                                    "bulk load, higher gives bulk throughput")
+    bulk_sms: int = _flag(-1, "cuda: SMs of each GPU that PRIORITY_BULK batches may use (a CUDA green context); "
+                          "the rest stay free for interactive batches, which otherwise wait for bulk blocks "
+                          "to leave the SMs (-1: all but an eighth, at least 8 left, where torch has green "
+                          "contexts; 0: every SM)")
     max_queued_tokens: int = _flag(2_000_000, "tokens admitted but not yet answered, over all workers; "
                                    "beyond it requests get RESOURCE_EXHAUSTED")
     max_texts_per_request: int = _flag(512, "texts (or token-id lists) in one request")
@@ -143,6 +147,8 @@ class ServeConfig:
                      "max_request_bytes", "tokenizer_threads", "request_ring_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.bulk_sms < -1:
+            raise ValueError(f"--bulk-sms must be -1 (default), 0 (every SM) or a count of SMs, got {self.bulk_sms}")
         if self.bulk_batch_tokens < 0:
             raise ValueError(f"--bulk-batch-tokens must be 0 (no cap) or more, got {self.bulk_batch_tokens}")
         if self.response_ring_bytes < 0:

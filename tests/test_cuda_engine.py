@@ -334,3 +334,31 @@ def test_warm_up_captures_the_query_buckets_within_its_budget(tmp_path):
     batch = pack(seqs([11, 8, 14, 9], seed=12))  # four queries: a bucket the warm-up captured
     engine.submit(batch).result()
     assert not engine.wanted
+
+
+def test_bulk_lane_in_a_green_context_equals_the_reference(tmp_path):
+    """--bulk-sms: the bulk lane's streams come from a green context of that many SMs; its eager
+    and graphed batches (the graph captured on that stream) equal the CPU reference, and the
+    default leaves an eighth of the SMs (at least 8) to the interactive lane."""
+    from pollen.worker.cuda_engine import BULK, INTERACTIVE, CudaEngine
+    from pollen.worker.sm_partition import green_contexts_supported
+
+    if not green_contexts_supported():
+        pytest.skip("this torch has no CUDA green contexts")
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    path = tiny(tmp_path, "causal")
+    cpu = EagerEngine(load_model(path))
+    engine = CudaEngine(load_model(path, "cuda", torch.bfloat16), "cuda", max_batch_tokens=2048, bulk_sms=64)
+    assert engine.bulk_sms == 64 and engine.lanes[BULK].partition is not None
+    assert engine.lanes[INTERACTIVE].partition is None
+    engine.warm_up()
+    batch = pack(seqs([40, 64, 7, 50], seed=12))
+    want = cpu.submit(batch).result()
+    first = engine.submit(batch, lane=BULK).result().copy()  # captures its bucket on the green stream
+    assert engine.bucket(batch) in engine.lanes[BULK].graphs
+    pending = engine.submit(batch, lane=BULK)  # the graph replayed beside an interactive batch
+    query = engine.submit(pack(seqs([9], seed=13)), lane=INTERACTIVE)
+    assert cos(first, want) >= 0.999 and cos(pending.result(), want) >= 0.999
+    assert cos(query.result(), cpu.submit(pack(seqs([9], seed=13))).result()) >= 0.999
+    default = CudaEngine(load_model(path, "cuda", torch.bfloat16), "cuda", max_batch_tokens=512, bulk_sms=-1)
+    assert default.bulk_sms == total - max(8, total // 8)

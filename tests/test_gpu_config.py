@@ -13,6 +13,7 @@ from pollen.common.engine_options import EngineOptions
 from pollen.common.worker_config import WorkerConfig
 from pollen.server.config import ServeConfig, visible_device
 from pollen.server.supervisor import core_share, frontend_cores, worker_cores
+from pollen.worker.sm_partition import bulk_sm_count
 
 
 def test_devices_give_one_worker_each():
@@ -70,7 +71,7 @@ def test_worker_config_round_trips_the_gpu_settings():
     cfg = WorkerConfig(index=1, model="/m", device="cuda", threads=2, max_batch_tokens=4096, parent_pid=1,
                        control_fd=7, state="pollen-1-ab", response_ring_bytes=1 << 20, gpu=3, cuda_device="6",
                        cpu_cores=[4, 5], dtype="bfloat16", cuda_graphs=False, graph_max_tokens=2048,
-                       pooling="mean", attention="bidirectional",
+                       pooling="mean", attention="bidirectional", bulk_sms=100,
                        engine_options=EngineOptions(triton=False, skinny=False, skinny_configs=__file__))
     back = WorkerConfig(**json.loads(cfg.to_json()))
     assert back == cfg and isinstance(back.engine_options, EngineOptions)
@@ -132,3 +133,22 @@ def test_usable_cores_follow_the_cgroup_quota(tmp_path):
     cpu_max.write_text("max 100000\n")
     assert usable_cores(str(cpu_max)) == affinity
     assert usable_cores(str(tmp_path / "absent")) == affinity
+
+
+def test_bulk_sms_default_leaves_an_eighth_of_the_sms_to_queries():
+    """--bulk-sms: -1 (default) keeps an eighth of the SMs, at least 8, out of the bulk lane's green
+    context where torch has green contexts, else none; 0 is every SM; a count must leave some."""
+    assert ServeConfig.from_args([], environ={}).bulk_sms == -1
+    assert ServeConfig.from_args([], environ={"POLLEN_BULK_SMS": "96"}).bulk_sms == 96
+    with pytest.raises(ValueError, match="--bulk-sms must be"):
+        ServeConfig.from_args(["--bulk-sms", "-2"], environ={})
+    assert bulk_sm_count(-1, 132, True) == 116    # H100 / H200
+    assert bulk_sm_count(-1, 40, True) == 32      # T4: 8 left
+    assert bulk_sm_count(-1, 16, True) == 0       # too small to split
+    assert bulk_sm_count(-1, 132, False) == 0     # no green contexts: every SM
+    assert bulk_sm_count(0, 132, True) == 0
+    assert bulk_sm_count(100, 132, True) == 100
+    with pytest.raises(ValueError, match="this GPU has 132 SMs"):
+        bulk_sm_count(132, 132, True)
+    with pytest.raises(RuntimeError, match="needs CUDA green contexts"):
+        bulk_sm_count(100, 132, False)

@@ -16,8 +16,10 @@ One batch's life (batch N+1 is submitted before batch N's result is awaited):
 Two lanes, each its own CUDA stream, pinned slots, device inputs and graphs, so an interactive
 batch never queues behind a bulk one: INTERACTIVE runs on a high-priority stream (the GPU
 schedules its kernels' blocks ahead of the bulk lane's as SMs free up), BULK on a low-priority
-one. Both replay graphs: an eager forward costs the worker's one thread milliseconds of kernel
-launches, during which an interactive request that arrives would wait.
+one, confined by default to a share of the SMs (worker/sm_partition.py, `--bulk-sms`), so that a
+query's kernels find SMs free instead of waiting for bulk blocks to leave. Both replay graphs: an
+eager forward costs the worker's one thread milliseconds of kernel launches, during which an
+interactive request that arrives would wait.
 
 Each lane's graphs are captured into that lane's memory pool (so memory grows with the largest
 bucket used, not with the number of buckets; the lanes run at once, so they cannot share one).
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import mmap
+import sys
 import time
 
 import numpy as np
@@ -44,6 +47,7 @@ from pollen.worker.lazy import LazyTensor
 from pollen.worker.models.base import EmbeddingModel
 from pollen.worker.models.pooling import normalize_rows, pool_rows
 from pollen.worker.packed import PackedBatch, warm_up_batch
+from pollen.worker.sm_partition import BulkPartition, bulk_sm_count, green_contexts_supported
 
 
 def token_buckets(limit: int) -> list[int]:
@@ -61,13 +65,18 @@ def pow2_at_least(n: int, floor: int) -> int:
 
 
 class Lane:
-    """One lane's stream (of its priority), double-buffered pinned slots, staging and inputs."""
+    """One lane's stream (of its priority, or from the lane's SM partition), double-buffered
+    pinned slots, staging and inputs."""
 
     SLOTS = 2  # double buffering: batch N+1 fills one slot while batch N's copies use the other
 
-    def __init__(self, device: torch.device, cap: int, priority: int):
-        self.stream = torch.cuda.Stream(device, priority=priority)
-        self.copy_stream = torch.cuda.Stream(device, priority=priority)
+    def __init__(self, device: torch.device, cap: int, priority: int, partition: BulkPartition | None = None):
+        self.partition = partition  # kept: a green context lives as long as its streams
+        if partition is None:
+            self.stream = torch.cuda.Stream(device, priority=priority)
+            self.copy_stream = torch.cuda.Stream(device, priority=priority)
+        else:
+            self.stream, self.copy_stream = partition.stream(), partition.stream()
         self.host_in = [torch.empty(cap, dtype=torch.int32, pin_memory=True) for _ in range(self.SLOTS)]
         self.staging = [torch.empty(cap, dtype=torch.int32, device=device) for _ in range(self.SLOTS)]
         self.staged = [torch.cuda.Event() for _ in range(self.SLOTS)]
@@ -89,7 +98,8 @@ class CudaEngine:
     COPY_STREAM_MIN = 4096  # int32 values; smaller inputs skip the copy stream (see upload)
 
     def __init__(self, model: EmbeddingModel, device: str, max_batch_tokens: int = 16384,
-                 cuda_graphs: bool = True, graph_max_tokens: int | None = None, defer_capture: bool = False):
+                 cuda_graphs: bool = True, graph_max_tokens: int | None = None, defer_capture: bool = False,
+                 bulk_sms: int = 0):
         self.model = model
         self.device = torch.device(device)
         self.pooling = model.spec.pooling
@@ -104,7 +114,20 @@ class CudaEngine:
         # (the padding sequence).
         cap = 8 * max_batch_tokens + 16
         low, high = torch.cuda.Stream.priority_range()
-        self.lanes = (Lane(self.device, cap, high), Lane(self.device, cap, low))
+        # The bulk lane on a share of the SMs (worker/sm_partition.py); 0: every SM.
+        total = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.bulk_sms = bulk_sm_count(bulk_sms, total, green_contexts_supported())
+        partition = None
+        if self.bulk_sms:
+            try:
+                partition = BulkPartition(self.device, self.bulk_sms)
+            except RuntimeError as exc:  # the default asks only where torch has the API; a driver may still refuse
+                if bulk_sms > 0:
+                    raise
+                print(f"pollen: no CUDA green context of {self.bulk_sms} SMs ({exc}); the bulk lane uses every SM",
+                      file=sys.stderr, flush=True)
+                self.bulk_sms = 0
+        self.lanes = (Lane(self.device, cap, high), Lane(self.device, cap, low, partition))
         self.registered: list[int] = []  # host addresses we page-locked (register_host_memory)
         self.defer_capture = defer_capture
         self.capture_seconds = 0.0
@@ -241,6 +264,10 @@ class CudaEngine:
                 at += len(part)
         done = lane.done[slot]  # reusable: this slot's previous result was read before we got here
         done.record(lane.stream)
+        if lane.partition is not None:
+            # Never leave a green context's stream current: memory freed at exit asks the current
+            # stream whether it is capturing, and that stream's context may be gone by then.
+            torch.cuda.set_stream(self.lanes[INTERACTIVE].stream)
         return LazyTensor(result, done)
 
     def upload(self, lane: Lane, slot: int, used: int) -> None:

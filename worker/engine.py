@@ -108,8 +108,8 @@ class EagerEngine:
 
 
 def make_engine(model: EmbeddingModel, device: str, **options) -> EagerEngine:
-    """options (max_batch_tokens, cuda_graphs, graph_max_tokens, defer_capture) matter to the
-    CUDA engine only."""
+    """options (max_batch_tokens, cuda_graphs, graph_max_tokens, defer_capture, bulk_sms) matter
+    to the CUDA engine only."""
     if device.startswith("cuda"):
         from pollen.worker.cuda_engine import CudaEngine
 

@@ -74,7 +74,8 @@ class Worker:
         self.hidden = spec.hidden_size
         self.native_int8 = spec.native_int8
         self.ready_info = json.dumps({"pid": os.getpid(), "index": cfg.index, "device": cfg.device, "gpu": cfg.gpu,
-                                      "dtype": cfg.dtype, "threads": cfg.threads, "model": spec.name}).encode()
+                                      "dtype": cfg.dtype, "threads": cfg.threads, "model": spec.name,
+                                      "bulk_sms": getattr(engine, "bulk_sms", 0)}).encode()
         self.control = socket.socket(fileno=cfg.control_fd)
         self.control.setblocking(False)
         self.control_queue: deque[tuple[dict, list[int]]] = deque()  # read, not yet acted on

@@ -38,7 +38,8 @@ def load(cfg: WorkerConfig):
     model = load_model(cfg.model, device=device, dtype=getattr(torch, cfg.dtype), pooling=cfg.pooling,
                        attention=cfg.attention, options=cfg.engine_options)
     engine = make_engine(model, device, max_batch_tokens=cfg.max_batch_tokens, cuda_graphs=cfg.cuda_graphs,
-                         graph_max_tokens=cfg.graph_max_tokens or None, defer_capture=True)
+                         graph_max_tokens=cfg.graph_max_tokens or None, defer_capture=True,
+                         bulk_sms=cfg.bulk_sms)
     # First-call costs, and on CUDA the likely query graphs, before READY rather than on a client.
     engine.warm_up(cfg.warmup_s)
     return engine, model.spec
