@@ -143,18 +143,7 @@ class ServeConfig:
             self.workers = len(gpus)
         elif self.devices:
             raise ValueError("--devices picks GPUs; it needs --device cuda")
-        for name in ("workers", "max_queued_tokens", "max_texts_per_request", "max_stream_in_flight",
-                     "max_request_bytes", "tokenizer_threads", "request_ring_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.bulk_sms < -1:
-            raise ValueError(f"--bulk-sms must be -1 (default), 0 (every SM) or a count of SMs, got {self.bulk_sms}")
-        if self.bulk_batch_tokens < 0:
-            raise ValueError(f"--bulk-batch-tokens must be 0 (no cap) or more, got {self.bulk_batch_tokens}")
-        if self.response_ring_bytes < 0:
-            raise ValueError(f"--response-ring-bytes must be 0 (auto) or more, got {self.response_ring_bytes}")
-        if self.worker_threads < 0:
-            raise ValueError(f"--worker-threads must be 0 (auto) or more, got {self.worker_threads}")
+        self.check_counts()
         if self.worker_spin_us < 0:
             self.worker_spin_us = 5000 if self.device == "cuda" else 0
         if self.warmup_seconds < 0:
@@ -182,6 +171,21 @@ class ServeConfig:
             raise ValueError("--shutdown-grace must be 0 or more")
         self.engine_options()  # names a bad engine option here rather than in each worker
         tracing.check_endpoint(self.otlp_endpoint)
+
+    def check_counts(self) -> None:
+        """The flags that count something: at least 1, or 0 (auto) and more, or -1 (default)."""
+        for name in ("workers", "max_queued_tokens", "max_texts_per_request", "max_stream_in_flight",
+                     "max_request_bytes", "tokenizer_threads", "request_ring_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.bulk_sms < -1:
+            raise ValueError(f"--bulk-sms must be -1 (default), 0 (every SM) or a count of SMs, got {self.bulk_sms}")
+        if self.bulk_batch_tokens < 0:
+            raise ValueError(f"--bulk-batch-tokens must be 0 (no cap) or more, got {self.bulk_batch_tokens}")
+        if self.response_ring_bytes < 0:
+            raise ValueError(f"--response-ring-bytes must be 0 (auto) or more, got {self.response_ring_bytes}")
+        if self.worker_threads < 0:
+            raise ValueError(f"--worker-threads must be 0 (auto) or more, got {self.worker_threads}")
 
     def check_http(self) -> None:
         host, _, port = self.http_listen.rpartition(":")
