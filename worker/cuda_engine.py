@@ -71,7 +71,7 @@ class Lane:
     SLOTS = 2  # double buffering: batch N+1 fills one slot while batch N's copies use the other
 
     def __init__(self, device: torch.device, cap: int, priority: int, partition: BulkPartition | None = None):
-        self.partition = partition  # kept: a green context lives as long as its streams
+        self.partition = partition  # None: a plain stream of `priority`
         if partition is None:
             self.stream = torch.cuda.Stream(device, priority=priority)
             self.copy_stream = torch.cuda.Stream(device, priority=priority)
