@@ -36,6 +36,7 @@ from pollen.worker.cuda_engine import CudaEngine  # noqa: E402
 from pollen.worker.engine import BULK, INTERACTIVE  # noqa: E402
 from pollen.worker.models.loader import load_model  # noqa: E402
 from pollen.worker.packed import pack  # noqa: E402
+from pollen.worker.sm_partition import BulkPartition  # noqa: E402
 
 BUDGET = 8192
 
@@ -71,19 +72,22 @@ def drive(engine, bulk: list, asks: list, seconds: float, gap_s: float) -> dict:
             "query_p99_ms": float(np.percentile(ms, 99)) if len(ms) else None, "queries": len(ms)}
 
 
-def partition(engine: CudaEngine, sms: int, carveout: int, keep: list) -> None:
+def partition(engine: CudaEngine, sms: int, carveout: int) -> None:
     """The bulk lane on a green context of `sms` SMs (0: a plain stream), its graphs dropped so
-    that they are captured again there, under cuBLAS carveout `carveout`."""
+    that they are captured again there, under cuBLAS carveout `carveout`. The engine's own
+    partition (worker/sm_partition.py, `bulk_sms`), swapped in after construction so that one
+    engine and one warm-up serve every config."""
     lane = engine.lanes[BULK]
     torch.cuda.synchronize()
     if sms:
-        green = torch.cuda.green_contexts.GreenContext.create(num_sms=sms, device_id=0)
-        keep.append(green)  # a green context lives as long as its streams
-        lane.stream, lane.copy_stream = green.Stream(), green.Stream()
+        lane.partition = BulkPartition(engine.device, sms)
+        lane.stream, lane.copy_stream = lane.partition.stream(), lane.partition.stream()
     else:
         low = torch.cuda.Stream.priority_range()[0]
+        lane.partition = None
         lane.stream = torch.cuda.Stream(engine.device, priority=low)
         lane.copy_stream = torch.cuda.Stream(engine.device, priority=low)
+    engine.bulk_sms = sms
     lane.graphs.clear()
     lane.pool = torch.cuda.graph_pool_handle()
     torch._C._set_sm_carveout_experimental(carveout or None)
@@ -109,10 +113,10 @@ def main() -> None:
     asks = [pack(qs[k:k + args.queries]) for k in range(0, len(qs), args.queries)]
     alone = drive(engine, [], asks, args.seconds / 2, args.gap_ms / 1e3)
     print("queries alone", alone, flush=True)
-    rows, keep = [], []
+    rows = []
     for config in args.configs.split(","):
         sms, carveout = map(int, config.split(":"))
-        partition(engine, sms, carveout, keep)
+        partition(engine, sms, carveout)
         try:
             for batch in bulk:  # captures the bulk buckets under this partition
                 engine.submit(batch, lane=BULK).result()
