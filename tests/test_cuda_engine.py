@@ -360,5 +360,10 @@ def test_bulk_lane_in_a_green_context_equals_the_reference(tmp_path):
     query = engine.submit(pack(seqs([9], seed=13)), lane=INTERACTIVE)
     assert cos(first, want) >= 0.999 and cos(pending.result(), want) >= 0.999
     assert cos(query.result(), cpu.submit(pack(seqs([9], seed=13))).result()) >= 0.999
+    # A bulk launch that raises (rows for a buffer of the wrong size) leaves the interactive
+    # lane's stream current, never the green context's.
+    with pytest.raises(RuntimeError):
+        engine.submit(batch, out=np.empty((1, engine.hidden + 1), np.float32), lane=BULK)
+    assert torch.cuda.current_stream() == engine.lanes[INTERACTIVE].stream
     default = CudaEngine(load_model(path, "cuda", torch.bfloat16), "cuda", max_batch_tokens=512, bulk_sms=-1)
     assert default.bulk_sms == total - max(8, total // 8)

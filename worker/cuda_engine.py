@@ -247,6 +247,21 @@ class CudaEngine:
         lane.staged[slot].synchronize()  # the copy that last read this pinned slot is done
         used = self.fill(lane.host_in[slot], batch, shape, normalize)
         torch.cuda.set_stream(lane.stream)  # the worker's one thread works on this lane's stream
+        try:
+            result = self.run_on_lane(lane, slot, used, batch, graph, out)
+        finally:
+            if lane.partition is not None:
+                # Never leave a green context's stream current, not even when the launch raised:
+                # memory freed at exit asks the current stream whether it is capturing, and that
+                # stream's context may be gone by then.
+                torch.cuda.set_stream(self.lanes[INTERACTIVE].stream)
+        done = lane.done[slot]  # reusable: this slot's previous result was read before we got here
+        done.record(lane.stream)
+        return LazyTensor(result, done)
+
+    def run_on_lane(self, lane: Lane, slot: int, used: int, batch: PackedBatch, graph, out):
+        """Upload, run (replay the graph, or eagerly) and start the copy of the rows out, on the
+        lane's stream (the current one); the result tensor or buffers the rows land in."""
         self.upload(lane, slot, used)
         if graph is None:
             inputs, _ = self.views(lane.static_in, batch.tokens, len(batch.cu_seqlens) - 1, batch.rows)
@@ -257,18 +272,12 @@ class CudaEngine:
         if out is None:  # tests, tools and the bulk lane: a pinned buffer of the caching host allocator
             result = torch.empty(batch.rows, self.hidden, dtype=torch.float32, pin_memory=True)
             result.copy_(rows[:batch.rows], non_blocking=True)
-        else:  # the response rings, registered: each part's DMA lands in its answer record itself
-            result, at = out, 0
-            for part in out if isinstance(out, list) else [out]:
-                torch.from_numpy(part).copy_(rows[at:at + len(part)], non_blocking=True)
-                at += len(part)
-        done = lane.done[slot]  # reusable: this slot's previous result was read before we got here
-        done.record(lane.stream)
-        if lane.partition is not None:
-            # Never leave a green context's stream current: memory freed at exit asks the current
-            # stream whether it is capturing, and that stream's context may be gone by then.
-            torch.cuda.set_stream(self.lanes[INTERACTIVE].stream)
-        return LazyTensor(result, done)
+            return result
+        at = 0  # the response rings, registered: each part's DMA lands in its answer record itself
+        for part in out if isinstance(out, list) else [out]:
+            torch.from_numpy(part).copy_(rows[at:at + len(part)], non_blocking=True)
+            at += len(part)
+        return out
 
     def upload(self, lane: Lane, slot: int, used: int) -> None:
         """The pinned slot's inputs into the lane's static inputs, on the lane's stream."""
