@@ -57,6 +57,7 @@ def test_d2h_lands_in_the_registered_ring_and_equals_the_cpu(tmp_path, ring, dty
     cpu = EagerEngine(load_model(path)).submit(batch).result()
 
     engine = CudaEngine(load_model(path, "cuda", dtype), "cuda", max_batch_tokens=512, cuda_graphs=graphs)
+    assert engine.runtime is not None  # the copies into the ring go straight to the CUDA runtime
     engine.warm_up()
     engine.register_host_memory(*ring.mapped_memory())
     try:
@@ -85,6 +86,37 @@ def test_d2h_lands_in_the_registered_ring_and_equals_the_cpu(tmp_path, ring, dty
         assert got == expected  # the consumer reads exactly what the DMA wrote
     finally:
         engine.close()
+
+
+def test_direct_copies_equal_torch_copies_and_never_overrun(tmp_path):
+    """The interactive lane's copies go straight to the CUDA runtime torch loaded (worker/cudart.py):
+    rows split over several buffers, as the worker splits a batch over its frontends' rings, equal
+    what copy_ writes to the bit, and buffers that do not fit the rows are refused, not overrun."""
+    from pollen.worker.cuda_engine import CudaEngine
+    from tests.test_model_bert import make_tiny
+
+    make_tiny(tmp_path / "m", pooling="mean")
+    engine = CudaEngine(load_model(str(tmp_path / "m"), "cuda", torch.bfloat16), "cuda", max_batch_tokens=512)
+    assert engine.runtime is not None and "libcudart" in engine.runtime.path
+    engine.warm_up()
+    rng = np.random.default_rng(3)
+    batch = pack([rng.integers(5, 1000, n, dtype=np.int32) for n in (4, 17, 2, 30, 9, 11, 6)])
+    flags = np.array([1, 1, 0, 1, 0, 1, 1], np.int32)
+    direct = [np.full((3, HIDDEN), np.nan, np.float32), np.full((4, HIDDEN), np.nan, np.float32)]
+    engine.submit(batch, out=direct, normalize=flags).result()
+    runtime, engine.runtime = engine.runtime, None
+    via_torch = [np.full((3, HIDDEN), np.nan, np.float32), np.full((4, HIDDEN), np.nan, np.float32)]
+    engine.submit(batch, out=via_torch, normalize=flags).result()
+    engine.runtime = runtime
+    assert not np.isnan(np.concatenate(direct)).any()
+    assert [d.tobytes() for d in direct] == [t.tobytes() for t in via_torch]
+    with pytest.raises(ValueError, match="rows"):
+        engine.submit(batch, out=[np.empty((100_000, HIDDEN), np.float32)])
+    with pytest.raises(ValueError, match="float32"):
+        engine.submit(batch, out=[np.empty((7, HIDDEN), np.float64)])
+    again = np.empty((7, HIDDEN), np.float32)  # the lane still works after a refused batch
+    engine.submit(batch, out=again, normalize=flags).result()
+    assert again.tobytes() == np.concatenate(direct).tobytes()
 
 
 def test_a_cuda_worker_answers_from_its_ring_like_the_cpu(tmp_path, second_device="cuda"):

@@ -10,7 +10,9 @@ One batch's life (batch N+1 is submitted before batch N's result is awaited):
           replays the graph captured for the batch's bucket (or runs eagerly): the forward,
           pooling, and L2 normalization of the flagged rows; then copies the rows D2H straight
           into the caller's `out` (the batch's records in the response rings, memory the worker
-          registered with CUDA, so the copy is a true asynchronous DMA), records an event
+          registered with CUDA, so the copy is a true asynchronous DMA), records an event. On the
+          interactive lane the small copies (inputs up, rows down) call the CUDA runtime
+          directly (worker/cudart.py): torch's copy_ costs a lone query tens of µs more
     CPU   LazyTensor.result() waits on that event: the bytes are in the ring
 
 Two lanes, each its own CUDA stream, pinned slots, device inputs and graphs, so an interactive
@@ -42,6 +44,7 @@ import time
 import numpy as np
 import torch
 
+from pollen.worker import cudart
 from pollen.worker.engine import BULK, INTERACTIVE
 from pollen.worker.lazy import LazyTensor
 from pollen.worker.models.base import EmbeddingModel
@@ -58,6 +61,16 @@ def token_buckets(limit: int) -> list[int]:
         size = max(size + 16, (size * 5 // 4 + 15) // 16 * 16)
     out.append(limit)
     return out
+
+
+def check_row_buffers(parts: list[np.ndarray], shape: torch.Size) -> None:
+    """Raw copies check what copy_ would: C-contiguous float32 buffers of the rows' width, no
+    more rows in all than there are."""
+    for part in parts:
+        if not (part.flags.c_contiguous and part.dtype == np.float32 and part.shape[1:] == shape[1:]):
+            raise ValueError(f"out buffers must be C-contiguous float32 [n, {shape[1]}], not {part.dtype} {part.shape}")
+    if sum(len(part) for part in parts) > shape[0]:
+        raise ValueError(f"out buffers hold {sum(len(part) for part in parts)} rows; the batch has {shape[0]}")
 
 
 def pow2_at_least(n: int, floor: int) -> int:
@@ -128,6 +141,8 @@ class CudaEngine:
                       file=sys.stderr, flush=True)
                 self.bulk_sms = 0
         self.lanes = (Lane(self.device, cap, high), Lane(self.device, cap, low, partition))
+        # The interactive lane's small copies skip torch's copy_ (worker/cudart.py); None: copy_ throughout.
+        self.runtime = cudart.find()
         self.registered: list[int] = []  # host addresses we page-locked (register_host_memory)
         self.defer_capture = defer_capture
         self.capture_seconds = 0.0
@@ -230,6 +245,8 @@ class CudaEngine:
     def submit(self, batch: PackedBatch, out=None, normalize: np.ndarray | None = None,
                lane: int = INTERACTIVE) -> LazyTensor:
         """Start a batch on a lane (INTERACTIVE: high priority; BULK: low priority)."""
+        if torch.is_inference_mode_enabled():  # the worker runs its whole loop in it: entering costs 3-30 µs
+            return self._submit(batch, out, normalize, lane)
         with torch.inference_mode():
             return self._submit(batch, out, normalize, lane)
 
@@ -273,11 +290,25 @@ class CudaEngine:
             result = torch.empty(batch.rows, self.hidden, dtype=torch.float32, pin_memory=True)
             result.copy_(rows[:batch.rows], non_blocking=True)
             return result
-        at = 0  # the response rings, registered: each part's DMA lands in its answer record itself
-        for part in out if isinstance(out, list) else [out]:
+        parts = out if isinstance(out, list) else [out]
+        if self.direct(lane) and rows.dtype == torch.float32 and rows.is_contiguous():
+            # The response rings, registered: each part's DMA lands in its answer record itself.
+            check_row_buffers(parts, rows.shape)
+            at, row_bytes, stream = rows.data_ptr(), rows.stride(0) * 4, lane.stream.cuda_stream
+            for part in parts:
+                self.runtime.memcpy_async(part.ctypes.data, at, part.nbytes, cudart.DEVICE_TO_HOST, stream)
+                at += len(part) * row_bytes
+            return out
+        at = 0
+        for part in parts:
             torch.from_numpy(part).copy_(rows[at:at + len(part)], non_blocking=True)
             at += len(part)
         return out
+
+    def direct(self, lane: Lane) -> bool:
+        """Whether this lane's small copies go straight to the runtime: the interactive lane's,
+        where a query waits on them. A green context's streams keep torch's copy_."""
+        return self.runtime is not None and lane.partition is None
 
     def upload(self, lane: Lane, slot: int, used: int) -> None:
         """The pinned slot's inputs into the lane's static inputs, on the lane's stream."""
@@ -291,7 +322,11 @@ class CudaEngine:
             lane.static_in[:used].copy_(lane.staging[slot][:used], non_blocking=True)
         else:
             # A query's few hundred bytes: one copy on the compute stream costs less than a stream hop.
-            lane.static_in[:used].copy_(lane.host_in[slot][:used], non_blocking=True)
+            if self.direct(lane):
+                self.runtime.memcpy_async(lane.static_in.data_ptr(), lane.host_in[slot].data_ptr(), used * 4,
+                                          cudart.HOST_TO_DEVICE, lane.stream.cuda_stream)
+            else:
+                lane.static_in[:used].copy_(lane.host_in[slot][:used], non_blocking=True)
             lane.staged[slot].record(lane.stream)
 
     def capture_one(self) -> bool:
