@@ -142,23 +142,13 @@ def hops(calls: list[tuple[int, int]], ns: np.ndarray, names: list[str]) -> dict
 
 
 def main() -> int:
+    from load.bench_query_path import add_model_args, query_model
+
     p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="", help="a load/gpu_models.py shape (default: a one-layer micro BERT)")
-    p.add_argument("--tokenizer", default="", help="with --shape: the model family's tokenizer.json")
-    p.add_argument("--root", default="/tmp/pollen-ckpt")
-    p.add_argument("--device", default="cpu")
+    add_model_args(p)
     p.add_argument("--calls", type=int, default=2000)
-    p.add_argument("--server-flags", default="", help="extra `pollen serve` flags")
-    p.add_argument("--out", default="")
     args = p.parse_args()
-    if args.shape:
-        from load.gpu_models import make_checkpoint, with_tokenizer
-
-        model_dir = with_tokenizer(make_checkpoint(args.shape, args.root), args.tokenizer)
-    else:
-        from load.bench_query_path import micro_bert
-
-        model_dir = micro_bert()
+    model_dir = query_model(args)
     flags = ["--worker-threads", "1"] if args.device == "cpu" else []
     work = pathlib.Path(tempfile.mkdtemp(prefix="pollen-hops-"))
     events = str(work / "events")

@@ -62,21 +62,30 @@ def micro_bert() -> str:
     return str(model_dir)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model, device and server flags of the one-query benchmarks (this one and bench_query_hops)."""
     p.add_argument("--shape", default="", help="a load/gpu_models.py shape (default: a one-layer micro BERT)")
     p.add_argument("--tokenizer", default="", help="with --shape: the model family's tokenizer.json")
     p.add_argument("--root", default="/tmp/pollen-ckpt")
     p.add_argument("--device", default="cpu")
     p.add_argument("--server-flags", default="", help="extra `pollen serve` flags")
     p.add_argument("--out", default="")
-    args = p.parse_args()
+
+
+def query_model(args: argparse.Namespace) -> str:
+    """The checkpoint folder: the --shape with its family's tokenizer, or the micro BERT."""
     if args.shape:
         from load.gpu_models import make_checkpoint, with_tokenizer
 
-        model_dir = with_tokenizer(make_checkpoint(args.shape, args.root), args.tokenizer)
-    else:
-        model_dir = micro_bert()
+        return with_tokenizer(make_checkpoint(args.shape, args.root), args.tokenizer)
+    return micro_bert()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    args = p.parse_args()
+    model_dir = query_model(args)
     seq = np.arange(16, dtype=np.int32) + 5
     text = "how do I keep a sourdough starter alive while on a two week holiday"
 
