@@ -8,10 +8,12 @@ load/bench_engine_copies.py`, load/results/gpu-engine-copies-2026-12-01.md) `Ten
 record); the runtime's own call through ctypes 5-8 and 43-61 µs. A lone query's submit to result
 went from 1,016 to 981 µs (p50), interleaved call by call.
 
-Only memory that outlives the copy without torch's help goes through here: a lane's static
-inputs and pinned slots, a graph's output rows or rows the caller still holds, and response-ring
-records (registered with cudaHostRegister, so the copy is a true DMA). The caller orders the
-copy on its stream and records the events it waits on, as with `copy_`.
+Only memory that stays valid for the copy without torch's bookkeeping goes through here: a
+lane's static inputs and pinned slots (alive as long as the engine), a graph's output rows, an
+eager forward's rows (freed to torch's allocator for the same stream, so any reuse is queued
+behind the copy), and response-ring records (registered with cudaHostRegister, so the copy is a
+true DMA). The caller orders the copy on its stream and records the events it waits on, as with
+`copy_`.
 
 `find()` opens the libcudart that this process has already mapped (torch's own), so the stream
 handles are that runtime's; None where there is none to find (a torch that links the runtime
