@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from load import load_clients  # noqa: E402
 from load.corpus import _WORDS  # noqa: E402
-from load.results_file import write_results  # noqa: E402
+from load.results_file import write_results_to  # noqa: E402
 
 ENGINE_BATCHES = (1, 8, 32, 128, 512)
 
@@ -131,7 +131,7 @@ def main() -> None:
                 print(kind, r, flush=True)
     finally:
         server.terminate()
-    write_results(os.path.dirname(args.out) or ".", os.path.basename(args.out), result, header(result, args),
+    write_results_to(args.out, result, header(result, args),
                   table(result, args))
 
 

@@ -27,7 +27,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from load.bench_grpc import machine  # noqa: E402
-from load.results_file import write_results  # noqa: E402
+from load.results_file import write_results_to  # noqa: E402
 from pollen.worker import cudart  # noqa: E402
 from pollen.worker.engine import make_engine  # noqa: E402
 from pollen.worker.models.loader import load_model  # noqa: E402
@@ -132,7 +132,7 @@ def main() -> int:
               f"{os.path.basename(engine.runtime.path)}. Command: `python {' '.join(sys.argv)}`.\n\n")
     print(header + table)
     if args.out:
-        write_results(os.path.dirname(args.out) or ".", os.path.basename(args.out), result, header, table)
+        write_results_to(args.out, result, header, table)
     return 0
 
 

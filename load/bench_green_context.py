@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from load.results_file import write_results  # noqa: E402
+from load.results_file import write_results_to  # noqa: E402
 
 ROWS, HIDDEN, INNER, QUERY_ROWS, QUERY_PRODUCTS = 8192, 1024, 3072, 16, 144
 
@@ -134,7 +134,7 @@ def main() -> None:
         for r in rows)
     print(head + table)
     if args.out:
-        write_results(os.path.dirname(args.out) or ".", os.path.basename(args.out), {"rows": rows}, head, table)
+        write_results_to(args.out, {"rows": rows}, head, table)
 
 
 if __name__ == "__main__":

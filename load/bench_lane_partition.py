@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from load.bench_engine import docs, greedy_batches, queries  # noqa: E402
 from load.gpu_models import make_checkpoint  # noqa: E402
-from load.results_file import write_results  # noqa: E402
+from load.results_file import write_results_to  # noqa: E402
 from pollen.worker.cuda_engine import CudaEngine  # noqa: E402
 from pollen.worker.engine import BULK, INTERACTIVE  # noqa: E402
 from pollen.worker.models.loader import load_model  # noqa: E402
@@ -146,8 +146,7 @@ def main() -> None:
                   f"{m['bulk_tokens_per_s']:,.0f} | {m['query_p50_ms']:.2f} / {m['query_p99_ms']:.2f} |\n")
     print(head + table)
     if args.out:
-        write_results(os.path.dirname(args.out) or ".", os.path.basename(args.out),
-                      {"alone": alone, "rows": rows}, head, table)
+        write_results_to(args.out, {"alone": alone, "rows": rows}, head, table)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from load import load_clients  # noqa: E402
 from load.bench_concurrency import query_texts, server_info, versions  # noqa: E402
 from load.corpus import _sentence  # noqa: E402
-from load.results_file import write_results  # noqa: E402
+from load.results_file import write_results_to  # noqa: E402
 
 STREAMS, WINDOW, PER_MESSAGE = 4, 32, 8
 
@@ -139,7 +139,7 @@ def main() -> None:
         print("mixed", result["mixed"], result["mixed_bulk"], flush=True)
     finally:
         server.terminate()
-    write_results(os.path.dirname(args.out) or ".", os.path.basename(args.out), result, header(result),
+    write_results_to(args.out, result, header(result),
                   table(result, args.interactive_clients))
 
 

@@ -36,7 +36,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from load.bench_grpc import machine  # noqa: E402
-from load.results_file import write_results  # noqa: E402
+from load.results_file import write_results_to  # noqa: E402
 from pollen.v1 import embedder_pb2 as pb  # noqa: E402
 from pollen.v1 import embedder_pb2_grpc as pb_grpc  # noqa: E402
 from tests.conftest import ServerProcess  # noqa: E402
@@ -204,7 +204,7 @@ def main() -> int:
               f"Command: `python {' '.join(shlex.quote(a) for a in sys.argv)}`.\n\n")
     print(header + table)
     if args.out:
-        write_results(os.path.dirname(args.out) or ".", os.path.basename(args.out), result, header, table)
+        write_results_to(args.out, result, header, table)
     return 0
 
 

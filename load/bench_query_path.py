@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import pathlib
 import platform
 import shlex
@@ -32,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from load.bench_grpc import machine  # noqa: E402
 from load.gpu_models import write_tokenizer  # noqa: E402
-from load.results_file import write_results  # noqa: E402
+from load.results_file import write_results_to  # noqa: E402
 from pollen.v1 import embedder_pb2 as pb  # noqa: E402
 from pollen.v1 import embedder_pb2_grpc as pb_grpc  # noqa: E402
 from pollen.worker.engine import EagerEngine, make_engine  # noqa: E402
@@ -161,7 +160,7 @@ def main() -> int:
               f"{result['embed_p99_us']:.0f} µs (token ids), {result['text_p99_us']:.0f} µs (text).\n\n")
     print(table)
     out = args.out or str(REPO / "load" / "results" / f"query-path-cpu-{result['date']}")
-    write_results(os.path.dirname(out), os.path.basename(out), result, header, table)
+    write_results_to(out, result, header, table)
     return 0
 
 

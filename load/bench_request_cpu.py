@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 from load import load_clients  # noqa: E402
 from load.bench_concurrency import query_texts, versions  # noqa: E402
 from load.pyspy_profile import record_profile, summarize_profile  # noqa: E402
-from load.results_file import write_results  # noqa: E402
+from load.results_file import write_results_to  # noqa: E402
 from tests.conftest import ServerProcess  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -115,7 +115,7 @@ def main() -> None:
             f"| {title} | {us:,.0f} |\n" for title, us in sorted(cost.items()))
         if profile:
             table += "\nThe frontend's samples by function (py-spy, GIL-idle samples left out):\n\n" + profile
-        write_results(os.path.dirname(args.out) or ".", os.path.basename(args.out), result, head, table)
+        write_results_to(args.out, result, head, table)
 
 
 if __name__ == "__main__":

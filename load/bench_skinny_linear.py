@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from load.results_file import write_results  # noqa: E402
+from load.results_file import write_results_to  # noqa: E402
 from pollen.worker.kernels import activations, norms  # noqa: E402
 from pollen.worker.kernels import skinny as sk  # noqa: E402
 
@@ -152,8 +152,7 @@ def main():
     header = (f"# Skinny products at query sizes, {meta['date']}\n\n{meta['gpu']}, torch {meta['torch']}, "
               f"triton {meta['triton']}. Mean µs inside a CUDA graph over {LAYERS} layers with distinct "
               f"weights. Command: `python load/bench_skinny_linear.py --out {args.out}`.\n\n")
-    write_results(os.path.dirname(args.out) or ".", os.path.basename(args.out),
-                  {"meta": meta, "results": results, "layer": chains, "configs": configs}, header, "\n".join(lines))
+    write_results_to(args.out, {"meta": meta, "results": results, "layer": chains, "configs": configs}, header, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from load.bench_concurrency import query_texts, server_processes, versions  # no
 from load.bench_e2e import stream_docs  # noqa: E402
 from load.bench_engine import DOCS, docs  # noqa: E402
 from load.gpu_models import SHAPES, make_checkpoint, with_tokenizer  # noqa: E402
-from load.results_file import write_results  # noqa: E402
+from load.results_file import write_results_to  # noqa: E402
 from tests.conftest import ServerProcess  # noqa: E402
 
 DEVICE = "cuda"  # --device; cpu only to check this script on a machine without GPUs
@@ -139,7 +139,7 @@ def main() -> None:
     texts = query_texts()
     result = {"meta": versions(), "command": " ".join(shlex.quote(a) for a in sys.argv),
               "one_gpu": one_server("0", path, d, texts, args), "two_gpus": one_server("0,1", path, d, texts, args)}
-    write_results(os.path.dirname(args.out) or ".", os.path.basename(args.out), result, header(result), table(result))
+    write_results_to(args.out, result, header(result), table(result))
 
 
 def header(result: dict) -> str:
