@@ -199,8 +199,17 @@ class Worker:
 
     def poll_control(self) -> None:
         """Read the control link's messages without acting on them, except to mark a dropped
-        link gone at once: its ring then takes answers nobody reads (see `room`)."""
-        while (message := control.receive(self.control)) is not None:
+        link gone at once: its ring then takes answers nobody reads (see `room`). A closed link
+        means the supervisor is gone: a killed one closes its sockets a moment before the kernel's
+        SIGKILL reaches us (die_with_parent), and in that moment we stop as the parent-pid checks
+        do, without a traceback."""
+        while True:
+            try:
+                message = control.receive(self.control)
+            except EOFError:
+                raise SystemExit(0) from None
+            if message is None:
+                return
             self.control_queue.append(message)
             body = message[0]
             if body["kind"] == "drop_link" and body["frontend"] in self.links:

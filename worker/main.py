@@ -17,7 +17,7 @@ from pollen.common.worker_config import WorkerConfig
 
 
 def die_with_parent() -> None:
-    """Ask Linux to SIGKILL us when the frontend goes, so no orphan holds a device."""
+    """Ask Linux to SIGKILL us when the supervisor goes, so no orphan holds a device."""
     PR_SET_PDEATHSIG = 1
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
