@@ -9,10 +9,14 @@ import numpy as np
 
 from pollen.client.messages import EmbedError, auth_metadata, build_request, concatenate, decode, split
 from pollen.client.ordering import StreamOrder
+from pollen.client.reconnect import Reconnects
 from pollen.client.targets import channel_options as options_with
 from pollen.client.targets import channel_target, describe
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
+
+# How long the probe after a failed write waits for Info.
+PROBE_TIMEOUT_S = 10.0
 
 
 class AsyncClient:
@@ -53,15 +57,16 @@ class AsyncClient:
         """As Client.embed_stream; `inputs` may be a plain or an async iterable."""
         order = StreamOrder(options, in_flight)
         source = _aiter(inputs)
+        retries = Reconnects(self.target, reconnect_within)
         while not order.finished:
             call = self._stub.EmbedStream(wait_for_ready=True, metadata=self._metadata)
             try:
                 for message in order.resend():
-                    await call.write(message)
+                    await _write(call, message)
                 while not order.finished:
                     while order.room > 0:
                         try:
-                            await call.write(order.add(await anext(source)))
+                            await _write(call, order.add(await anext(source)))
                         except StopAsyncIteration:
                             order.inputs_done = True
                             await call.done_writing()
@@ -72,13 +77,33 @@ class AsyncClient:
                         if response is grpc.aio.EOF:  # the server closed the stream early
                             raise _Lost()
                         order.accept(response)
-            except (grpc.RpcError, asyncio.InvalidStateError, _Lost) as exc:
-                code = await _status(call, exc)
+            except (grpc.RpcError, asyncio.InvalidStateError, _Lost, _WriteFailed) as exc:
+                if isinstance(exc, _WriteFailed):
+                    # grpc.aio replaces the status of a call whose write fails as the call ends
+                    # with a bare INTERNAL (grpc/grpc#36066): the server's own word is lost, so
+                    # ask the server itself whether it is there and takes our calls.
+                    code, details = await self._probe(exc.error)
+                else:
+                    code = await _status(call, exc)
+                    details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
                 if code != grpc.StatusCode.UNAVAILABLE:
-                    raise EmbedError(code, exc.details() if isinstance(exc, grpc.RpcError) else str(exc)) from None
+                    raise EmbedError(code, details) from None
+                await asyncio.sleep(retries.lost(order.answered, details))
                 await self._wait_for_server(reconnect_within)
             finally:
                 call.cancel()
+
+    async def _probe(self, error: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+        """After a stream was lost to a failed write: UNAVAILABLE (reconnect and resend) when the
+        server answers Info or cannot be reached, else Info's refusal (a key it no longer takes,
+        say), which the stream would have met as well."""
+        try:
+            await self._stub.Info(pb.InfoRequest(), timeout=PROBE_TIMEOUT_S, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return grpc.StatusCode.UNAVAILABLE, exc.details()
+            return exc.code(), exc.details()
+        return grpc.StatusCode.UNAVAILABLE, error.details()
 
     async def _wait_for_server(self, within: float) -> None:
         try:
@@ -98,8 +123,8 @@ class AsyncClient:
 
 
 async def _status(call, exc: Exception) -> grpc.StatusCode:
-    """Why the stream failed. A write into a call the server already dropped fails with a bare
-    INTERNAL from gRPC core; the call's own status says what happened (UNAVAILABLE, say)."""
+    """Why the stream failed, when no write did (a failed write: see _probe): the call's own
+    status (UNAVAILABLE, say); a stream that ended early without one counts as UNAVAILABLE."""
     if isinstance(exc, _Lost):
         return grpc.StatusCode.UNAVAILABLE
     try:
@@ -110,6 +135,21 @@ async def _status(call, exc: Exception) -> grpc.StatusCode:
 
 class _Lost(Exception):
     """The stream ended with messages unanswered."""
+
+
+class _WriteFailed(Exception):
+    """A write into the stream failed; `error` is what grpc.aio raised (its status unreliable)."""
+
+    def __init__(self, error: grpc.RpcError):
+        super().__init__(error)
+        self.error = error
+
+
+async def _write(call, message: pb.EmbedRequest) -> None:
+    try:
+        await call.write(message)
+    except grpc.RpcError as exc:
+        raise _WriteFailed(exc) from None
 
 
 async def _aiter(inputs):

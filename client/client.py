@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Iterable, Iterator, Sequence
 
 import grpc
@@ -9,6 +10,7 @@ import numpy as np
 
 from pollen.client.messages import EmbedError, auth_metadata, build_request, concatenate, decode, split
 from pollen.client.ordering import StreamOrder
+from pollen.client.reconnect import Reconnects
 from pollen.client.targets import channel_options as options_with
 from pollen.client.targets import channel_target, describe
 from pollen.v1 import embedder_pb2 as pb
@@ -59,9 +61,10 @@ class Client:
         of texts (sent as one message). Keeps `in_flight` messages on one EmbedStream; when the
         server is UNAVAILABLE (restarted, say, or one of the replicas gone) it reconnects and sends
         the unanswered ones again (on a replica that is up), giving up after `reconnect_within`
-        seconds without a connection."""
+        seconds without a connection or without an answer (client/reconnect.py)."""
         order = StreamOrder(options, in_flight)
         source = iter(inputs)
+        retries = Reconnects(self.target, reconnect_within)
         while not order.finished:
             outbox: queue.SimpleQueue = queue.SimpleQueue()
             call = self._stub.EmbedStream(_drain(outbox), wait_for_ready=True, metadata=self._metadata)
@@ -82,6 +85,8 @@ class Client:
                 code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
                 if code != grpc.StatusCode.UNAVAILABLE:
                     raise EmbedError.from_rpc(exc) from None
+                time.sleep(retries.lost(order.answered, exc.details() if isinstance(exc, grpc.RpcError)
+                                        else "the stream ended early"))
                 self._wait_for_server(reconnect_within)
             finally:
                 outbox.put(None)

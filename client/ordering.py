@@ -33,6 +33,11 @@ class StreamOrder:
         return 0 if self.inputs_done else self.window - len(self.unanswered) - len(self.early)
 
     @property
+    def answered(self) -> int:
+        """Messages answered so far (yielded or waiting for an earlier one)."""
+        return self.next_out + len(self.early)
+
+    @property
     def finished(self) -> bool:
         return self.inputs_done and not self.unanswered and not self.early
 

@@ -133,6 +133,28 @@ def test_the_clients_send_the_key(keyed):
     assert asyncio.run(embed_async()) == ((1, 384), 2)
 
 
+def test_the_async_stream_without_a_valid_key_says_unauthenticated_every_time(keyed):
+    # The server refuses the stream at once; the client's writes then race the refusal, and a
+    # write that loses makes grpc.aio report a bare INTERNAL (grpc/grpc#36066) unless the client
+    # asks the server what is wrong (client/aio.py _probe).
+    from pollen.client import AsyncClient, EmbedError
+
+    server, _ = keyed
+
+    async def attempts():
+        codes = []
+        async with AsyncClient(server.listen, api_key="not-a-key") as client:
+            for _ in range(20):
+                try:
+                    async for _vector in client.embed_stream([f"text {i}" for i in range(64)], in_flight=32):
+                        pass
+                except EmbedError as exc:
+                    codes.append(exc.code)
+        return codes
+
+    assert asyncio.run(attempts()) == [grpc.StatusCode.UNAUTHENTICATED] * 20
+
+
 def test_pollen_embed_takes_the_key(keyed):
     server, _ = keyed
 

@@ -1,9 +1,11 @@
 """pollen_client against the real server: vectors, encodings, request splitting, ordered streams,
-and a stream that survives the server being killed and started again on the same port."""
+a stream that survives the server being killed and started again on the same port, and one
+given up, with pauses between tries, when a server ends every stream."""
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -11,6 +13,7 @@ import pytest
 
 from pollen.client import AsyncClient, Client, EmbedError, ScaledInt8Array
 from pollen.v1 import embedder_pb2 as pb
+from pollen.v1 import embedder_pb2_grpc as pb_grpc
 from tests.conftest import ServerProcess, cosine_rows, vectors
 from tests.texts import varied_texts
 
@@ -145,3 +148,49 @@ def test_stream_survives_a_server_restart(kind, reference):
             assert srv.terminate() == 0
     assert len(answers) == len(texts)  # each input answered once, in order
     assert cosine_rows(np.stack(answers), reference(texts)).min() > 0.999
+
+
+class EndsEveryStream(pb_grpc.EmbedderServicer):
+    """A stand-in server (real gRPC on a real socket; pollen itself never ends every stream of a
+    client while it takes connections): Info answers, every EmbedStream ends UNAVAILABLE at once."""
+
+    def __init__(self):
+        self.streams = 0
+
+    def Info(self, request, context):
+        return pb.InfoResponse(model="stand-in", dimensions=4, max_texts_per_request=8)
+
+    def EmbedStream(self, request_iterator, context):
+        self.streams += 1
+        context.abort(grpc.StatusCode.UNAVAILABLE, "stand-in: this stream ends at once")
+        yield pb.EmbedResponse()  # never reached: makes this a generator, as a stream handler is
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_stream_gives_up_on_a_stand_in_server_that_ends_every_stream(kind):
+    from concurrent.futures import ThreadPoolExecutor
+
+    servicer = EndsEveryStream()
+    stand_in = grpc.server(ThreadPoolExecutor(4))
+    pb_grpc.add_EmbedderServicer_to_server(servicer, stand_in)
+    port = stand_in.add_insecure_port("127.0.0.1:0")
+    stand_in.start()
+    within = 2.0
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EmbedError) as gave_up:
+            if kind == "sync":
+                with Client(f"127.0.0.1:{port}") as c:
+                    list(c.embed_stream(["a", "b", "c"], reconnect_within=within))
+            else:
+                async def main():
+                    async with AsyncClient(f"127.0.0.1:{port}") as c:
+                        return [v async for v in c.embed_stream(["a", "b", "c"], reconnect_within=within)]
+                asyncio.run(main())
+    finally:
+        stand_in.stop(None)
+    took = time.monotonic() - t0
+    assert gave_up.value.code == grpc.StatusCode.UNAVAILABLE and "stream abandoned" in gave_up.value.message
+    assert within <= took < within + 5  # given up once `within` passed without an answer, not before
+    # Tried again with pauses doubling from 50 ms to 1 s: about 7 streams in 2 s, not thousands.
+    assert 3 <= servicer.streams <= 15, servicer.streams
