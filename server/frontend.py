@@ -7,11 +7,12 @@ worker (server/channel.py). The control link (common/control.py) brings each wor
 (worker_up) and takes them away when the worker dies (worker_down).
 
 Three steps: `build` wires the parts (nothing listens yet); `run` opens both doors, says
-`listening` to the supervisor and SERVING on health once the workers are ready, and waits for
-SIGTERM; `shutdown` drains: health says NOT_SERVING, calls keep being answered while they still
-arrive (a client that has sent a call gets its answer, never CANCELLED), then both doors stop
-taking calls and wait (up to --shutdown-grace) for those in flight; new calls are refused
-UNAVAILABLE by gRPC itself.
+`listening` to the supervisor and SERVING on health once the supervisor says the server has
+started (every frontend listening, every worker ready), and waits for SIGTERM; `shutdown`
+drains: health says NOT_SERVING, calls keep being answered while they still arrive (a client
+that has sent a call gets its answer, never CANCELLED), then both doors stop taking calls and
+wait (up to --shutdown-grace) for those in flight; new calls are refused UNAVAILABLE by gRPC
+itself.
 """
 from __future__ import annotations
 
@@ -100,6 +101,10 @@ class Frontend:
         self.control = socket.socket(fileno=fcfg.control_fd)
         self.control.setblocking(False)
         self.started = False   # every worker was ready once: SERVING from then on while one is
+        # The supervisor said the server has started (every frontend listening, every worker
+        # ready): before that a frontend's or a worker's death still aborts the whole start, so
+        # health must not say SERVING yet.
+        self.server_started = False
         self.draining = False
         self.serving: bool | None = None
 
@@ -135,26 +140,32 @@ class Frontend:
         await stop.wait()
 
     def on_control(self, stop: asyncio.Event) -> None:
-        """A message from the supervisor: a worker's rings to use, or a worker gone."""
+        """A message from the supervisor: a worker's rings to use, a worker gone, or the server
+        started."""
         try:
             while (message := control.receive(self.control)) is not None:
                 body, fds = message
-                channel = self.channels[body.get("worker", 0)]
                 if body["kind"] == "worker_up":
+                    channel = self.channels[body["worker"]]
                     channel.detach(requeue=True)
                     channel.attach(Ring.attach(body["requests"], fds[0], fds[1]),
                                    Ring.attach(body["responses"], fds[2], fds[3]))
                 elif body["kind"] == "worker_down":
-                    channel.detach(requeue=True)
+                    self.channels[body["worker"]].detach(requeue=True)
+                    self.update_health()
+                elif body["kind"] == "started":
+                    self.server_started = True
                     self.update_health()
         except EOFError:  # the supervisor is gone: so are the workers; stop
             asyncio.get_running_loop().remove_reader(self.control.fileno())
             stop.set()
 
     def update_health(self) -> None:
-        """SERVING once every worker has been ready, then while at least one is, until draining."""
+        """SERVING once the server has started and every worker has been ready, then while at
+        least one is, until draining."""
         self.started = self.started or all(c.ready.is_set() for c in self.channels)
-        serving = self.started and not self.draining and any(c.ready.is_set() for c in self.channels)
+        serving = (self.server_started and self.started and not self.draining
+                   and any(c.ready.is_set() for c in self.channels))
         if serving != self.serving:
             asyncio.ensure_future(self.set_health(serving))
 

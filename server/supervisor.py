@@ -160,6 +160,10 @@ class Supervisor:
         if self.failure:
             raise RuntimeError(self.failure)
         self.started = True
+        # Only now may health say SERVING: until here a child's death aborts the start.
+        for frontend in self.frontends:
+            if frontend is not None:
+                frontend.send({"kind": "started"})
         self.loop.call_later(HANG_CHECK_S, self.check_hangs)
 
     def all_up(self) -> bool:
@@ -200,6 +204,8 @@ class Supervisor:
                                           lambda c, code: self.on_frontend_exit(f, c, code),
                                           env={**FRONTEND_ENV, **os.environ})
         self.loop.add_reader(child.control.fileno(), self.on_frontend_message, f, child)
+        if self.started:  # a frontend restarted after the start
+            child.send({"kind": "started"})
         for w, worker in enumerate(self.workers):
             if worker is not None and worker.alive:
                 self.connect(f, w)

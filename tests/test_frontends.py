@@ -65,13 +65,28 @@ def test_frontends_share_the_connections_and_answer_everything_once(reference):
         assert server.terminate() == 0
 
 
+def listening_sockets(port: int) -> int:
+    """TCP sockets in LISTEN on `port` (IPv4 and IPv6), from the kernel's tables."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in list(f)[1:]:
+                local, state = line.split()[1], line.split()[3]
+                count += state == "0A" and int(local.rpartition(":")[2], 16) == port
+    return count
+
+
 def test_a_killed_frontend_comes_back_and_the_others_keep_serving(reference):
     server = ServerProcess("--frontends", str(FRONTENDS), "--log-level", "WARNING").start()
     texts = [f"text {i} while a frontend dies" for i in range(60)]
     try:
+        # SERVING means started: every frontend listens on both doors (until then a frontend's
+        # death fails the whole start, so health must not say SERVING before).
+        assert listening_sockets(int(server.listen.rpartition(":")[2])) == FRONTENDS
+        assert listening_sockets(server.http_port) == FRONTENDS
         before = frontend_pids(server)
         assert sorted(before) == list(range(FRONTENDS))
-        os.kill(before[1], signal.SIGKILL)
+        os.kill(before[1], signal.SIGKILL)  # at once: health said SERVING, so the start is over
         # New connections land on the frontends that live; a call that met the dead one is UNAVAILABLE.
         got = []
         with grpc.insecure_channel(server.listen) as channel:
