@@ -85,7 +85,8 @@ class ServeConfig:
                                       "not yet taken by gRPC); past it the stream's messages are not read until "
                                       "the client reads answers, and gRPC's flow control holds the client back")
     max_request_bytes: int = _flag(8 << 20, "largest gRPC message or HTTP body accepted; larger ones are refused "
-                                   "(gRPC: RESOURCE_EXHAUSTED, HTTP: 413)")
+                                   "(gRPC: RESOURCE_EXHAUSTED, on a stream as that message's error answer up to "
+                                   "twice this size, past it by ending the call; HTTP: 413)")
     worker_threads: int = _flag(0, "torch threads per CPU worker (0: the machine's cores divided among the workers)")
     tokenizer_threads: int = _flag(2, "threads that tokenize requests over 2,048 characters off the event loop "
                                    "(smaller ones are tokenized inline: faster than the hop)")

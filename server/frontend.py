@@ -41,7 +41,7 @@ from pollen.server.http11 import HttpServer
 from pollen.server.http_door import HttpDoor, error_response
 from pollen.server.router import Router
 from pollen.server.served_model import served_spec
-from pollen.server.service import EmbedderService, add_to_server
+from pollen.server.service import GRPC_LIMIT_FACTOR, EmbedderService, add_to_server
 from pollen.server.tokenizer import TextTokenizer
 from pollen.shared_mem.ring import Ring
 from pollen.shared_mem.server_state import ServerState
@@ -71,7 +71,9 @@ class FrontendConfig:
 
 def grpc_server(cfg: ServeConfig, service: EmbedderService, listen: str):
     server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", cfg.max_request_bytes),
+        # Up to GRPC_LIMIT_FACTOR x --max-request-bytes: messages over the flag are refused by the
+        # service one by one (server/service.py Oversize); gRPC would end a whole stream.
+        ("grpc.max_receive_message_length", min(GRPC_LIMIT_FACTOR * cfg.max_request_bytes, (1 << 31) - 1)),
         ("grpc.max_send_message_length", -1),
         # gRPC core sheds calls that wait for the handler past a soft limit of 1,000 with a bare
         # CANCELLED. Admission is ours to decide (--max-queued-tokens answers RESOURCE_EXHAUSTED

@@ -3,7 +3,11 @@
 The methods are registered by `add_to_server`, whose request deserializers never raise: bytes that
 are not a valid request become an `Undecodable` the handler answers (INVALID_ARGUMENT), in order
 with the stream's other messages, instead of an exception inside grpc (a bare UNKNOWN and an
-ERROR traceback per call for unary calls, a stream ended silently with OK). When the server has
+ERROR traceback per call for unary calls, a stream ended silently with OK). A message over
+--max-request-bytes becomes an `Oversize`, refused on its own (RESOURCE_EXHAUSTED; on a stream an
+error answer with its id, the stream going on): gRPC itself only ends a call whose message is
+over GRPC_LIMIT_FACTOR times that, since it can only end the whole call, losing the answers of
+a stream's other messages. When the server has
 API keys (server/auth.py), every method is registered behind `guarded`, which ends a call
 without a valid `authorization` metadata UNAUTHENTICATED before the method sees it; the health
 and reflection services are registered apart and stay open.
@@ -34,6 +38,9 @@ _POOLING = {"mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS, "last": pb.POOLING_L
 SERVICE = pb.DESCRIPTOR.services_by_name["Embedder"]
 # Undecodable messages are logged at most once per this many seconds, with a count.
 UNDECODABLE_LOG_INTERVAL_S = 10.0
+# gRPC receives messages up to this many times --max-request-bytes (so that one a little over
+# is refused alone, see the module docstring); the bound on one message's memory in a frontend.
+GRPC_LIMIT_FACTOR = 2
 
 
 class Undecodable:
@@ -45,13 +52,30 @@ class Undecodable:
         self.type_name, self.size, self.reason = type_name, size, reason
 
 
-def lenient(message_type):
-    """A request deserializer that returns an Undecodable instead of raising."""
+class Oversize:
+    """Stands in for a request message over --max-request-bytes (its id kept, to answer by)."""
+
+    __slots__ = ("id", "limit", "size")
+
+    def __init__(self, size: int, limit: int, request_id: str):
+        self.size, self.limit, self.id = size, limit, request_id
+
+    def error(self, where: str = "the request") -> RequestError:
+        return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"{where} has {self.size} bytes, over the server's --max-request-bytes of "
+                            f"{self.limit}; split it into smaller requests")
+
+
+def lenient(message_type, max_bytes: int):
+    """A request deserializer that returns an Undecodable (or an Oversize) instead of raising."""
     def decode(data: bytes):
         try:
-            return message_type.FromString(data)
+            message = message_type.FromString(data)
         except Exception as exc:  # noqa: BLE001 - DecodeError, or whatever else bad bytes raise: never into grpc
             return Undecodable(message_type.DESCRIPTOR.full_name, len(data), str(exc))
+        if len(data) > max_bytes:
+            return Oversize(len(data), max_bytes, getattr(message, "id", ""))
+        return message
     return decode
 
 
@@ -67,7 +91,7 @@ def add_to_server(service: EmbedderService, server) -> None:
         if service.keys:
             behavior = guarded(behavior, service.keys, method.name, method.server_streaming)
         handlers[method.name] = kinds[method.client_streaming, method.server_streaming](
-            behavior, request_deserializer=lenient(request),
+            behavior, request_deserializer=lenient(request, service.cfg.max_request_bytes),
             response_serializer=response.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
     server.add_registered_method_handlers(SERVICE.full_name, handlers)
@@ -203,6 +227,9 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         if isinstance(request, Undecodable):
             count_request("grpc", grpc.StatusCode.INVALID_ARGUMENT.name)
             await abort(context, undecodable(request, "Embed"))
+        if isinstance(request, Oversize):
+            count_request("grpc", grpc.StatusCode.RESOURCE_EXHAUSTED.name)
+            await abort(context, request.error())
         remaining = context.time_remaining()
         deadline_ns = time.monotonic_ns() + int(remaining * 1e9) if remaining is not None else 0
         return await unary(context, "Embed", self.counted_embed(request, "grpc", deadline_ns=deadline_ns,
@@ -210,7 +237,8 @@ class EmbedderService(pb_grpc.EmbedderServicer):
 
     async def EmbedStream(self, request_iterator, context):
         """Answer each message as soon as it is done; a bad message gets an error answer only.
-        One that does not decode ends the stream INVALID_ARGUMENT, after the earlier ones' answers."""
+        One that does not decode ends the stream INVALID_ARGUMENT, after the earlier ones' answers;
+        one over --max-request-bytes gets an error answer only (RESOURCE_EXHAUSTED)."""
         stream = EmbedStreamCall(self, request_iterator, self.cfg.max_stream_in_flight, context.invocation_metadata)
         async for response in stream.responses():
             yield response
@@ -224,6 +252,8 @@ class EmbedderService(pb_grpc.EmbedderServicer):
     async def Tokenize(self, request, context):
         if isinstance(request, Undecodable):
             await abort(context, undecodable(request, "Tokenize"))
+        if isinstance(request, Oversize):
+            await abort(context, request.error())
         return await unary(context, "Tokenize", self.tokenize(request))
 
     async def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
@@ -235,6 +265,8 @@ class EmbedderService(pb_grpc.EmbedderServicer):
     async def Info(self, request, context):
         if isinstance(request, Undecodable):
             await abort(context, undecodable(request, "Info"))
+        if isinstance(request, Oversize):
+            await abort(context, request.error())
         return pb.InfoResponse(
             model=self.spec.name, dimensions=self.spec.hidden_size, max_tokens=self.spec.max_tokens,
             pooling=_POOLING.get(self.spec.pooling, pb.POOLING_UNSPECIFIED), encodings=list(encodings.SUPPORTED),
@@ -307,6 +339,10 @@ class EmbedStreamCall:
                 if isinstance(request, Undecodable):
                     self.undecodable = request
                     break
+                if isinstance(request, Oversize):
+                    self.refuse(error_response(request.id, request.error(f"message {self.received} of this stream")),
+                                grpc.StatusCode.RESOURCE_EXHAUSTED)
+                    continue
                 self.accept(request)
             while self.tasks:
                 await asyncio.wait(set(self.tasks))
@@ -328,8 +364,8 @@ class EmbedStreamCall:
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
-    def refuse(self, response: pb.EmbedResponse) -> None:
-        count_request("grpc", grpc.StatusCode.INVALID_ARGUMENT.name)
+    def refuse(self, response: pb.EmbedResponse, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
+        count_request("grpc", code.name)
         self.answers.put_nowait(response)
 
     async def answer(self, request: pb.EmbedRequest) -> None:

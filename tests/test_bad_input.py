@@ -58,13 +58,29 @@ def test_int8_is_offered_with_one_scale_per_row(stub):
     assert (reply.rows, reply.dims, len(reply.embeddings), len(reply.scales)) == (2, 384, 768, 2)
 
 
-def test_message_over_the_size_limit_is_refused_by_grpc(stub, server):
-    # The session server runs with --max-request-bytes 1 MiB.
-    with pytest.raises(grpc.RpcError) as err:
-        stub.Embed(pb.EmbedRequest(texts=["x" * (1 << 20)]), timeout=30)
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+def test_message_over_the_size_limit_is_refused(stub, server):
+    # The session server runs with --max-request-bytes 1 MiB: refused by the server, saying so,
+    # up to twice that; past it by gRPC itself.
+    for size, says in ((1 << 20, "over the server's --max-request-bytes of 1048576"),
+                       (3 << 20, "Received message larger than max")):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Embed(pb.EmbedRequest(texts=["x" * size]), timeout=30)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and says in err.value.details()
     assert server.healthy()
     assert vectors(stub.Embed(pb.EmbedRequest(texts=["still fine"]), timeout=30)).shape == (1, 384)
+
+
+def test_stream_message_over_the_size_limit_fails_alone(stub, server):
+    # One message a little over --max-request-bytes (1 MiB) among good ones on a stream: it gets
+    # an error answer by its id, every other message its vectors, and the stream ends OK.
+    good = [pb.EmbedRequest(id=f"good-{i}", texts=[f"sentence {i}"] * 4, truncate=pb.TRUNCATE_END) for i in range(8)]
+    big = pb.EmbedRequest(id="big", texts=["y" * (1 << 20)])
+    answers = {r.id: r for r in stub.EmbedStream(iter(good[:4] + [big] + good[4:]), timeout=120)}
+    assert sorted(answers) == sorted([g.id for g in good] + ["big"])
+    assert answers["big"].error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert f"message 5 of this stream has {big.ByteSize()} bytes" in answers["big"].error.message
+    for g in good:
+        assert not answers[g.id].error.message and vectors(answers[g.id]).shape == (4, 384)
 
 
 def test_stream_bad_messages_fail_alone(stub, server):
