@@ -35,10 +35,9 @@ class AsyncClient:
     async def info(self) -> pb.InfoResponse:
         if self._info is None:
             try:
-                self._info = await self._stub.Info(pb.InfoRequest(), timeout=self.timeout, wait_for_ready=True,
-                                                   metadata=self._metadata)
-            except grpc.RpcError as exc:
-                raise EmbedError.from_rpc(exc) from None
+                self._info = await self._stub.Info(pb.InfoRequest(), timeout=self.timeout, metadata=self._metadata)
+            except grpc.RpcError as exc:  # fail fast, as Client.info
+                raise EmbedError.from_rpc(exc, self.target) from None
         return self._info
 
     async def embed(self, texts: str | Sequence[str], **options) -> np.ndarray:
@@ -49,7 +48,7 @@ class AsyncClient:
                                                               metadata=self._metadata)
                                              for p in pieces))
         except grpc.RpcError as exc:
-            raise EmbedError.from_rpc(exc) from None
+            raise EmbedError.from_rpc(exc, self.target) from None
         return concatenate([decode(r) for r in replies])
 
     async def embed_stream(self, inputs: Iterable | AsyncIterable, *, in_flight: int = 16,
@@ -59,7 +58,8 @@ class AsyncClient:
         source = _aiter(inputs)
         retries = Reconnects(self.target, reconnect_within)
         while not order.finished:
-            call = self._stub.EmbedStream(wait_for_ready=True, metadata=self._metadata)
+            await self._wait_for_server(reconnect_within)  # bounded; then a call that fails fast, as Client's
+            call = self._stub.EmbedStream(metadata=self._metadata)
             try:
                 for message in order.resend():
                     await _write(call, message)
@@ -89,7 +89,6 @@ class AsyncClient:
                 if code != grpc.StatusCode.UNAVAILABLE:
                     raise EmbedError(code, details) from None
                 await asyncio.sleep(retries.lost(order.answered, details))
-                await self._wait_for_server(reconnect_within)
             finally:
                 call.cancel()
 

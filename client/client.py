@@ -37,10 +37,11 @@ class Client:
         """The server's model and limits (asked once, then remembered)."""
         if self._info is None:
             try:
-                self._info = self._stub.Info(pb.InfoRequest(), timeout=self.timeout, wait_for_ready=True,
-                                             metadata=self._metadata)
+                # Fail fast (gRPC's default, with the retries of targets.py): an address nobody
+                # listens on is UNAVAILABLE in about a second, not a silent wait of `timeout`.
+                self._info = self._stub.Info(pb.InfoRequest(), timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as exc:
-                raise EmbedError.from_rpc(exc) from None
+                raise EmbedError.from_rpc(exc, self.target) from None
         return self._info
 
     def embed(self, texts: str | Sequence[str], **options) -> np.ndarray:
@@ -51,7 +52,7 @@ class Client:
             try:
                 reply = self._stub.Embed(build_request(piece, **options), timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as exc:
-                raise EmbedError.from_rpc(exc) from None
+                raise EmbedError.from_rpc(exc, self.target) from None
             parts.append(decode(reply))
         return concatenate(parts)
 
@@ -66,8 +67,11 @@ class Client:
         source = iter(inputs)
         retries = Reconnects(self.target, reconnect_within)
         while not order.finished:
+            # A connection first, within reconnect_within; then a call that fails at once if the
+            # connection breaks (waiting for ready inside the call would wait without a bound).
+            self._wait_for_server(reconnect_within)
             outbox: queue.SimpleQueue = queue.SimpleQueue()
-            call = self._stub.EmbedStream(_drain(outbox), wait_for_ready=True, metadata=self._metadata)
+            call = self._stub.EmbedStream(_drain(outbox), metadata=self._metadata)
             try:
                 for message in order.resend():
                     outbox.put(message)
@@ -87,7 +91,6 @@ class Client:
                     raise EmbedError.from_rpc(exc) from None
                 time.sleep(retries.lost(order.answered, exc.details() if isinstance(exc, grpc.RpcError)
                                         else "the stream ended early"))
-                self._wait_for_server(reconnect_within)
             finally:
                 outbox.put(None)
                 call.cancel()

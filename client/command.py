@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+import grpc
 import numpy as np
 
 from pollen.client.client import Client
@@ -26,13 +27,13 @@ def parser() -> argparse.ArgumentParser:
                    help="the server's API key [env POLLEN_API_KEY, its first key when it lists several]")
     p.add_argument("--format", choices=("json", "npy"), default="json", help="output format [json]")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
-    p.add_argument("--dimensions", type=int, default=0, help="Matryoshka prefix length (0: the model's size)")
+    p.add_argument("--dimensions", type=non_negative, default=0, help="Matryoshka prefix length (0: the model's size)")
     p.add_argument("--encoding", choices=encodings.NAMES, default="float32")
     p.add_argument("--no-normalize", dest="normalize", action="store_false", help="keep the raw pooled vectors")
     p.add_argument("--truncate", choices=("none", "end", "start"), default=None,
                    help="too long texts: error (none), keep the start (end) or keep the end (start) "
                         "[the server's --default-truncate]")
-    p.add_argument("--max-tokens", type=int, default=0)
+    p.add_argument("--max-tokens", type=non_negative, default=0, help="tokens per text at most (0: the model's limit)")
     p.add_argument("--prompt-name", default="", help="a prompt the model defines, e.g. query")
     p.add_argument("--prompt", default="", help="a literal prefix for every text")
     p.add_argument("--long-input", choices=("truncate", "chunk_mean"), default="truncate")
@@ -52,6 +53,13 @@ def main(argv: list[str]) -> int:
     if args.format == "npy" and args.output is None and sys.stdout.isatty():
         print("pollen embed: --format npy writes binary; give -o FILE or redirect stdout", file=sys.stderr)
         return 2
+    if args.format == "npy" and args.output is None and args.encoding == "int8":
+        print("pollen embed: int8 as npy needs -o FILE (the scales go to FILE.scales.npy); or use --format json",
+              file=sys.stderr)
+        return 2
+    if args.output is not None and not writable(args.output):
+        print(f"pollen embed: cannot write {args.output}", file=sys.stderr)
+        return 2
     try:
         with Client(args.server, timeout=args.timeout, api_key=api_key(args.api_key)) as client:
             rows = client.embed(texts, dimensions=args.dimensions, normalize=args.normalize,
@@ -59,7 +67,8 @@ def main(argv: list[str]) -> int:
                                 prompt_name=args.prompt_name, prompt=args.prompt, long_input=args.long_input)
             model = client.info().model
     except EmbedError as exc:
-        print(f"pollen embed: the server answered {exc}", file=sys.stderr)
+        said = "" if exc.code == grpc.StatusCode.UNAVAILABLE else "the server answered "
+        print(f"pollen embed: {said}{exc}", file=sys.stderr)
         return 1
     except ValueError as exc:
         print(f"pollen embed: {exc}", file=sys.stderr)
@@ -69,6 +78,20 @@ def main(argv: list[str]) -> int:
     else:
         write_npy(rows, args.output)
     return 0
+
+
+def non_negative(text: str) -> int:
+    """A whole number of at least 0 (argparse names the flag when it is not)."""
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+def writable(path: str) -> bool:
+    """Whether `path` can be written: checked before the server's work is spent."""
+    folder = os.path.dirname(os.path.abspath(path))
+    return os.access(path, os.W_OK) if os.path.exists(path) else os.path.isdir(folder) and os.access(folder, os.W_OK)
 
 
 def api_key(flag: str | None) -> str | None:

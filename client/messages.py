@@ -25,7 +25,10 @@ class EmbedError(Exception):
         self.request_id = request_id
 
     @classmethod
-    def from_rpc(cls, exc: grpc.RpcError) -> EmbedError:
+    def from_rpc(cls, exc: grpc.RpcError, target: str = "") -> EmbedError:
+        """The call's status; UNAVAILABLE names the target (no server may have answered at all)."""
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and target:
+            return cls(exc.code(), f"no answer from {target}: {exc.details() or ''}")
         return cls(exc.code(), exc.details() or "")
 
 

@@ -7,7 +7,7 @@ import subprocess
 import numpy as np
 
 from pollen.v1 import embedder_pb2 as pb
-from tests.conftest import POLLEN, vectors
+from tests.conftest import POLLEN, free_port, vectors
 
 
 def pollen_embed(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -40,3 +40,20 @@ def test_errors_exit_nonzero_with_the_reason(server):
     refused = pollen_embed("", "--server", server.listen)
     assert refused.returncode == 1 and "INVALID_ARGUMENT" in refused.stderr and "empty" in refused.stderr
     assert refused.stdout == ""
+
+
+def test_no_server_at_the_address_is_said_at_once():
+    nobody = f"127.0.0.1:{free_port()}"  # nothing listens there
+    done = pollen_embed("x", "--server", nobody)  # the default --timeout is 300 s
+    assert done.returncode == 1 and f"UNAVAILABLE: no answer from {nobody}" in done.stderr
+    assert "the server answered" not in done.stderr
+
+
+def test_bad_output_settings_are_refused_before_any_work(tmp_path):
+    nobody = f"127.0.0.1:{free_port()}"  # never reached: each is refused first
+    missing = pollen_embed("x", "--server", nobody, "-o", str(tmp_path / "no" / "such" / "v.json"))
+    assert missing.returncode == 2 and "cannot write" in missing.stderr and "Traceback" not in missing.stderr
+    scales = pollen_embed("x", "--server", nobody, "--encoding", "int8", "--format", "npy")
+    assert scales.returncode == 2 and "scales go to FILE.scales.npy" in scales.stderr
+    negative = pollen_embed("x", "--server", nobody, "--max-tokens", "-5")
+    assert negative.returncode == 2 and "argument --max-tokens" in negative.stderr

@@ -14,7 +14,7 @@ import pytest
 from pollen.client import AsyncClient, Client, EmbedError, ScaledInt8Array
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
-from tests.conftest import ServerProcess, cosine_rows, vectors
+from tests.conftest import ServerProcess, cosine_rows, free_port, vectors
 from tests.texts import varied_texts
 
 
@@ -194,3 +194,32 @@ def test_stream_gives_up_on_a_stand_in_server_that_ends_every_stream(kind):
     assert within <= took < within + 5  # given up once `within` passed without an answer, not before
     # Tried again with pauses doubling from 50 ms to 1 s: about 7 streams in 2 s, not thousands.
     assert 3 <= servicer.streams <= 15, servicer.streams
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_no_server_at_the_address_is_unavailable_soon(kind):
+    nobody = f"127.0.0.1:{free_port()}"  # nothing listens there
+    within = 2.0
+
+    def attempts():
+        if kind == "sync":
+            with Client(nobody) as c:  # the default timeout (300 s) is not what bounds these
+                yield lambda: c.embed(["a"])
+                yield lambda: list(c.embed_stream(["a", "b"], reconnect_within=within))
+        else:
+            async def embed():
+                async with AsyncClient(nobody) as c:
+                    return await c.embed(["a"])
+
+            async def stream():
+                async with AsyncClient(nobody) as c:
+                    return [v async for v in c.embed_stream(["a", "b"], reconnect_within=within)]
+            yield lambda: asyncio.run(embed())
+            yield lambda: asyncio.run(stream())
+
+    for attempt in attempts():
+        t0 = time.monotonic()
+        with pytest.raises(EmbedError) as caught:
+            attempt()
+        assert caught.value.code == grpc.StatusCode.UNAVAILABLE and nobody in caught.value.message
+        assert time.monotonic() - t0 < within + 5
