@@ -17,6 +17,7 @@ The request options resolve here (docs/architecture.md, "Request options"):
 from __future__ import annotations
 
 import asyncio
+import functools
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -182,7 +183,8 @@ class Admission:
         limit = self.limit(request.max_tokens)
         prompt = self.prompt(request.prompt_name, request.prompt, limit)
         chars = len(prompt) * len(request.texts) + sum(map(len, request.texts))
-        return await self.run(chars, self.tokenizer.encode, list(request.texts), truncate, limit, prompt)
+        return await self.run(chars, functools.partial(self.tokenizer.encode, chunk_mean_hint=False),
+                              list(request.texts), truncate, limit, prompt)
 
     async def run(self, chars: int, fn, *args):
         """fn(*args): inline when the input is small (see INLINE_CHARS), else on the tokenizer pool."""

@@ -69,6 +69,7 @@ class EmbeddingsBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _DECODER = msgspec.json.Decoder(EmbeddingsBody)
+_BODY_FIELDS = frozenset(EmbeddingsBody.__struct_fields__)
 # The choices of each Literal field (`Literal[...] | None` included), named in refusals.
 _CHOICES = {f.name: get_args(t) for f in msgspec.structs.fields(EmbeddingsBody)
             for t in (f.type, *get_args(f.type)) if get_origin(t) is Literal}
@@ -89,6 +90,22 @@ _ROUTES = {"/v1/embeddings": "POST", "/v1/models": "GET", "/health": "GET", "/me
 _AT_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 # msgspec's own words around a value it quotes are short: a longer message is a long value quoted.
 _MSGSPEC_CHARS = 60 + ECHO_CHARS
+
+
+# The service words its refusals in the proto's names; over HTTP the same things are spelled as
+# this door's JSON has them: enum values lower-case without their prefix (TRUNCATE_END: "end"),
+# and a text or id list's index under `input` (texts[3], token_ids[3]: input[3]).
+_PROTO_ENUM = re.compile(r"\b(?:TRUNCATE|LONG_INPUT|PRIORITY|ENCODING)_([A-Z0-9_]+)\b")
+_PROTO_LIST = re.compile(r"\b(?:texts|token_ids)\[")
+_LEADING_FIELD = re.compile(r"^(?:the default )?([a-z_]+)\b")
+
+
+def http_wording(message: str) -> tuple[str, str | None]:
+    """A service refusal as this door words it, and the body field it names first (or None)."""
+    message = _PROTO_LIST.sub("input[", _PROTO_ENUM.sub(lambda m: f'"{m.group(1).lower()}"', message))
+    field = _LEADING_FIELD.match(message)
+    param = field.group(1) if field and field.group(1) in _BODY_FIELDS else None
+    return message, param
 
 
 _PROTOCOL_CODES = {400: "bad_request", 408: "request_timeout", 411: "length_required", 413: "request_too_large",
@@ -175,7 +192,8 @@ class HttpDoor:
             status = _HTTP_STATUS.get(exc.code, 500)
             if status >= 500 and exc.code != grpc.StatusCode.UNAVAILABLE:
                 log.warning("HTTP embeddings failed with %s: %s", exc.code.name, exc.message)
-            return error_response(status, exc.message, code=exc.code.name.lower())
+            message, param = http_wording(exc.message)
+            return error_response(status, message, code=exc.code.name.lower(), param=param)
         return Response(200, _ENCODER.encode(to_openai(answer, encoding_format, self.model)))
 
 

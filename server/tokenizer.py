@@ -129,9 +129,11 @@ class TextTokenizer:
             if not text:
                 raise invalid(f"{field}[{i}] is empty: every text needs at least one character")
 
-    def encode(self, texts: list[str], truncate: int, limit: int | None = None, prompt: str = "") -> list[np.ndarray]:
+    def encode(self, texts: list[str], truncate: int, limit: int | None = None, prompt: str = "", *,
+               chunk_mean_hint: bool = True) -> list[np.ndarray]:
         """Token ids (special tokens included) for each text, each at most `limit` long. The
-        prompt is prepended to the text before tokenization, as sentence-transformers does."""
+        prompt is prepended to the text before tokenization, as sentence-transformers does.
+        chunk_mean_hint: a refusal suggests long_input CHUNK_MEAN (Tokenize has no such option)."""
         limit = limit or self.max_tokens
         room = self.room(limit)
         self._check_texts(texts, "texts")
@@ -149,10 +151,10 @@ class TextTokenizer:
             if len(ids) > room:
                 if truncate == pb.TRUNCATE_NONE:
                     count = f"{len(ids) + self.special}" if whole else f"more than {limit}"
+                    hint = ", or set long_input to LONG_INPUT_CHUNK_MEAN" if chunk_mean_hint else ""
                     raise invalid(
                         f"texts[{i}] has {count} tokens, over {self.limit_name(limit)}; "
-                        "shorten it, set truncate to TRUNCATE_END or TRUNCATE_START, "
-                        "or set long_input to LONG_INPUT_CHUNK_MEAN")
+                        f"shorten it or set truncate to TRUNCATE_END or TRUNCATE_START{hint}")
                 ids = ids[-room:] if start else ids[:room]
             out.append(self.wrap(ids))
         return out

@@ -122,6 +122,13 @@ def test_pre_tokenized_input_equals_texts(stub):
     np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+def test_tokenize_suggests_only_its_own_options(stub):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Tokenize(pb.TokenizeRequest(texts=[LONG], truncate=pb.TRUNCATE_NONE), timeout=30)
+    assert "set truncate to TRUNCATE_END or TRUNCATE_START" in err.value.details()
+    assert "long_input" not in err.value.details()  # TokenizeRequest has no long_input
+
+
 def test_tokenize_checks_its_input_too(stub):
     for request, fragment in ((pb.TokenizeRequest(texts=["x"] * 65), "65 inputs in one request"),
                               (pb.TokenizeRequest(texts=["x"], truncate=9), "truncate 9 is not a known"),
