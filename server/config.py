@@ -7,7 +7,7 @@ import os
 import resource
 
 from pollen.common.engine_options import EngineOptions, parse_switch
-from pollen.common.model_spec import default_model_path
+from pollen.common.model_spec import DEFAULT_MODEL_NAME, default_model_path
 from pollen.server import tracing
 
 # --default-truncate's values: the proto's Truncate names in lower case, as the HTTP door takes them.
@@ -41,7 +41,8 @@ class ServeConfig:
                               "offline with HF_HUB_OFFLINE=1 (default: all-MiniLM-L6-v2 from its PyPI package)")
     revision: str | None = _flag(None, "with a Hub id for --model: the branch, tag or commit to serve (default: main)")
     served_model_name: str | None = _flag(None, "the model's name in Info, /v1/models and HTTP answers (default: the "
-                                          "Hub id, or the model directory's name)")
+                                          "Hub id, or the model directory's name; for the default model "
+                                          "sentence-transformers/all-MiniLM-L6-v2)")
     default_prompt_name: str | None = _flag(None, "the prompt applied to texts when a request names none and gives "
                                             "none; one of the model's prompts (default: the checkpoint's "
                                             "default_prompt_name, if any)")
@@ -125,6 +126,7 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.model is None:
             self.model = default_model_path()
+            self.served_model_name = self.served_model_name or DEFAULT_MODEL_NAME
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):

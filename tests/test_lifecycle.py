@@ -122,6 +122,7 @@ def test_a_dead_workers_requests_go_to_the_other_worker(tmp_path, reference):
 
 def test_info_and_reflection(stub):
     info = stub.Info(pb.InfoRequest())
+    assert info.model == "sentence-transformers/all-MiniLM-L6-v2"  # the default model, by its Hub id
     assert info.dimensions == 384 and info.max_tokens == 256 and info.pooling == pb.POOLING_MEAN
     assert info.vocab_size == 30522 and pb.ENCODING_FLOAT32 in info.encodings
 

@@ -116,5 +116,6 @@ def test_defaults_are_checked_at_start(dressed):
 def test_empty_variables_mean_unset():
     cfg = ServeConfig.from_args([], environ={"POLLEN_SERVED_MODEL_NAME": "", "POLLEN_DEFAULT_PROMPT_NAME": "",
                                              "POLLEN_REVISION": ""})
+    # Unset: the default model's Hub id, no prompt, no revision, the default truncate.
     assert (cfg.served_model_name, cfg.default_prompt_name, cfg.revision, cfg.default_truncate) == \
-        (None, None, None, "none")
+        ("sentence-transformers/all-MiniLM-L6-v2", None, None, "none")
