@@ -96,9 +96,11 @@ class Client:
                 call.cancel()
 
     def _wait_for_server(self, within: float) -> None:
+        ready = grpc.channel_ready_future(self._channel)
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=within)
+            ready.result(timeout=within)
         except grpc.FutureTimeoutError:
+            ready.cancel()  # else it stays subscribed to the channel's state
             raise EmbedError(grpc.StatusCode.UNAVAILABLE,
                              f"no connection to {self.target} within {within} s; stream abandoned") from None
 
