@@ -23,7 +23,7 @@ def test_cut_and_echo_say_how_long_the_input_was():
 @pytest.mark.parametrize("body, param", [
     ({"input": "x", "encoding": "e" * 1_000_000}, "encoding"),  # msgspec quotes the bad enum value
     ({"input": "x", "k" * 100_000: 1}, None),                    # and the unknown field's name
-    ({"input": "x", "prompt_name": "p" * 100_000}, None),        # admission quotes the prompt name
+    ({"input": "x", "prompt_name": "p" * 100_000}, "prompt_name"),  # admission quotes the prompt name
 ])
 def test_http_error_bodies_do_not_echo_long_input(server, body, param):
     data = json.dumps(body).encode()
