@@ -69,8 +69,9 @@ class FrontendConfig:
         return json.dumps(dataclasses.asdict(self))
 
 
-def grpc_server(cfg: ServeConfig, service: EmbedderService, listen: str):
-    server = grpc.aio.server(options=[
+def grpc_options(cfg: ServeConfig) -> list[tuple]:
+    """The frontend's grpc.aio server options."""
+    return [
         # Up to GRPC_LIMIT_FACTOR x --max-request-bytes: messages over the flag are refused by the
         # service one by one (server/service.py Oversize); gRPC would end a whole stream.
         ("grpc.max_receive_message_length", min(GRPC_LIMIT_FACTOR * cfg.max_request_bytes, (1 << 31) - 1)),
@@ -80,7 +81,11 @@ def grpc_server(cfg: ServeConfig, service: EmbedderService, listen: str):
         # with a reason), so let the core hold many more.
         ("grpc.server.max_pending_requests", 1 << 16),
         ("grpc.server.max_pending_requests_hard_limit", 1 << 17),
-    ])
+    ]
+
+
+def grpc_server(cfg: ServeConfig, service: EmbedderService, listen: str):
+    server = grpc.aio.server(options=grpc_options(cfg))
     add_to_server(service, server)  # deserializers that never raise: bad bytes get INVALID_ARGUMENT
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
