@@ -95,10 +95,21 @@ class _Forward:
         return self.registry.collect()
 
 
+# The labelled children count_request increments, resolved once per label set: `labels()` costs
+# more than the increment itself (it checks and joins the values and takes the metric's lock), and
+# it ran three times per request. Both the doors and the outcomes are few (2 x the status codes).
+_REQUEST_COUNTERS: dict[tuple[str, str], tuple] = {}
+
+
 def count_request(door: str, outcome: str, texts: int = 0, tokens: int = 0) -> None:
     """One embedding request answered by a door: outcome "ok" or the gRPC status name."""
-    REQUESTS.labels(door, outcome).inc()
+    counters = _REQUEST_COUNTERS.get((door, outcome))
+    if counters is None:
+        counters = _REQUEST_COUNTERS[door, outcome] = (REQUESTS.labels(door, outcome), TEXTS.labels(door),
+                                                       TOKENS.labels(door))
+    requests, text_count, token_count = counters
+    requests.inc()
     if texts:
-        TEXTS.labels(door).inc(texts)
+        text_count.inc(texts)
     if tokens:
-        TOKENS.labels(door).inc(tokens)
+        token_count.inc(tokens)
