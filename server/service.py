@@ -224,12 +224,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         return response
 
     async def Embed(self, request, context):
-        if isinstance(request, Undecodable):
-            count_request("grpc", grpc.StatusCode.INVALID_ARGUMENT.name)
-            await abort(context, undecodable(request, "Embed"))
-        if isinstance(request, Oversize):
-            count_request("grpc", grpc.StatusCode.RESOURCE_EXHAUSTED.name)
-            await abort(context, request.error())
+        await refuse_unusable(context, request, "Embed", counted=True)
         remaining = context.time_remaining()
         deadline_ns = time.monotonic_ns() + int(remaining * 1e9) if remaining is not None else 0
         return await unary(context, "Embed", self.counted_embed(request, "grpc", deadline_ns=deadline_ns,
@@ -250,10 +245,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error reading the stream: {stream.failure!r}")
 
     async def Tokenize(self, request, context):
-        if isinstance(request, Undecodable):
-            await abort(context, undecodable(request, "Tokenize"))
-        if isinstance(request, Oversize):
-            await abort(context, request.error())
+        await refuse_unusable(context, request, "Tokenize")
         return await unary(context, "Tokenize", self.tokenize(request))
 
     async def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
@@ -263,10 +255,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
                                    usage=pb.Usage(prompt_tokens=sum(len(s) for s in seqs)))
 
     async def Info(self, request, context):
-        if isinstance(request, Undecodable):
-            await abort(context, undecodable(request, "Info"))
-        if isinstance(request, Oversize):
-            await abort(context, request.error())
+        await refuse_unusable(context, request, "Info")
         return pb.InfoResponse(
             model=self.spec.name, dimensions=self.spec.hidden_size, max_tokens=self.spec.max_tokens,
             pooling=_POOLING.get(self.spec.pooling, pb.POOLING_UNSPECIFIED), encodings=list(encodings.SUPPORTED),
@@ -279,6 +268,21 @@ class EmbedderService(pb_grpc.EmbedderServicer):
 
 async def abort(context, exc: RequestError):
     await context.abort(exc.code, exc.message)
+
+
+async def refuse_unusable(context, request, method: str, *, counted: bool = False) -> None:
+    """End a unary call whose message did not decode (INVALID_ARGUMENT) or is over
+    --max-request-bytes (RESOURCE_EXHAUSTED); `counted`: in pollen_requests_total (the embedding
+    method). Any other request passes."""
+    if isinstance(request, Undecodable):
+        exc = undecodable(request, method)
+    elif isinstance(request, Oversize):
+        exc = request.error()
+    else:
+        return
+    if counted:
+        count_request("grpc", exc.code.name)
+    await abort(context, exc)
 
 
 async def unary(context, method: str, work):
