@@ -7,8 +7,12 @@ Four servers, one after the other and alternating over --rounds, each answering 
 closed-loop unary clients (load/load_clients.py, one short query a call); each one's figure is its
 process's CPU time over the timed window divided by the calls answered in it:
 
-  grpc      a grpc.aio server of pollen's proto, with the frontend's server options, whose Embed
-            answers a fixed vector at once: what any grpc.aio frontend pays per call (server/frontend.py)
+  grpc-sync grpcio's threaded (synchronous) server of pollen's proto, with the frontend's server
+            options and a pool of SYNC_THREADS threads, whose Embed answers a fixed vector at once:
+            the floor without asyncio (pollen's frontends are grpc.aio: its streams, deadlines and
+            rings live on an event loop)
+  grpc      the same on grpc.aio, as pollen's frontend serves (server/frontend.py): what any
+            grpc.aio frontend pays per call
   tokenize  the same, tokenizing the call's text first with the model's tokenizer.json
   service   pollen's own EmbedderService and Admission (checks, tokenization, the request record
             encoded, metrics in multiprocess mode, the answer built) with a router that answers at
@@ -19,8 +23,9 @@ With two or more cores, the server under test runs on the first and the clients 
 the clients' work does not land on the server's core (a `pollen serve` worker is moved beside the
 clients; its time is not counted). The model is a one-layer random checkpoint with a real tokenizer:
 all-MiniLM-L6-v2's (a BERT), or with --tokenizer a Qwen3 tokenizer.json (a qwen3-tiny checkpoint).
-Differences between consecutive rows are what each layer adds; on a 2-core machine a row moves by
-about 10% from one round to the next, so take the medians.
+From `grpc` on, the difference between consecutive rows is what each layer adds (`grpc` over
+`grpc-sync` is what asyncio's server costs over the threaded one); on a 2-core machine a row moves
+by about 10% from one round to the next, so take the medians.
 """
 from __future__ import annotations
 
@@ -40,7 +45,8 @@ from load.bench_concurrency import query_texts, versions  # noqa: E402
 from load.results_file import write_results_to  # noqa: E402
 from tests.conftest import ServerProcess, free_port  # noqa: E402
 
-KINDS = ("grpc", "tokenize", "service", "pollen")
+KINDS = ("grpc-sync", "grpc", "tokenize", "service", "pollen")
+SYNC_THREADS = 16  # grpc-sync's handler threads: more than the clients' connections
 
 
 def serve(kind: str, listen: str, model: str) -> None:
@@ -48,16 +54,50 @@ def serve(kind: str, listen: str, model: str) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as a frontend runs (server/tokenizer.py)
     if kind == "service":  # metrics as `pollen serve` counts them, before prometheus_client is imported
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="pollen-floor-metrics-")
+    if kind == "grpc-sync":
+        return _serve_sync(listen, model)
     import uvloop
 
     uvloop.run(_serve(kind, listen, model))
 
 
-async def _serve(kind: str, listen: str, model: str) -> None:
-    import grpc
+def _fixed_answer(model: str):
+    """(dims, body): the vector the stand-ins answer with."""
     import numpy as np
 
     from pollen.common.model_spec import read_model_spec
+
+    dims = read_model_spec(model).hidden_size
+    return dims, np.random.default_rng(0).standard_normal(dims).astype(np.float32).tobytes()
+
+
+def _serve_sync(listen: str, model: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from pollen.server.config import ServeConfig
+    from pollen.server.frontend import grpc_options
+    from pollen.v1 import embedder_pb2 as pb
+    from pollen.v1 import embedder_pb2_grpc as pb_grpc
+
+    dims, body = _fixed_answer(model)
+    server = grpc.server(ThreadPoolExecutor(SYNC_THREADS), options=grpc_options(ServeConfig(model=model)))
+
+    class Fixed(pb_grpc.EmbedderServicer):
+        def Embed(self, request, context):
+            return pb.EmbedResponse(id=request.id, embeddings=body, rows=1, dims=dims)
+
+    pb_grpc.add_EmbedderServicer_to_server(Fixed(), server)
+    server.add_insecure_port(listen)
+    server.start()
+    print("ready", flush=True)
+    server.wait_for_termination()
+
+
+async def _serve(kind: str, listen: str, model: str) -> None:
+    import grpc
+
     from pollen.server.config import ServeConfig
     from pollen.server.frontend import grpc_options, grpc_server
     from pollen.shared_mem import records
@@ -65,8 +105,7 @@ async def _serve(kind: str, listen: str, model: str) -> None:
     from pollen.v1 import embedder_pb2_grpc as pb_grpc
 
     cfg = ServeConfig(model=model)
-    dims = read_model_spec(model).hidden_size
-    body = np.random.default_rng(0).standard_normal(dims).astype(np.float32).tobytes()
+    dims, body = _fixed_answer(model)
     if kind == "service":
         server, _ = grpc_server(cfg, _service(cfg, _InstantRouter(records, dims, body)), listen)
     else:
@@ -187,7 +226,8 @@ def main() -> None:
     if args.out:
         m = versions()
         command = "python load/bench_frontend_floor.py" + (" --tokenizer TOKENIZER.json" if args.tokenizer else "") + \
-            f" --rounds {args.rounds} --seconds {args.seconds} --clients {args.clients}"
+            f" --rounds {args.rounds} --seconds {args.seconds} --clients {args.clients}" + \
+            (f" --client-processes {args.client_processes}" if args.client_processes != 1 else "")
         head = (f"# A frontend's CPU per unary query, layer by layer, {m['date']}\n\n{m['cores']} cores, "
                 f"grpcio {m['grpcio']}, Python {m['python']}; tokenizer: "
                 f"{'Qwen3 (' + os.path.basename(args.tokenizer) + ')' if args.tokenizer else 'all-MiniLM-L6-v2'}; "
@@ -196,7 +236,7 @@ def main() -> None:
 
 
 def table_of(runs: list[dict], kinds: list[str], summary: dict) -> str:
-    rows = ["| server | CPU µs per call (median) | each round | added by this layer | calls/s (median) |",
+    rows = ["| server | CPU µs per call (median) | each round | over the row above | calls/s (median) |",
             "| --- | ---: | --- | ---: | ---: |"]
     before = None
     for kind in kinds:

@@ -16,7 +16,7 @@ from load.bench_concurrency import query_texts  # noqa: E402
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["grpc", "tokenize", "service", "pollen"])
+@pytest.mark.parametrize("kind", floor.KINDS)
 def test_each_server_of_the_ladder_answers_and_is_measured(kind):
     args = argparse.Namespace(clients=4, client_processes=1, seconds=1.0)
     row = floor.measure(kind, floor.model_dir(""), query_texts(200), args)
