@@ -152,3 +152,20 @@ def test_bulk_sms_default_leaves_an_eighth_of_the_sms_to_queries():
         bulk_sm_count(132, 132, True)
     with pytest.raises(RuntimeError, match="needs CUDA green contexts"):
         bulk_sm_count(100, 132, False)
+
+
+@pytest.mark.parametrize(("cores", "workers", "expected"), [
+    (16, 1, 11),  # an H200 host: 14 cores left, 3 frontends for every 4
+    (8, 1, 5),
+    (4, 1, 2),
+    (3, 1, 1),
+    (2, 1, 1),    # no core left: still one frontend
+    (64, 2, 16),  # at most 16
+])
+def test_default_frontends_take_three_of_every_four_cores_the_gpu_workers_leave(monkeypatch, cores, workers,
+                                                                                expected):
+    from pollen.server import config
+
+    monkeypatch.setattr(config, "usable_cores", lambda: cores)
+    assert config.default_frontends("cuda", workers) == expected
+    assert config.default_frontends("cpu", workers) == 1
