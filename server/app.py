@@ -77,27 +77,52 @@ def shm_need(cfg: ServeConfig) -> int:
     frontends x workers x (request ring + response ring) + server state + metrics files, where a
     ring is its header and its capacity rounded up to 4 KiB (Ring.create). Call it after
     check_limits, which sizes an automatic response ring."""
-    def pages(nbytes: int) -> int:
-        return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-
-    def ring(capacity: int) -> int:
-        return pages(Ring.HEADER_BYTES + -(-capacity // 4096) * 4096)
-
-    rings = cfg.frontends * cfg.workers * (ring(cfg.request_ring_bytes) + ring(cfg.response_ring_bytes))
-    state = pages(ServerState.size_for(cfg.frontends, cfg.workers))
+    rings = cfg.workers * worker_rings_need(cfg)
+    state = _pages(ServerState.size_for(cfg.frontends, cfg.workers))
     return rings + state + (1 + cfg.frontends) * SHM_METRICS_PER_PROCESS
 
 
-def check_shm(cfg: ServeConfig) -> None:
-    """Refuse to start when /dev/shm has less free space than shm_need. tmpfs files are sparse, so
-    an undersized /dev/shm (Docker gives a container 64 MiB) would let every segment be created and
-    fail later: SIGBUS in the process that first writes a ring page past the limit, under load, or
-    on a GPU a worker that cannot pin its response rings (pinning needs every page)."""
+def worker_rings_need(cfg: ServeConfig) -> int:
+    """One worker's rings in /dev/shm (a request and a response ring per frontend): what a
+    restarted worker maps anew while the frontends still map its old ones."""
+    def ring(capacity: int) -> int:
+        return _pages(Ring.HEADER_BYTES + -(-capacity // 4096) * 4096)
+
+    return cfg.frontends * (ring(cfg.request_ring_bytes) + ring(cfg.response_ring_bytes))
+
+
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def check_shm(cfg: ServeConfig, free: int | None = None) -> None:
+    """Refuse to start when /dev/shm has less free space than shm_need (`free`: its free bytes,
+    read from /dev/shm when None). tmpfs files are sparse, so an undersized /dev/shm (Docker gives
+    a container 64 MiB) would let every segment be created and fail later: SIGBUS in the process
+    that first writes a ring page past the limit, under load, or on a GPU a worker that cannot pin
+    its response rings (pinning needs every page).
+
+    When pollen chose the frontend count itself (--frontends 0), it starts with as many as fit
+    with room for one worker restart (at least one), and says so: a GPU server in a default
+    Docker /dev/shm then runs, on fewer frontends, rather than not at all. A count the user set is
+    never lowered."""
+    if free is None:
+        fs = os.statvfs(SHM_DIR)
+        free = fs.f_bavail * fs.f_frsize
     need = shm_need(cfg)
-    fs = os.statvfs(SHM_DIR)
-    free = fs.f_bavail * fs.f_frsize
+    mib = 1 << 20
+    if need > free and cfg.frontends_automatic and cfg.frontends > 1:
+        wanted = cfg.frontends
+        while cfg.frontends > 1 and shm_need(cfg) + worker_rings_need(cfg) > free:
+            cfg.frontends -= 1
+        if shm_need(cfg) <= free:
+            log.warning("%s has %.1f MiB free, too little for the %d frontends this machine's cores call for "
+                        "(%.1f MiB): starting %d; give it more shared memory (docker run --shm-size, or a memory "
+                        "emptyDir on /dev/shm in Kubernetes) to get them all", SHM_DIR, free / mib, wanted,
+                        need / mib, cfg.frontends)
+            return
+        cfg.frontends = wanted  # not even one fits: refuse, naming the count that was asked for
     if need > free:
-        mib = 1 << 20
         raise ValueError(
             f"{SHM_DIR} has {free / mib:.1f} MiB free but this server needs {need / mib:.1f} MiB there: "
             f"{cfg.frontends} frontend(s) x {cfg.workers} worker(s) x ({cfg.request_ring_bytes / mib:.1f} MiB "

@@ -122,6 +122,8 @@ class ServeConfig:
     skinny_configs: str | None = _engine_flag("skinny_configs")
     flash_attn: bool = _engine_flag("flash_attn")
     fold_norms: bool = _engine_flag("fold_norms")
+    # Not a flag: --frontends was left at 0 and pollen chose the count (check_shm may lower it).
+    frontends_automatic: bool = dataclasses.field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -155,6 +157,7 @@ class ServeConfig:
             self.worker_threads = max(1, usable_cores() // self.workers)
         if self.frontends < 0:
             raise ValueError(f"--frontends must be 0 (auto) or more, got {self.frontends}")
+        self.frontends_automatic = self.frontends == 0
         if self.frontends == 0:
             self.frontends = default_frontends(self.device, self.workers)
         try:
@@ -229,6 +232,8 @@ class ServeConfig:
         for field in dataclasses.fields(self):
             if field.metadata.get("secret"):
                 fields[field.name] = None
+            if not field.init:  # derived in __post_init__, not given
+                del fields[field.name]
         return fields
 
     def engine_options(self) -> EngineOptions:
@@ -311,6 +316,8 @@ def visible_gpus() -> int:
 
 def add_flags(parser: argparse.ArgumentParser, environ) -> None:
     for field in dataclasses.fields(ServeConfig):
+        if not field.init:  # derived, not a flag
+            continue
         kind = _TYPES[field.type]
         env = "POLLEN_" + field.name.upper()
         value = environ.get(env, field.default)

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from pollen.client import Client
-from pollen.server.app import shm_need
+from pollen.server.app import shm_need, worker_rings_need
 from pollen.server.config import ServeConfig
 from tests.conftest import ServerProcess, free_port
 
@@ -122,7 +122,7 @@ def test_each_dev_shm_volume_holds_its_pollen_and_one_worker_restart(path):
             continue
         pollen = next(c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == "pollen")
         cfg = ServeConfig.from_args([], environ={e["name"]: e["value"] for e in pollen["env"]})
-        restart = cfg.frontends * (cfg.request_ring_bytes + cfg.response_ring_bytes)
+        restart = worker_rings_need(cfg)
         mount = next(m for m in pollen["volumeMounts"] if m["mountPath"] == "/dev/shm")
         volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
         assert volume["emptyDir"]["medium"] == "Memory"

@@ -8,7 +8,8 @@ import subprocess
 
 import pytest
 
-from pollen.server.app import SHM_METRICS_PER_PROCESS, shm_need
+from pollen.server import config
+from pollen.server.app import SHM_METRICS_PER_PROCESS, check_shm, shm_need, worker_rings_need
 from pollen.server.config import ServeConfig
 from pollen.shared_mem.ring import Ring
 from pollen.shared_mem.segment import SHM_DIR
@@ -43,6 +44,55 @@ def test_the_need_is_what_the_segments_take_in_tmpfs():
     pages = sum(-(-size // PAGE) * PAGE for size in sizes)
     assert pages == shm_need(cfg) - 3 * SHM_METRICS_PER_PROCESS
     assert shm_need(cfg) == 6 * (3 * PAGE + 19 * PAGE) + PAGE + 3 * MIB  # 5000 -> 2 pages, 70,000 -> 18
+
+
+def automatic_config(monkeypatch, frontends: int, **flags) -> ServeConfig:
+    """A config whose --frontends was left at 0, on a machine whose cores call for `frontends`
+    (a GPU host's count; on the CPU pollen's own choice is 1)."""
+    monkeypatch.setattr(config, "default_frontends", lambda device, workers: frontends)
+    return ServeConfig(response_ring_bytes=16 * MIB, **flags)
+
+
+def test_an_automatic_frontend_count_is_lowered_to_what_dev_shm_holds_and_the_log_says_so(monkeypatch, caplog):
+    cfg = automatic_config(monkeypatch, 6)
+    assert cfg.frontends == 6 and cfg.frontends_automatic
+    three = automatic_config(monkeypatch, 3)
+    free = shm_need(three) + worker_rings_need(three) + MIB  # three frontends and a worker restart, not four
+    assert shm_need(automatic_config(monkeypatch, 4)) <= free  # four would start, with no room for a restart
+    with caplog.at_level("WARNING", logger="pollen"):
+        check_shm(cfg, free)
+    assert cfg.frontends == 3
+    assert "too little for the 6 frontends" in caplog.text and "starting 3" in caplog.text
+    assert "--shm-size" in caplog.text
+    child = ServeConfig(**cfg.to_dict())  # what a frontend or worker gets: the lowered count, fixed
+    assert child.frontends == 3 and not child.frontends_automatic and "frontends_automatic" not in cfg.to_dict()
+
+
+def test_a_frontend_count_the_user_set_is_refused_rather_than_lowered(monkeypatch):
+    cfg = ServeConfig(response_ring_bytes=16 * MIB, frontends=6)
+    assert not cfg.frontends_automatic
+    with pytest.raises(ValueError, match=r"6 frontend\(s\) x 1 worker\(s\)"):
+        check_shm(cfg, shm_need(automatic_config(monkeypatch, 3)))
+    assert cfg.frontends == 6
+
+
+def test_one_frontend_starts_where_it_fits_without_the_room_for_a_worker_restart(monkeypatch):
+    cfg = automatic_config(monkeypatch, 6)
+    check_shm(cfg, shm_need(automatic_config(monkeypatch, 1)))
+    assert cfg.frontends == 1
+
+
+def test_an_automatic_count_that_not_even_one_frontend_fits_is_refused_naming_that_count(monkeypatch):
+    cfg = automatic_config(monkeypatch, 6)
+    with pytest.raises(ValueError, match=r"6 frontend\(s\) x 1 worker\(s\)"):
+        check_shm(cfg, shm_need(automatic_config(monkeypatch, 1)) - PAGE)
+    assert cfg.frontends == 6
+
+
+def test_enough_dev_shm_changes_nothing(monkeypatch):
+    cfg = automatic_config(monkeypatch, 6)
+    check_shm(cfg, shm_need(cfg))
+    assert cfg.frontends == 6
 
 
 def test_a_server_that_dev_shm_cannot_hold_exits_1_at_start_saying_why():
