@@ -196,12 +196,21 @@ def header(result: dict, args) -> str:
             f"SERVING {result['serving_after_s']:.1f} s after start.\n\n")
 
 
+def cpu_per_query(level: dict, group: str) -> float:
+    """A level's CPU time per answered query in one group of processes (the frontends or the
+    clients), in µs: what sets the ceiling when the cores are the limit."""
+    return level["cores_busy"][group] / level["queries_per_s"] * 1e6
+
+
 def table(result: dict, args) -> str:
     rows = ["| clients | " + " | ".join(f"{k} q/s | {k} p50 ms | {k} p99 ms" for k in args.kinds.split(",")) + " |",
             "| --- |" + " --- | --- | --- |" * len(args.kinds.split(","))]
     busy = ["", "Cores busy (frontends / worker / clients) at each level: " + "; ".join(
         f"{key} {r['cores_busy']['frontends']:.1f} / {r['cores_busy']['workers']:.1f} / {r['cores_busy']['clients']:.1f}"
-        for key, r in result["levels"].items()) + "."]
+        for key, r in result["levels"].items()) + ".",
+        "", "CPU a query, µs (frontends / clients), at each level: " + "; ".join(
+        f"{key} {cpu_per_query(r, 'frontends'):,.0f} / {cpu_per_query(r, 'clients'):,.0f}"
+        for key, r in result["levels"].items() if r["queries_per_s"]) + "."]
     for clients in map(int, args.clients.split(",")):
         cells = []
         for kind in args.kinds.split(","):

@@ -1,0 +1,26 @@
+"""load/bench_concurrency.py's table from a result (no server: the figures are made up here, and
+only how they are laid out is checked)."""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from load import bench_concurrency as bench  # noqa: E402
+
+
+def level(qps: float, frontends: float, clients: float) -> dict:
+    return {"queries_per_s": qps, "p50_ms": 5.0, "p99_ms": 9.0,
+            "cores_busy": {"frontends": frontends, "workers": 1.0, "clients": clients}}
+
+
+def test_the_table_gives_each_levels_cpu_per_query():
+    result = {"levels": {"unary-128": level(10_000.0, 8.0, 3.0), "unary-512": level(0.0, 0.0, 0.0)}}
+    text = bench.table(result, argparse.Namespace(kinds="unary", clients="128,512"))
+    assert "| 128 | 10,000 | 5.00 | 9.00 |" in text
+    assert "unary-128 8.0 / 1.0 / 3.0" in text
+    assert "CPU a query, µs (frontends / clients), at each level: unary-128 800 / 300." in text
+    assert "unary-512 0 /" not in text  # a level that answered nothing has no figure per query
