@@ -7,46 +7,49 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 import grpc
 import numpy as np
 
+from pollen.client.connections import CONNECTION_ARG, Connections
 from pollen.client.messages import EmbedError, auth_metadata, build_request, concatenate, decode, split
 from pollen.client.ordering import StreamOrder
 from pollen.client.reconnect import Reconnects
 from pollen.client.targets import channel_options as options_with
 from pollen.client.targets import channel_target, describe
 from pollen.v1 import embedder_pb2 as pb
-from pollen.v1 import embedder_pb2_grpc as pb_grpc
 
 # How long the probe after a failed write waits for Info.
 PROBE_TIMEOUT_S = 10.0
 
 
 class AsyncClient:
-    """`async with AsyncClient("host:port") as client: await client.embed([...])`; replicas and
-    `api_key` as Client takes them."""
+    """`async with AsyncClient("host:port") as client: await client.embed([...])`; replicas,
+    `api_key` and `connections` as Client takes them."""
 
     def __init__(self, target: str | Sequence[str] = "127.0.0.1:50051", *, timeout: float | None = 300.0,
-                 channel_options: Sequence[tuple] = (), api_key: str | None = None):
+                 channel_options: Sequence[tuple] = (), api_key: str | None = None, connections: int = 0):
         self.target = describe(target)
         self.timeout = timeout
         self._metadata = auth_metadata(api_key)
-        self._channel = grpc.aio.insecure_channel(channel_target(target), options=options_with(channel_options))
-        self._stub = pb_grpc.EmbedderStub(self._channel)
+        resolved = channel_target(target)
+        self._connections = Connections(lambda i: grpc.aio.insecure_channel(
+            resolved, options=options_with([*channel_options, (CONNECTION_ARG, i)])), connections)
         self._info: pb.InfoResponse | None = None
 
     async def info(self) -> pb.InfoResponse:
         if self._info is None:
             try:
-                self._info = await self._stub.Info(pb.InfoRequest(), timeout=self.timeout, metadata=self._metadata)
+                info = await self._connections.next()[1].Info(pb.InfoRequest(), timeout=self.timeout,
+                                                              metadata=self._metadata)
             except grpc.RpcError as exc:  # fail fast, as Client.info
                 raise EmbedError.from_rpc(exc, self.target) from None
+            self._connections.fit(info.frontends)
+            self._info = info
         return self._info
 
     async def embed(self, texts: str | Sequence[str], **options) -> np.ndarray:
         """As Client.embed; the pieces over max_texts_per_request are sent concurrently."""
         pieces = split(texts, (await self.info()).max_texts_per_request)
         try:
-            replies = await asyncio.gather(*(self._stub.Embed(build_request(p, **options), timeout=self.timeout,
-                                                              metadata=self._metadata)
-                                             for p in pieces))
+            replies = await asyncio.gather(*(self._connections.next()[1].Embed(
+                build_request(p, **options), timeout=self.timeout, metadata=self._metadata) for p in pieces))
         except grpc.RpcError as exc:
             raise EmbedError.from_rpc(exc, self.target) from None
         return concatenate([decode(r) for r in replies])
@@ -58,8 +61,9 @@ class AsyncClient:
         source = _aiter(inputs)
         retries = Reconnects(self.target, reconnect_within)
         while not order.finished:
-            await self._wait_for_server(reconnect_within)  # bounded; then a call that fails fast, as Client's
-            call = self._stub.EmbedStream(metadata=self._metadata)
+            channel, stub = self._connections.next()
+            await self._wait_for_server(channel, reconnect_within)  # bounded; then a call that fails fast
+            call = stub.EmbedStream(metadata=self._metadata)
             try:
                 for message in order.resend():
                     await _write(call, message)
@@ -82,7 +86,7 @@ class AsyncClient:
                     # grpc.aio replaces the status of a call whose write fails as the call ends
                     # with a bare INTERNAL (grpc/grpc#36066): the server's own word is lost, so
                     # ask the server itself whether it is there and takes our calls.
-                    code, details = await self._probe(exc.error)
+                    code, details = await self._probe(stub, exc.error)
                 else:
                     code = await _status(call, exc)
                     details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
@@ -92,27 +96,27 @@ class AsyncClient:
             finally:
                 call.cancel()
 
-    async def _probe(self, error: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    async def _probe(self, stub, error: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
         """After a stream was lost to a failed write: UNAVAILABLE (reconnect and resend) when the
         server answers Info or cannot be reached, else Info's refusal (a key it no longer takes,
         say), which the stream would have met as well."""
         try:
-            await self._stub.Info(pb.InfoRequest(), timeout=PROBE_TIMEOUT_S, metadata=self._metadata)
+            await stub.Info(pb.InfoRequest(), timeout=PROBE_TIMEOUT_S, metadata=self._metadata)
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 return grpc.StatusCode.UNAVAILABLE, exc.details()
             return exc.code(), exc.details()
         return grpc.StatusCode.UNAVAILABLE, error.details()
 
-    async def _wait_for_server(self, within: float) -> None:
+    async def _wait_for_server(self, channel: grpc.aio.Channel, within: float) -> None:
         try:
-            await asyncio.wait_for(self._channel.channel_ready(), within)
+            await asyncio.wait_for(channel.channel_ready(), within)
         except TimeoutError:
             raise EmbedError(grpc.StatusCode.UNAVAILABLE,
                              f"no connection to {self.target} within {within} s; stream abandoned") from None
 
     async def close(self) -> None:
-        await self._channel.close()
+        await asyncio.gather(*(channel.close() for channel in self._connections.channels))
 
     async def __aenter__(self) -> AsyncClient:
         return self

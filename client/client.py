@@ -8,13 +8,13 @@ from collections.abc import Iterable, Iterator, Sequence
 import grpc
 import numpy as np
 
+from pollen.client.connections import CONNECTION_ARG, Connections
 from pollen.client.messages import EmbedError, auth_metadata, build_request, concatenate, decode, split
 from pollen.client.ordering import StreamOrder
 from pollen.client.reconnect import Reconnects
 from pollen.client.targets import channel_options as options_with
 from pollen.client.targets import channel_target, describe
 from pollen.v1 import embedder_pb2 as pb
-from pollen.v1 import embedder_pb2_grpc as pb_grpc
 
 
 class Client:
@@ -22,15 +22,18 @@ class Client:
     Replicas: `Client(["host1:50051", "host2:50051"])`, "host1:50051,host2:50051" or
     "dns:///name:50051"; calls are balanced round robin over them (client/targets.py).
     `api_key`: for a server started with --api-key; sent with every call as the `authorization`
-    metadata (Bearer KEY)."""
+    metadata (Bearer KEY). `connections`: how many connections (gRPC channels) the calls take in
+    turn, so that they reach several of the server's frontend processes; 0 follows the server's
+    frontends (client/connections.py). The client may be used from several threads."""
 
     def __init__(self, target: str | Sequence[str] = "127.0.0.1:50051", *, timeout: float | None = 300.0,
-                 channel_options: Sequence[tuple] = (), api_key: str | None = None):
+                 channel_options: Sequence[tuple] = (), api_key: str | None = None, connections: int = 0):
         self.target = describe(target)
         self.timeout = timeout
         self._metadata = auth_metadata(api_key)
-        self._channel = grpc.insecure_channel(channel_target(target), options=options_with(channel_options))
-        self._stub = pb_grpc.EmbedderStub(self._channel)
+        resolved = channel_target(target)
+        self._connections = Connections(lambda i: grpc.insecure_channel(
+            resolved, options=options_with([*channel_options, (CONNECTION_ARG, i)])), connections)
         self._info: pb.InfoResponse | None = None
 
     def info(self) -> pb.InfoResponse:
@@ -39,9 +42,12 @@ class Client:
             try:
                 # Fail fast (gRPC's default, with the retries of targets.py): an address nobody
                 # listens on is UNAVAILABLE in about a second, not a silent wait of `timeout`.
-                self._info = self._stub.Info(pb.InfoRequest(), timeout=self.timeout, metadata=self._metadata)
+                info = self._connections.next()[1].Info(pb.InfoRequest(), timeout=self.timeout,
+                                                        metadata=self._metadata)
             except grpc.RpcError as exc:
                 raise EmbedError.from_rpc(exc, self.target) from None
+            self._connections.fit(info.frontends)
+            self._info = info
         return self._info
 
     def embed(self, texts: str | Sequence[str], **options) -> np.ndarray:
@@ -50,7 +56,8 @@ class Client:
         parts = []
         for piece in split(texts, self.info().max_texts_per_request):
             try:
-                reply = self._stub.Embed(build_request(piece, **options), timeout=self.timeout, metadata=self._metadata)
+                reply = self._connections.next()[1].Embed(build_request(piece, **options), timeout=self.timeout,
+                                                          metadata=self._metadata)
             except grpc.RpcError as exc:
                 raise EmbedError.from_rpc(exc, self.target) from None
             parts.append(decode(reply))
@@ -69,9 +76,10 @@ class Client:
         while not order.finished:
             # A connection first, within reconnect_within; then a call that fails at once if the
             # connection breaks (waiting for ready inside the call would wait without a bound).
-            self._wait_for_server(reconnect_within)
+            channel, stub = self._connections.next()
+            self._wait_for_server(channel, reconnect_within)
             outbox: queue.SimpleQueue = queue.SimpleQueue()
-            call = self._stub.EmbedStream(_drain(outbox), metadata=self._metadata)
+            call = stub.EmbedStream(_drain(outbox), metadata=self._metadata)
             try:
                 for message in order.resend():
                     outbox.put(message)
@@ -95,8 +103,8 @@ class Client:
                 outbox.put(None)
                 call.cancel()
 
-    def _wait_for_server(self, within: float) -> None:
-        ready = grpc.channel_ready_future(self._channel)
+    def _wait_for_server(self, channel: grpc.Channel, within: float) -> None:
+        ready = grpc.channel_ready_future(channel)
         try:
             ready.result(timeout=within)
         except grpc.FutureTimeoutError:
@@ -105,7 +113,8 @@ class Client:
                              f"no connection to {self.target} within {within} s; stream abandoned") from None
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._connections.channels:
+            channel.close()
 
     def __enter__(self) -> Client:
         return self

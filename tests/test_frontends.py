@@ -109,3 +109,45 @@ def test_a_killed_frontend_comes_back_and_the_others_keep_serving(reference):
         assert server.healthy()
     finally:
         assert server.terminate() == 0
+
+
+def frontends_reached(pairs) -> set[int]:
+    """The frontend each of a client's connections is served by (Info says which)."""
+    return {stub.Info(pb.InfoRequest(), timeout=30).frontend for _, stub in pairs}
+
+
+def test_pollens_clients_spread_their_calls_over_the_frontends(reference):
+    """One Client used from several threads, and one AsyncClient: their connections follow the
+    server's frontend count and land on several frontends; every answer is right."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pollen.client import AsyncClient, Client
+    from pollen.client.connections import PER_FRONTEND
+
+    server = ServerProcess("--frontends", str(FRONTENDS), "--log-level", "WARNING").start()
+    texts = [f"query {i} from a client of several connections" for i in range(48)]
+    try:
+        with Client(server.listen) as client:
+            assert len(client._connections.pairs) == 1  # until the server says how many frontends
+            assert client.info().frontends == FRONTENDS
+            assert len(client._connections.pairs) == PER_FRONTEND * FRONTENDS
+            with ThreadPoolExecutor(8) as pool:
+                got = np.concatenate(list(pool.map(client.embed, ([t] for t in texts))))
+            assert cosine_rows(got, reference(texts)).min() >= 0.9999
+        with Client(server.listen, connections=CONNECTIONS) as client:
+            # 12 connections over 3 frontends all on one has odds of 3 in 3^12
+            assert len(client._connections.pairs) == CONNECTIONS
+            assert len(frontends_reached(client._connections.pairs)) >= 2
+            client.info()
+            assert len(client._connections.pairs) == CONNECTIONS  # a count given is kept
+
+        async def use_async() -> np.ndarray:
+            async with AsyncClient(server.listen) as aclient:
+                await aclient.info()
+                assert len(aclient._connections.pairs) == PER_FRONTEND * FRONTENDS
+                return np.concatenate(await asyncio.gather(*(aclient.embed([t]) for t in texts)))
+
+        assert cosine_rows(asyncio.run(use_async()), reference(texts)).min() >= 0.9999
+        assert sample(scrape(server), "pollen_requests_total", door="grpc", outcome="ok") == 2 * len(texts)
+    finally:
+        assert server.terminate() == 0
