@@ -11,8 +11,7 @@ With `count` 0 (the clients' default) there is one until the server's Info says 
 frontends it runs (`fit`), then PER_FRONTEND for each, at most MAX_CONNECTIONS. The kernel picks a
 connection's frontend by a hash, so as many connections as frontends leave about a third of the
 frontends without one (11 connections reach about 7 of 11 frontends on average); twice as many
-reach 9 to 10.
-A server with one frontend (pollen on a laptop) gets 2 connections.
+reach 9 to 10. A server with one frontend (pollen on a laptop) gets 2 connections.
 """
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ class Connections:
 
     def __init__(self, make: Callable[[int], object], count: int = 0):
         if count < 0 or count > MAX_CONNECTIONS:
-            raise ValueError(f"connections must be 0 (one per frontend, as the server says) to "
+            raise ValueError(f"connections must be 0 ({PER_FRONTEND} per frontend the server says it runs) to "
                              f"{MAX_CONNECTIONS}, got {count}")
         self.count = count
         self._make = make

@@ -3,7 +3,7 @@
     python load/bench_frontend_floor.py [--tokenizer TOKENIZER.json] [--rounds 3] [--seconds 6]
                                         [--clients 32] [--out load/results/STEM]
 
-Four servers, one after the other and alternating over --rounds, each answering the same
+Five servers, one after the other and alternating over --rounds, each answering the same
 closed-loop unary clients (load/load_clients.py, one short query a call); each one's figure is its
 process's CPU time over the timed window divided by the calls answered in it:
 
@@ -50,7 +50,7 @@ SYNC_THREADS = 16  # grpc-sync's handler threads: more than the clients' connect
 
 
 def serve(kind: str, listen: str, model: str) -> None:
-    """One of the stand-in servers (`grpc`, `tokenize`, `service`), until killed."""
+    """One of the stand-in servers (`grpc-sync`, `grpc`, `tokenize`, `service`), until killed."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as a frontend runs (server/tokenizer.py)
     if kind == "service":  # metrics as `pollen serve` counts them, before prometheus_client is imported
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="pollen-floor-metrics-")
