@@ -1,0 +1,157 @@
+"""One client, one query at a time: where a lone query's time goes, by frontend count and client API.
+
+    python load/bench_one_client.py --shape qwen3-0.6b --tokenizer TOKENIZER.json --out load/results/STEM
+           [--frontends 0,1,7] [--calls 2000] [--device cuda]
+
+For each --frontends value (0: the server's default) a fresh `pollen serve` (defaults otherwise)
+is started and answers --calls queries sent one after the other (after a warm-up), from three
+clients in turn:
+
+  sync    grpc's blocking stub (the calling thread waits on the call itself)
+  aio     grpc.aio's stub on uvloop, as load/load_clients.py sends (the concurrency benchmark)
+  pollen  pollen.client.Client.embed (several connections, see client/connections.py)
+
+Each row gives the wall time's p50 and p99 and, for the stubs, the server's own share from the
+answer's Timing (queue_us + inference_us: admission in the worker to the last batch's end), so
+`rest` is everything outside the worker: both clients' and the frontend's gRPC, tokenization, the
+rings and the wake-ups. The queries are those of load/bench_concurrency.py (12-13 Qwen3 tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from load.bench_concurrency import query_texts, server_info, versions  # noqa: E402
+from load.gpu_models import make_checkpoint, with_tokenizer  # noqa: E402
+from load.results_file import write_results_to  # noqa: E402
+from tests.conftest import ServerProcess  # noqa: E402
+
+WARM_CALLS = 200
+CLIENTS = ("sync", "aio", "pollen")
+
+
+def figures(wall_s: list[float], server_us: list[int]) -> dict:
+    wall = np.asarray(wall_s) * 1e3
+    out = {"calls": len(wall), "p50_ms": float(np.percentile(wall, 50)), "p99_ms": float(np.percentile(wall, 99))}
+    if server_us:
+        server = np.asarray(server_us) / 1e3
+        out["server_p50_ms"] = float(np.percentile(server, 50))
+        out["rest_p50_ms"] = float(np.percentile(wall - server, 50))
+    return out
+
+
+def sync_client(target: str, texts: list[str], calls: int) -> dict:
+    import grpc
+
+    from pollen.v1 import embedder_pb2 as pb
+    from pollen.v1 import embedder_pb2_grpc as pb_grpc
+
+    wall, server = [], []
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.EmbedderStub(channel)
+        for n in range(WARM_CALLS + calls):
+            request = pb.EmbedRequest(texts=[texts[n % len(texts)]], normalize=True)
+            began = time.perf_counter()
+            answer = stub.Embed(request, timeout=60)
+            if n >= WARM_CALLS:
+                wall.append(time.perf_counter() - began)
+                server.append(answer.timing.queue_us + answer.timing.inference_us)
+    return figures(wall, server)
+
+
+def aio_client(target: str, texts: list[str], calls: int) -> dict:
+    import grpc
+    import uvloop
+
+    from pollen.v1 import embedder_pb2 as pb
+    from pollen.v1 import embedder_pb2_grpc as pb_grpc
+
+    async def run() -> dict:
+        wall, server = [], []
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = pb_grpc.EmbedderStub(channel)
+            for n in range(WARM_CALLS + calls):
+                request = pb.EmbedRequest(texts=[texts[n % len(texts)]], normalize=True)
+                began = time.perf_counter()
+                answer = await stub.Embed(request, timeout=60)
+                if n >= WARM_CALLS:
+                    wall.append(time.perf_counter() - began)
+                    server.append(answer.timing.queue_us + answer.timing.inference_us)
+        return figures(wall, server)
+
+    return uvloop.run(run())
+
+
+def pollen_client(target: str, texts: list[str], calls: int) -> dict:
+    from pollen.client import Client
+
+    wall = []
+    with Client(target) as client:
+        for n in range(WARM_CALLS + calls):
+            began = time.perf_counter()
+            client.embed(texts[n % len(texts)])
+            if n >= WARM_CALLS:
+                wall.append(time.perf_counter() - began)
+    return figures(wall, [])
+
+
+RUN = {"sync": sync_client, "aio": aio_client, "pollen": pollen_client}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--root", default="/tmp/pollen-ckpt")
+    p.add_argument("--tokenizer", required=True, help="the model's tokenizer.json (the real Qwen3 one)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--frontends", default="0,1", help="frontend counts to compare (0: the default)")
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--clients", default=",".join(CLIENTS))
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    path = with_tokenizer(make_checkpoint(args.shape, args.root), args.tokenizer)
+    texts = query_texts()
+    result = {"meta": versions(), "command": " ".join(shlex.quote(a) for a in sys.argv), "rows": []}
+    for frontends in map(int, args.frontends.split(",")):
+        server = ServerProcess("--model", path, "--device", args.device, "--frontends", str(frontends),
+                               "--log-level", "WARNING").start(timeout=600)
+        try:
+            started = server_info(server.listen)["frontends"]
+            for client in args.clients.split(","):
+                row = {"frontends": started, "client": client} | RUN[client](server.listen, texts, args.calls)
+                result["rows"].append(row)
+                print(row, flush=True)
+        finally:
+            server.terminate()
+    write_results_to(args.out, result, header(result), table(result["rows"]))
+
+
+def header(result: dict) -> str:
+    m = result["meta"]
+    return (f"# One client, one query at a time, {m['date']}\n\n{m.get('gpu', 'CPU')}, {m['cores']} cores, "
+            f"torch {m['torch']}, grpcio {m['grpcio']}, Python {m['python']}. Command: `{result['command']}`. "
+            "`server` is the answer's queue_us + inference_us (the worker's share); `rest` is the wall time "
+            "less that, per call.\n\n")
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| frontends | client | calls | p50 ms | p99 ms | server p50 ms | rest p50 ms |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        server = f"{r['server_p50_ms']:.2f}" if "server_p50_ms" in r else ""
+        rest = f"{r['rest_p50_ms']:.2f}" if "rest_p50_ms" in r else ""
+        lines.append(f"| {r['frontends']} | {r['client']} | {r['calls']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+                     f"{server} | {rest} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
