@@ -89,6 +89,9 @@ class ServeConfig:
                                    "(gRPC: RESOURCE_EXHAUSTED, on a stream as that message's error answer up to "
                                    "twice this size, past it by ending the call; HTTP: 413)")
     worker_threads: int = _flag(0, "torch threads per CPU worker (0: the machine's cores divided among the workers)")
+    tiktoken: bool = _flag(True, "tokenize a lone ASCII query with tiktoken when the model's tokenizer.json is "
+                           "byte-level BPE (Qwen, GPT-2 and Llama 3 regexes) and tiktoken gives its very ids, "
+                           "checked at start; off: every text through the tokenizer.json")
     tokenizer_threads: int = _flag(2, "threads that tokenize requests over 2,048 characters off the event loop "
                                    "(smaller ones are tokenized inline: faster than the hop)")
     worker_spin_us: int = _flag(-1, "microseconds an idle worker polls its request ring before it sleeps on "

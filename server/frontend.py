@@ -122,7 +122,8 @@ class Frontend:
         spec = served_spec(cfg)  # with --default-prompt-name and --served-model-name (server/served_model.py)
         state = ServerState.attach(fcfg.state)
         executor = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="pollen-tokenize")
-        admission = Admission(spec, TextTokenizer(cfg.model, spec.max_tokens), executor, cfg.max_texts_per_request,
+        tokenizer = TextTokenizer(cfg.model, spec.max_tokens, tiktoken=cfg.tiktoken)
+        admission = Admission(spec, tokenizer, executor, cfg.max_texts_per_request,
                               default_truncate=cfg.default_truncate)
         channels = [WorkerChannel(w, fcfg.index, state) for w in range(cfg.workers)]
         service = EmbedderService(cfg, spec, admission, Router(cfg, channels, state), fcfg.index)
