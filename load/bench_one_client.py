@@ -12,7 +12,7 @@ clients in turn:
   pollen  pollen.client.Client.embed (several connections, see client/connections.py)
 
 Each row gives the wall time's p50 and p99 and, for the stubs, the server's own share from the
-answer's Timing (queue_us + inference_us: admission in the worker to the last batch's end), so
+answer's Timing (queue_us + inference_us: admission to the last batch's end, each given too), so
 `rest` is everything outside the worker: both clients' and the frontend's gRPC, tokenization, the
 rings and the wake-ups. The queries are those of load/bench_concurrency.py (12-13 Qwen3 tokens).
 """
@@ -37,13 +37,16 @@ WARM_CALLS = 200
 CLIENTS = ("sync", "aio", "pollen")
 
 
-def figures(wall_s: list[float], server_us: list[int]) -> dict:
+def figures(wall_s: list[float], timings: list[tuple[int, int]]) -> dict:
+    """Wall p50/p99; with the answers' (queue_us, inference_us), the worker's share and the rest."""
     wall = np.asarray(wall_s) * 1e3
     out = {"calls": len(wall), "p50_ms": float(np.percentile(wall, 50)), "p99_ms": float(np.percentile(wall, 99))}
-    if server_us:
-        server = np.asarray(server_us) / 1e3
-        out["server_p50_ms"] = float(np.percentile(server, 50))
-        out["rest_p50_ms"] = float(np.percentile(wall - server, 50))
+    if timings:
+        queue, inference = (np.asarray(t) / 1e3 for t in zip(*timings))
+        out["queue_p50_ms"] = float(np.percentile(queue, 50))
+        out["inference_p50_ms"] = float(np.percentile(inference, 50))
+        out["server_p50_ms"] = float(np.percentile(queue + inference, 50))
+        out["rest_p50_ms"] = float(np.percentile(wall - queue - inference, 50))
     return out
 
 
@@ -62,7 +65,7 @@ def sync_client(target: str, texts: list[str], calls: int) -> dict:
             answer = stub.Embed(request, timeout=60)
             if n >= WARM_CALLS:
                 wall.append(time.perf_counter() - began)
-                server.append(answer.timing.queue_us + answer.timing.inference_us)
+                server.append((answer.timing.queue_us, answer.timing.inference_us))
     return figures(wall, server)
 
 
@@ -83,7 +86,7 @@ def aio_client(target: str, texts: list[str], calls: int) -> dict:
                 answer = await stub.Embed(request, timeout=60)
                 if n >= WARM_CALLS:
                     wall.append(time.perf_counter() - began)
-                    server.append(answer.timing.queue_us + answer.timing.inference_us)
+                    server.append((answer.timing.queue_us, answer.timing.inference_us))
         return figures(wall, server)
 
     return uvloop.run(run())
@@ -143,10 +146,11 @@ def header(result: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| frontends | client | calls | p50 ms | p99 ms | server p50 ms | rest p50 ms |",
+    lines = ["| frontends | client | calls | p50 ms | p99 ms | server p50 ms (queue / inference) | rest p50 ms |",
              "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        server = f"{r['server_p50_ms']:.2f}" if "server_p50_ms" in r else ""
+        server = (f"{r['server_p50_ms']:.2f} ({r['queue_p50_ms']:.2f} / {r['inference_p50_ms']:.2f})"
+                  if "server_p50_ms" in r else "")
         rest = f"{r['rest_p50_ms']:.2f}" if "rest_p50_ms" in r else ""
         lines.append(f"| {r['frontends']} | {r['client']} | {r['calls']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
                      f"{server} | {rest} |")

@@ -118,8 +118,11 @@ def test_an_added_token_written_in_the_text_is_the_tokenizer_json_s(trained):
     assert ids.count(tok.token_to_id(EOT)) == 2  # the one written and the one appended
 
 
-def test_tokenizers_it_cannot_reproduce_are_left_to_the_tokenizer_json(tmp_path):
-    assert TextTokenizer(default_model_path(), 256).ascii_bpe is None  # WordPiece (all-MiniLM-L6-v2)
+def test_a_wordpiece_tokenizer_is_left_to_the_tokenizer_json():
+    assert TextTokenizer(default_model_path(), 256).ascii_bpe is None  # all-MiniLM-L6-v2's
+
+
+def test_tokenizers_it_cannot_reproduce_are_left_to_the_tokenizer_json():
     tok = train(QWEN3)
     config = config_of(tok)
     prefixed = json.loads(json.dumps(config))
