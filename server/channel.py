@@ -279,8 +279,8 @@ class WorkerChannel:
 
     def on_batch(self, report: records.BatchReport) -> None:
         if report.batch_tokens:  # the batch's first part: count the batch once
-            metrics.BATCH_TOKENS.observe(report.batch_tokens)
-        metrics.SEQUENCES.inc(report.seqs)
+            metrics.DEFERRED.observe(metrics.BATCH_TOKENS, report.batch_tokens)
+        metrics.DEFERRED.inc(metrics.SEQUENCES, report.seqs)
 
     def answer(self, result: records.ResultRecord) -> None:
         sent = self.inflight.pop(result.req_id, None)
@@ -292,8 +292,8 @@ class WorkerChannel:
         if reason:  # the worker dropped it before the model; count it once, here
             metrics.DROPPED.labels(reason=sent.drop_reason or reason).inc()
         elif result.status == records.OK:
-            metrics.QUEUE_SECONDS.observe(result.queue_us / 1e6)
-            metrics.INFERENCE_SECONDS.observe(result.inference_us / 1e6)
+            metrics.DEFERRED.observe(metrics.QUEUE_SECONDS, result.queue_us / 1e6)
+            metrics.DEFERRED.observe(metrics.INFERENCE_SECONDS, result.inference_us / 1e6)
         if not sent.future.done():
             sent.future.set_result(result)
 

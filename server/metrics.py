@@ -12,9 +12,17 @@ The figures are whole-server figures although several processes count them: `pol
 PROMETHEUS_MULTIPROC_DIR for itself and its frontends (before prometheus_client is imported), each
 process writes its counts there, and /metrics sums them (prometheus_client's multiprocess mode).
 `pollen_queued_tokens` is read from the server state at each scrape (shared_mem/server_state.py).
+
+The per-request counts (requests, texts, tokens, queue and inference times, batches) are added
+up in this process's memory and written to prometheus_client at most FLUSH_S later (`DEFERRED`):
+in multiprocess mode every increment takes a lock, checks the pid and writes the mmap file, and a
+query made seven of them, a tenth of a frontend's own Python per query. A scrape writes out its
+own process's counts first; another frontend's are at most FLUSH_S old.
 """
 from __future__ import annotations
 
+import asyncio
+import bisect
 import os
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -47,6 +55,77 @@ WORKER_RESTARTS = Counter("pollen_worker_restarts", "Worker processes restarted 
                           registry=REGISTRY)
 
 
+# How long a count may wait in a process's memory before prometheus_client has it.
+FLUSH_S = 0.5
+
+
+class Deferred:
+    """Counter increments and histogram observations kept here until `flush`, which writes each
+    counter once and each histogram bucket once. A flush is scheduled on the running event loop
+    FLUSH_S after the first count since the last one; without a running loop (tests, tools), a
+    count is written at once."""
+
+    def __init__(self):
+        self.counts: dict = {}       # counter (or labelled child) -> amount
+        self.observed: dict = {}     # histogram -> [per-bucket counts (the last is +Inf), sum]
+        self.bounds: dict = {}       # histogram -> its upper bounds, without +Inf
+        self.scheduled = False
+
+    def histogram(self, histogram: Histogram, bounds: tuple) -> Histogram:
+        self.bounds[histogram] = bounds
+        return histogram
+
+    def inc(self, counter, amount: float = 1) -> None:
+        self.counts[counter] = self.counts.get(counter, 0) + amount
+        self._schedule()
+
+    def observe(self, histogram: Histogram, value: float) -> None:
+        entry = self.observed.get(histogram)
+        if entry is None:
+            entry = self.observed[histogram] = [[0] * (len(self.bounds[histogram]) + 1), 0.0]
+        entry[0][bisect.bisect_left(self.bounds[histogram], value)] += 1  # the first bound >= value
+        entry[1] += value
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if self.scheduled:
+            return
+        try:
+            asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
+            self.scheduled = True
+        except RuntimeError:  # no event loop here: write now
+            self.flush()
+
+    def flush(self) -> None:
+        self.scheduled = False
+        counts, self.counts = self.counts, {}
+        observed, self.observed = self.observed, {}
+        for counter, amount in counts.items():
+            counter.inc(amount)
+        for histogram, (buckets, total) in observed.items():
+            # prometheus_client has no public call that adds n observations at once; its
+            # Histogram keeps one value per bucket and one for the sum (tests/test_metrics.py
+            # checks the exposition against plain observe()).
+            for value, n in zip(histogram._buckets, buckets):
+                if n:
+                    value.inc(n)
+            histogram._sum.inc(total)
+
+
+DEFERRED = Deferred()
+DEFERRED.histogram(QUEUE_SECONDS, _SECONDS)
+DEFERRED.histogram(INFERENCE_SECONDS, _SECONDS)
+DEFERRED.histogram(BATCH_TOKENS, _TOKENS)
+
+
+class _FlushFirst:
+    """Collected first at a scrape: writes this process's deferred counts out, yields nothing."""
+
+    def collect(self):
+        DEFERRED.flush()
+        return iter(())
+
+
 class StateCollector:
     """Figures read from the server state at each scrape: queued tokens and ready workers."""
 
@@ -72,13 +151,13 @@ class StateCollector:
 def exposition(state=None) -> CollectorRegistry:
     """The registry /metrics serializes: every process's counts summed (multiprocess mode), or
     this process's own; plus the server state's figures."""
+    registry = CollectorRegistry()
+    registry.register(_FlushFirst())  # collectors are collected in the order they were registered
     if MULTIPROCESS:
         from prometheus_client import multiprocess
 
-        registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
     else:
-        registry = CollectorRegistry()
         registry.register(_Forward(REGISTRY))
     if state is not None:
         registry.register(StateCollector(state))
@@ -108,8 +187,8 @@ def count_request(door: str, outcome: str, texts: int = 0, tokens: int = 0) -> N
         counters = _REQUEST_COUNTERS[door, outcome] = (REQUESTS.labels(door, outcome), TEXTS.labels(door),
                                                        TOKENS.labels(door))
     requests, text_count, token_count = counters
-    requests.inc()
+    DEFERRED.inc(requests)
     if texts:
-        text_count.inc(texts)
+        DEFERRED.inc(text_count, texts)
     if tokens:
-        token_count.inc(tokens)
+        DEFERRED.inc(token_count, tokens)
