@@ -122,17 +122,28 @@ def main() -> None:
             result["cold"] = {"first_10s": cold, "next_10s": warm}
             print("cold", result["cold"], flush=True)
         for kind in args.kinds.split(","):
-            for clients in map(int, args.clients.split(",")):
-                if args.profile and f"{kind}-{clients}" == args.profile_level:
+            for key, clients in level_keys(kind, args.clients):
+                if args.profile and key == args.profile_level:
                     profile_during(watch["frontends"][0], args.warm + 2.0, args.seconds - 1.0, args.profile)
                 r = load_clients.run(kind, server.listen, server.http_listen, clients, args.client_processes, texts,
                                      args.warm, args.seconds, watch=watch)
-                result["levels"][f"{kind}-{clients}"] = r
+                result["levels"][key] = r
                 print(kind, r, flush=True)
     finally:
         server.terminate()
     write_results_to(args.out, result, header(result, args),
                   table(result, args))
+
+
+def level_keys(kind: str, clients: str) -> list[tuple[str, int]]:
+    """(result key, clients) for each --clients level: "unary-128", and "unary-128-2" for the second
+    time a level is asked for (a repeat, to see how much a figure moves), so that none is lost."""
+    seen: dict[int, int] = {}
+    out = []
+    for n in map(int, clients.split(",")):
+        seen[n] = seen.get(n, 0) + 1
+        out.append((f"{kind}-{n}" + (f"-{seen[n]}" if seen[n] > 1 else ""), n))
+    return out
 
 
 def profile_during(pid: int, after_s: float, seconds: float, folder: str) -> None:
@@ -211,10 +222,10 @@ def table(result: dict, args) -> str:
         "", "CPU a query, µs (frontends / clients), at each level: " + "; ".join(
         f"{key} {cpu_per_query(r, 'frontends'):,.0f} / {cpu_per_query(r, 'clients'):,.0f}"
         for key, r in result["levels"].items() if r["queries_per_s"]) + "."]
-    for clients in map(int, args.clients.split(",")):
+    for i, clients in enumerate(map(int, args.clients.split(","))):
         cells = []
         for kind in args.kinds.split(","):
-            r = result["levels"].get(f"{kind}-{clients}")
+            r = result["levels"].get(level_keys(kind, args.clients)[i][0])
             cells += [f"{r['queries_per_s']:,.0f}", f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}"] if r and r["p50_ms"] \
                 else ["-", "-", "-"]
         rows.append(f"| {clients} | " + " | ".join(cells) + " |")

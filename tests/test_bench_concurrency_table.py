@@ -24,3 +24,11 @@ def test_the_table_gives_each_levels_cpu_per_query():
     assert "unary-128 8.0 / 1.0 / 3.0" in text
     assert "CPU a query, µs (frontends / clients), at each level: unary-128 800 / 300." in text
     assert "unary-512 0 /" not in text  # a level that answered nothing has no figure per query
+
+
+def test_a_repeated_level_keeps_its_own_row():
+    assert bench.level_keys("unary", "512,128,512") == [("unary-512", 512), ("unary-128", 128), ("unary-512-2", 512)]
+    result = {"levels": {"unary-512": level(23_000.0, 9.0, 4.0), "unary-128": level(17_000.0, 9.0, 4.0),
+                         "unary-512-2": level(22_000.0, 9.0, 4.0)}}
+    text = bench.table(result, argparse.Namespace(kinds="unary", clients="512,128,512"))
+    assert "| 512 | 23,000 |" in text and "| 512 | 22,000 |" in text
