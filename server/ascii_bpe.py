@@ -39,6 +39,9 @@ KNOWN_PATTERNS = (
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
 )
 _UNICODE_FORMS = {"NFC", "NFKC", "NFD", "NFKD"}
+# Each query is searched for the file's added tokens (one regex of them all); past this many the
+# search could cost more than the HF library's whole encode, and tiktoken is not used.
+ADDED_MAX = 256
 _ASCII_PRINTABLE = "".join(map(chr, range(32, 127)))
 _PROBE_WORDS = ("the", "The", "THE", "search", "query", "embedding", "I'm", "don't", "we'll", "they've", "it's",
                 "U.S.A.", "e-mail", "x86_64", "3.14159", "2026-12-02", "#1", "$100", "foo_bar", "CamelCase",
@@ -124,6 +127,8 @@ class AsciiBpe:
         if len(ranks) != len(model["vocab"]) or not all(bytes([b]) in ranks for b in range(128)):
             return None
         added = [t["content"] for t in config.get("added_tokens", ())]
+        if len(added) > ADDED_MAX:
+            return None
         fast = cls(tiktoken.Encoding("pollen", pat_str=pattern, mergeable_ranks=ranks, special_tokens={}), added)
         for probe in probes():
             want = reference.encode(probe, add_special_tokens=False).ids

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
 from pollen.common.model_spec import default_model_path
-from pollen.server.ascii_bpe import GPT2_PATTERN, KNOWN_PATTERNS, AsciiBpe
+from pollen.server.ascii_bpe import ADDED_MAX, GPT2_PATTERN, KNOWN_PATTERNS, AsciiBpe
 from pollen.server.tokenizer import TextTokenizer
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
@@ -133,7 +133,10 @@ def test_tokenizers_it_cannot_reproduce_are_left_to_the_tokenizer_json():
     lowercase["normalizer"] = {"type": "Lowercase"}
     fallback = json.loads(json.dumps(config))
     fallback["model"]["byte_fallback"] = True
-    for changed in (prefixed, other_regex, lowercase, fallback):
+    many_added = json.loads(json.dumps(config))  # each query is searched for every added token
+    many_added["added_tokens"] += [dict(many_added["added_tokens"][0], id=10_000 + i, content=f"<extra_{i}>")
+                                   for i in range(ADDED_MAX)]
+    for changed in (prefixed, other_regex, lowercase, fallback, many_added):
         assert AsciiBpe.build(changed, Tokenizer.from_str(json.dumps(changed))) is None
 
 
