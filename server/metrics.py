@@ -63,13 +63,14 @@ class Deferred:
     """Counter increments and histogram observations kept here until `flush`, which writes each
     counter once and each histogram bucket once. A flush is scheduled on the running event loop
     FLUSH_S after the first count since the last one; without a running loop (tests, tools), a
-    count is written at once."""
+    count is written at once. A frontend has one loop for its life; the flush is scheduled again
+    when counts come from another loop (a loop that closed with its flush pending never runs it)."""
 
     def __init__(self):
         self.counts: dict = {}       # counter (or labelled child) -> amount
         self.observed: dict = {}     # histogram -> [per-bucket counts (the last is +Inf), sum]
         self.bounds: dict = {}       # histogram -> its upper bounds, without +Inf
-        self.scheduled = False
+        self.scheduled_on = None     # the loop whose timer will flush, if any
 
     def histogram(self, histogram: Histogram, bounds: tuple) -> Histogram:
         self.bounds[histogram] = bounds
@@ -88,23 +89,24 @@ class Deferred:
         self._schedule()
 
     def _schedule(self) -> None:
-        if self.scheduled:
-            return
         try:
-            asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
-            self.scheduled = True
+            loop = asyncio.get_running_loop()
         except RuntimeError:  # no event loop here: write now
             self.flush()
+            return
+        if self.scheduled_on is not loop:
+            loop.call_later(FLUSH_S, self.flush)
+            self.scheduled_on = loop
 
     def flush(self) -> None:
-        self.scheduled = False
+        self.scheduled_on = None
         counts, self.counts = self.counts, {}
         observed, self.observed = self.observed, {}
         for counter, amount in counts.items():
             counter.inc(amount)
         for histogram, (buckets, total) in observed.items():
             # prometheus_client has no public call that adds n observations at once; its
-            # Histogram keeps one value per bucket and one for the sum (tests/test_metrics.py
+            # Histogram keeps one value per bucket and one for the sum (tests/test_metrics_deferred.py
             # checks the exposition against plain observe()).
             for value, n in zip(histogram._buckets, buckets):
                 if n:

@@ -69,6 +69,21 @@ def test_counts_are_written_flush_s_later_on_a_loop_and_at_once_without_one(monk
     assert asyncio.run(later()) == 5
 
 
+def test_a_loop_that_closed_with_its_flush_pending_does_not_stop_later_flushes(monkeypatch):
+    monkeypatch.setattr(metrics, "FLUSH_S", 0.05)
+    (_, counter, _), _ = pair("v")
+    deferred = Deferred()
+
+    async def count(n: int, wait: float) -> None:
+        deferred.inc(counter.labels("x"), n)
+        await asyncio.sleep(wait)
+
+    asyncio.run(count(1, 0.0))  # this loop ends before its flush is due
+    assert counter.labels("x")._value.get() == 0
+    asyncio.run(count(2, 0.2))  # the next loop schedules its own
+    assert counter.labels("x")._value.get() == 3
+
+
 def test_a_scrape_writes_the_scraped_process_s_counts_first():
     before = metrics.REQUESTS.labels("grpc", "ok")._value.get()
 
