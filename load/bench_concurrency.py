@@ -79,15 +79,20 @@ def engine_ceiling(path: str, tokenizer: str, texts: list[str], device: str) -> 
     return out
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The served checkpoint's flags, shared with load/bench_one_client.py."""
+    p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--root", default="/tmp/pollen-ckpt")
+    p.add_argument("--tokenizer", required=True, help="the model's tokenizer.json (the real Qwen3 one)")
+    p.add_argument("--device", default="cuda")
+
+
 def main() -> None:
     from load.gpu_models import make_checkpoint, with_tokenizer
     from tests.conftest import ServerProcess
 
     p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="qwen3-0.6b")
-    p.add_argument("--root", default="/tmp/pollen-ckpt")
-    p.add_argument("--tokenizer", required=True, help="the model's tokenizer.json (the real Qwen3 one)")
-    p.add_argument("--device", default="cuda")
+    add_model_args(p)
     p.add_argument("--clients", default="1,8,32,128,512")
     p.add_argument("--kinds", default="unary,stream,http")
     p.add_argument("--seconds", type=float, default=6.0)

@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from load.bench_concurrency import query_texts, server_info, versions  # noqa: E402
+from load.bench_concurrency import add_model_args, query_texts, server_info, versions  # noqa: E402
 from load.gpu_models import make_checkpoint, with_tokenizer  # noqa: E402
 from load.results_file import write_results_to  # noqa: E402
 from tests.conftest import ServerProcess  # noqa: E402
@@ -110,10 +110,7 @@ RUN = {"sync": sync_client, "aio": aio_client, "pollen": pollen_client}
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="qwen3-0.6b")
-    p.add_argument("--root", default="/tmp/pollen-ckpt")
-    p.add_argument("--tokenizer", required=True, help="the model's tokenizer.json (the real Qwen3 one)")
-    p.add_argument("--device", default="cuda")
+    add_model_args(p)
     p.add_argument("--frontends", default="0,1", help="frontend counts to compare (0: the default)")
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--clients", default=",".join(CLIENTS))
