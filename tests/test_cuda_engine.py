@@ -323,6 +323,24 @@ def test_deferred_capture_runs_eagerly_then_captures_when_idle(tmp_path):
     assert cos(graphed, eager) >= 0.9999
 
 
+def test_a_bucket_met_often_under_load_is_captured_on_demand(tmp_path):
+    """The eager batches of a missed bucket are counted; capture_one(n) captures the interactive
+    lane's most met bucket only once n batches ran in it (worker/loop.py captures under load so),
+    and the graph then answers what the eager runs did."""
+    from pollen.worker.cuda_engine import CudaEngine
+
+    path = tiny(tmp_path, "causal")
+    engine = CudaEngine(load_model(path, "cuda", torch.bfloat16), "cuda", max_batch_tokens=512, defer_capture=True)
+    engine.warm_up()
+    batch = pack(seqs([9, 14, 5, 21], seed=13))
+    eager = [engine.submit(batch).result().copy() for _ in range(3)]
+    assert list(engine.wanted.values()) == [3] and not engine.graphs
+    assert engine.wants_capture(3) and not engine.wants_capture(4)
+    assert not engine.capture_one(4) and not engine.graphs
+    assert engine.capture_one(3) and len(engine.graphs) == 1 and not engine.wanted
+    assert cos(engine.submit(batch).result(), eager[0]) >= 0.9999
+
+
 def test_warm_up_captures_the_query_buckets_within_its_budget(tmp_path):
     from pollen.worker.cuda_engine import CudaEngine
 

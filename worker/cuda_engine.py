@@ -32,7 +32,9 @@ happens in `warm_up` (the likely query buckets, then the likely document buckets
 budget, before the worker says READY), and for a bucket first met under load either at once
 (`defer_capture=False`: the batch waits for its capture) or later: the batch runs eagerly now
 and `capture_one` captures the bucket when the worker has no interactive work, so no client
-waits for a capture.
+waits for a capture. Under steady interactive load that never comes, so a bucket met often is
+captured then too (worker/loop.py, CAPTURE_UNDER_LOAD_HITS): a bounded pause of the interactive
+lane, once per bucket, instead of eager batches for as long as the load lasts.
 """
 from __future__ import annotations
 
@@ -98,7 +100,8 @@ class Lane:
         self.slot = 0
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
-        self.wanted: dict[tuple[int, int, int], None] = {}  # buckets met under load, to capture later
+        # Buckets met under load (their batches ran eagerly), to capture later: how many batches each.
+        self.wanted: dict[tuple[int, int, int], int] = {}
 
     def next_slot(self) -> int:
         slot = self.slot
@@ -256,7 +259,7 @@ class CudaEngine:
         graph = lane.graphs.get(shape) if shape is not None else None
         if shape is not None and graph is None:
             if self.defer_capture:
-                lane.wanted[shape] = None  # captured when there is no interactive work (capture_one)
+                lane.wanted[shape] = lane.wanted.get(shape, 0) + 1  # captured later (capture_one)
                 shape = None
             else:
                 graph = self.capture(shape, lane_index)
@@ -329,10 +332,23 @@ class CudaEngine:
                 lane.static_in[:used].copy_(lane.host_in[slot][:used], non_blocking=True)
             lane.staged[slot].record(lane.stream)
 
-    def capture_one(self) -> bool:
+    def wants_capture(self, min_hits: int) -> bool:
+        """Whether the interactive lane has a bucket that at least `min_hits` batches ran eagerly in."""
+        return any(hits >= min_hits for hits in self.lanes[INTERACTIVE].wanted.values())
+
+    def capture_one(self, min_hits: int = 0) -> bool:
         """Capture one bucket a batch met under load (it ran eagerly), the interactive lane's
-        first; False if none waits. The worker calls this only when it has no interactive work
-        (a bulk batch may run: the capture waits for the bulk lane's stream)."""
+        first; False if none waits. The worker calls this when no interactive batch is in flight
+        (a bulk batch may run: the capture waits for the bulk lane's stream). With `min_hits`,
+        only the interactive lane's most met bucket, if met at least that often (under load)."""
+        if min_hits:
+            wanted = self.lanes[INTERACTIVE].wanted
+            shape = max(wanted, key=wanted.get, default=None)
+            if shape is None or wanted[shape] < min_hits:
+                return False
+            with torch.inference_mode():
+                self.capture(shape, INTERACTIVE)
+            return True
         for lane_index, lane in enumerate(self.lanes):
             if lane.wanted:
                 with torch.inference_mode():

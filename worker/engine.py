@@ -8,6 +8,8 @@ The worker loop only knows this interface:
     pending.done()                   # True once out holds the rows (never blocks)
     pending.result()                 # waits until out holds the rows; returns out
     engine.capture_one()             # no interactive work: capture a graph a batch missed (CUDA)
+    engine.wants_capture(n)          # under load: a bucket n batches ran eagerly in waits (CUDA)
+    engine.capture_one(n)            # ... capture it (no interactive batch in flight)
     engine.unregister_host_memory(address)         # before a response ring goes
     engine.close()
 
@@ -90,8 +92,11 @@ class EagerEngine:
                 at += len(part)
         return ReadyRows(out)
 
-    def capture_one(self) -> bool:
+    def wants_capture(self, min_hits: int) -> bool:
         return False  # nothing to capture on the CPU
+
+    def capture_one(self, min_hits: int = 0) -> bool:
+        return False
 
     def register_host_memory(self, address: int, nbytes: int) -> None:
         """Nothing to do: the CPU writes any memory directly."""

@@ -39,6 +39,16 @@ from pollen.worker.links import Link, wait_for_work
 from pollen.worker.packed import pack
 
 CONTROL_EVERY_NS = 5_000_000  # how often a busy loop looks at the control link
+# A bucket first met under load runs eagerly and is captured once the interactive lane is idle
+# (worker/cuda_engine.py). Under steady interactive load that lane is never idle, and every batch
+# of such a bucket kept running eagerly: milliseconds of kernel launches each, which halved a
+# 512-client run's throughput for its whole length on the H200. So a bucket that has run eagerly
+# CAPTURE_UNDER_LOAD_HITS times is captured under load too: the worker stops launching
+# interactive batches, lets those in flight finish, captures (tens to a couple of hundred ms for
+# the largest query buckets), and goes on; at most one such capture every
+# CAPTURE_UNDER_LOAD_EVERY_NS, and each bucket once (the set is finite).
+CAPTURE_UNDER_LOAD_HITS = 8
+CAPTURE_UNDER_LOAD_EVERY_NS = 1_000_000_000
 
 
 @dataclass(slots=True)
@@ -93,6 +103,8 @@ class Worker:
         self.side_by_side = engine.side_by_side
         self.batches = 0
         self.stopping = False
+        self.capture_pending = False  # interactive launches wait for a capture under load
+        self.next_load_capture_ns = 0
 
     # ---- the loop ----
 
@@ -111,11 +123,7 @@ class Worker:
             self.drain_requests()
             self.drop_expired()
             t1 = now()
-            if not self.open[INTERACTIVE] and not self.batcher.lanes[INTERACTIVE]:
-                # A bucket a batch met under load ran eagerly; capture it while no interactive
-                # work waits, so a steady bulk stream, which never leaves the worker idle, gets
-                # its graphs too (each bucket once: the set of buckets is finite).
-                self.engine.capture_one()
+            self.capture(t1)
             # Launch before collecting: batch N+1 is packed and launched while N still runs.
             launched = self.launch()
             t2 = now()
@@ -130,6 +138,23 @@ class Worker:
                 return
             self.idle()
             phase[3] += now() - t3
+
+    def capture(self, now_ns: int) -> None:
+        """Capture a graph a batch missed (it ran eagerly): while no interactive work waits, any
+        (a steady bulk stream, which never leaves the worker idle, gets its graphs too); under
+        interactive load, one met CAPTURE_UNDER_LOAD_HITS times, once the lane's batches in
+        flight are done (see CAPTURE_UNDER_LOAD_HITS)."""
+        if not self.open[INTERACTIVE] and not self.batcher.lanes[INTERACTIVE]:
+            self.engine.capture_one()
+            self.capture_pending = False
+            return
+        if not self.capture_pending:
+            self.capture_pending = (now_ns >= self.next_load_capture_ns
+                                    and self.engine.wants_capture(CAPTURE_UNDER_LOAD_HITS))
+        if self.capture_pending and not self.open[INTERACTIVE]:
+            self.engine.capture_one(CAPTURE_UNDER_LOAD_HITS)
+            self.capture_pending = False
+            self.next_load_capture_ns = time.monotonic_ns() + CAPTURE_UNDER_LOAD_EVERY_NS
 
     def idle(self) -> None:
         """Nothing to launch or answer this turn: wait for a running batch, or spin, then sleep,
@@ -154,6 +179,8 @@ class Worker:
             return False
         launched = False
         for lane in (INTERACTIVE, BULK):
+            if lane == INTERACTIVE and self.capture_pending:
+                continue  # its batches in flight finish first; then the capture (see capture)
             if self.batcher.lanes[lane] and len(self.open[lane]) < 2:
                 self.submit(self.batcher.next_batch(lane), lane)
                 launched = True
