@@ -37,6 +37,7 @@ def run(kind: str, target: str, http_target: str, clients: int, processes: int, 
     ms = latencies * 1e3
     busy["clients"] = sum(p["cpu_s"] for p in parts) / seconds
     return {"clients": clients, "processes": processes, "completed": int(len(ms)), "errors": errors,
+            "completed_by_process": [int(len(p["latencies"])) for p in parts],
             "cores_busy": busy,
             "queries_per_s": len(ms) / seconds,
             "p50_ms": float(np.percentile(ms, 50)) if len(ms) else None,
@@ -150,8 +151,12 @@ def _cores_busy(watch: dict[str, list[int]], t0: float, seconds: float) -> dict[
 
     time.sleep(max(0.0, t0 - time.time()))
     before = {name: cpu(pids) for name, pids in watch.items()}
+    each = {pid: cpu([pid]) for pids in watch.values() for pid in pids}
     time.sleep(max(0.0, t0 + seconds - time.time()))
-    return {name: (cpu(pids) - before[name]) / seconds for name, pids in watch.items()}
+    busy = {name: (cpu(pids) - before[name]) / seconds for name, pids in watch.items()}
+    # Each process's own share too: an uneven spread (one frontend saturated, another idle) shows there.
+    busy["each"] = {str(pid): round((cpu([pid]) - was) / seconds, 2) for pid, was in each.items()}
+    return busy
 
 
 async def _read_response(conn, reader) -> int:
