@@ -67,6 +67,17 @@ def test_request_records_round_trip(data, req_id, admit_ns, deadline_ns, dims, n
 
 
 @FUZZ
+@given(req_id=U64, admit_ns=U64, deadline_ns=U64, dims=U32, normalize=st.booleans(), encoding=U32, priority=U32,
+       ids=st.lists(st.integers(-2**31, 2**31 - 1), max_size=40))
+def test_a_query_s_record_is_the_general_record(req_id, admit_ns, deadline_ns, dims, normalize, encoding, priority, ids):
+    """One int32 sequence takes encode_request's struct-only shortcut; an int64 one the general path."""
+    def encode(dtype):
+        return records.encode_request(req_id, admit_ns, [np.array(ids, dtype)], dims, normalize, encoding,
+                                      deadline_ns=deadline_ns, priority=priority)
+    assert encode(np.int32) == encode(np.int64)
+
+
+@FUZZ
 @given(head=st.tuples(U64, U32, U32, U32, U32, U64, U64), body=st.binary(max_size=200))
 def test_result_records_decode(head, body):
     got = records.decode_result(memoryview(records.result_header(*head) + body))
