@@ -150,12 +150,12 @@ def _cores_busy(watch: dict[str, list[int]], t0: float, seconds: float) -> dict[
         return total / tick
 
     time.sleep(max(0.0, t0 - time.time()))
-    before = {name: cpu(pids) for name, pids in watch.items()}
-    each = {pid: cpu([pid]) for pids in watch.values() for pid in pids}
+    before = {pid: cpu([pid]) for pids in watch.values() for pid in pids}
     time.sleep(max(0.0, t0 + seconds - time.time()))
-    busy = {name: (cpu(pids) - before[name]) / seconds for name, pids in watch.items()}
+    each = {pid: (cpu([pid]) - was) / seconds for pid, was in before.items()}
+    busy = {name: sum(each[pid] for pid in pids) for name, pids in watch.items()}
     # Each process's own share too: an uneven spread (one frontend saturated, another idle) shows there.
-    busy["each"] = {str(pid): round((cpu([pid]) - was) / seconds, 2) for pid, was in each.items()}
+    busy["each"] = {str(pid): round(share, 2) for pid, share in each.items()}
     return busy
 
 

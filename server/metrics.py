@@ -69,12 +69,7 @@ class Deferred:
     def __init__(self):
         self.counts: dict = {}       # counter (or labelled child) -> amount
         self.observed: dict = {}     # histogram -> [per-bucket counts (the last is +Inf), sum]
-        self.bounds: dict = {}       # histogram -> its upper bounds, without +Inf
         self.scheduled_on = None     # the loop whose timer will flush, if any
-
-    def histogram(self, histogram: Histogram, bounds: tuple) -> Histogram:
-        self.bounds[histogram] = bounds
-        return histogram
 
     def inc(self, counter, amount: float = 1) -> None:
         self.counts[counter] = self.counts.get(counter, 0) + amount
@@ -83,8 +78,9 @@ class Deferred:
     def observe(self, histogram: Histogram, value: float) -> None:
         entry = self.observed.get(histogram)
         if entry is None:
-            entry = self.observed[histogram] = [[0] * (len(self.bounds[histogram]) + 1), 0.0]
-        entry[0][bisect.bisect_left(self.bounds[histogram], value)] += 1  # the first bound >= value
+            entry = self.observed[histogram] = [[0] * len(histogram._upper_bounds), 0.0]
+        # The first bound >= value, as observe() picks it (the bounds end with +Inf).
+        entry[0][bisect.bisect_left(histogram._upper_bounds, value)] += 1
         entry[1] += value
         self._schedule()
 
@@ -106,8 +102,8 @@ class Deferred:
             counter.inc(amount)
         for histogram, (buckets, total) in observed.items():
             # prometheus_client has no public call that adds n observations at once; its
-            # Histogram keeps one value per bucket and one for the sum (tests/test_metrics_deferred.py
-            # checks the exposition against plain observe()).
+            # Histogram keeps its bounds, one value per bucket and one for the sum
+            # (tests/test_metrics_deferred.py checks the exposition against plain observe()).
             for value, n in zip(histogram._buckets, buckets):
                 if n:
                     value.inc(n)
@@ -115,9 +111,6 @@ class Deferred:
 
 
 DEFERRED = Deferred()
-DEFERRED.histogram(QUEUE_SECONDS, _SECONDS)
-DEFERRED.histogram(INFERENCE_SECONDS, _SECONDS)
-DEFERRED.histogram(BATCH_TOKENS, _TOKENS)
 
 
 class _FlushFirst:

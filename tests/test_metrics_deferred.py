@@ -34,7 +34,6 @@ def samples(registry) -> dict:
 def test_a_flush_gives_what_plain_increments_give():
     (plain, plain_counter, plain_hist), (kept, kept_counter, kept_hist) = pair("t")
     deferred = Deferred()
-    deferred.histogram(kept_hist, BOUNDS)
     rng = random.Random(0)
     values = [rng.choice(BOUNDS) for _ in range(50)] + [rng.uniform(0, 2) for _ in range(500)] + [5.0, 0.0]
 

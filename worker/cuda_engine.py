@@ -332,9 +332,15 @@ class CudaEngine:
                 lane.static_in[:used].copy_(lane.host_in[slot][:used], non_blocking=True)
             lane.staged[slot].record(lane.stream)
 
+    def most_wanted(self, min_hits: int):
+        """The interactive lane's bucket that the most batches ran eagerly in, if at least
+        `min_hits` did; else None."""
+        wanted = self.lanes[INTERACTIVE].wanted
+        shape = max(wanted, key=wanted.get, default=None)
+        return shape if shape is not None and wanted[shape] >= min_hits else None
+
     def wants_capture(self, min_hits: int) -> bool:
-        """Whether the interactive lane has a bucket that at least `min_hits` batches ran eagerly in."""
-        return any(hits >= min_hits for hits in self.lanes[INTERACTIVE].wanted.values())
+        return self.most_wanted(min_hits) is not None
 
     def capture_one(self, min_hits: int = 0) -> bool:
         """Capture one bucket a batch met under load (it ran eagerly), the interactive lane's
@@ -342,19 +348,15 @@ class CudaEngine:
         (a bulk batch may run: the capture waits for the bulk lane's stream). With `min_hits`,
         only the interactive lane's most met bucket, if met at least that often (under load)."""
         if min_hits:
-            wanted = self.lanes[INTERACTIVE].wanted
-            shape = max(wanted, key=wanted.get, default=None)
-            if shape is None or wanted[shape] < min_hits:
-                return False
-            with torch.inference_mode():
-                self.capture(shape, INTERACTIVE)
-            return True
-        for lane_index, lane in enumerate(self.lanes):
-            if lane.wanted:
-                with torch.inference_mode():
-                    self.capture(next(iter(lane.wanted)), lane_index)
-                return True
-        return False
+            shape, lane_index = self.most_wanted(min_hits), INTERACTIVE
+        else:
+            shape, lane_index = next(((next(iter(lane.wanted)), i) for i, lane in enumerate(self.lanes)
+                                      if lane.wanted), (None, None))
+        if shape is None:
+            return False
+        with torch.inference_mode():
+            self.capture(shape, lane_index)
+        return True
 
     def register_host_memory(self, address: int, nbytes: int) -> None:
         """Page-lock memory we did not allocate (a response ring's mapping), so that copies into
