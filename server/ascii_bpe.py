@@ -1,9 +1,10 @@
 """tiktoken in front of a byte-level BPE tokenizer.json, for ASCII text.
 
 A query's tokenization was the biggest single piece of a frontend's own work per call: the HF
-`tokenizers` library spends most of its ~30 µs on a short query in its regex pre-tokenizer
+`tokenizers` library spends most of its ~37 µs on a short query in its regex pre-tokenizer
 (oniguruma). tiktoken runs the same byte-level BPE (GPT-2 and cl100k-style regexes, ranks) with a
-faster regex engine, in about 3 µs. Both are the field's libraries; this file only decides when
+faster regex engine: about 5 µs with our checks around it
+(load/results/query-pieces-2026-12-02.md). Both are the field's libraries; this file only decides when
 tiktoken gives the very same ids, and otherwise says so (None) so that the caller uses the HF
 tokenizer, which stays the reference:
 

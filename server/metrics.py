@@ -16,7 +16,7 @@ process writes its counts there, and /metrics sums them (prometheus_client's mul
 The per-request counts (requests, texts, tokens, queue and inference times, batches) are added
 up in this process's memory and written to prometheus_client at most FLUSH_S later (`DEFERRED`):
 in multiprocess mode every increment takes a lock, checks the pid and writes the mmap file, and a
-query made seven of them, a tenth of a frontend's own Python per query. A scrape writes out its
+query made seven of them. A scrape writes out its
 own process's counts first; another frontend's are at most FLUSH_S old.
 """
 from __future__ import annotations
