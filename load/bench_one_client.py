@@ -1,11 +1,11 @@
 """One client, one query at a time: where a lone query's time goes, by frontend count and client API.
 
     python load/bench_one_client.py --shape qwen3-0.6b --tokenizer TOKENIZER.json --out load/results/STEM
-           [--frontends 0,1,7] [--calls 2000] [--device cuda]
+           [--frontends 0,1,7] [--calls 2000] [--device cuda] [--server-flags "--pdl 0" ...]
 
 For each --frontends value (0: the server's default) a fresh `pollen serve` (defaults otherwise)
 is started and answers --calls queries sent one after the other (after a warm-up), from three
-clients in turn:
+clients in turn (and again for each --server-flags given: an A/B in one run, in the order given):
 
   sync    grpc's blocking stub (the calling thread waits on the call itself)
   aio     grpc.aio's stub on uvloop, as load/load_clients.py sends (the concurrency benchmark)
@@ -19,6 +19,7 @@ rings and the wake-ups. The queries are those of load/bench_concurrency.py (12-1
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shlex
 import sys
@@ -114,19 +115,22 @@ def main() -> None:
     p.add_argument("--frontends", default="0,1", help="frontend counts to compare (0: the default)")
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--clients", default=",".join(CLIENTS))
+    p.add_argument("--server-flags", action="append",
+                   help="extra `pollen serve` flags; given several times, a server for each, in turn")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
     path = with_tokenizer(make_checkpoint(args.shape, args.root), args.tokenizer)
     texts = query_texts()
     result = {"meta": versions(), "command": " ".join(shlex.quote(a) for a in sys.argv), "rows": []}
-    for frontends in map(int, args.frontends.split(",")):
+    for frontends, flags in itertools.product(map(int, args.frontends.split(",")), args.server_flags or [""]):
         server = ServerProcess("--model", path, "--device", args.device, "--frontends", str(frontends),
-                               "--log-level", "WARNING").start(timeout=600)
+                               "--log-level", "WARNING", *shlex.split(flags)).start(timeout=600)
         try:
             started = server_info(server.listen)["frontends"]
             for client in args.clients.split(","):
-                row = {"frontends": started, "client": client} | RUN[client](server.listen, texts, args.calls)
+                row = {"frontends": started, "flags": flags, "client": client} | RUN[client](server.listen, texts,
+                                                                                             args.calls)
                 result["rows"].append(row)
                 print(row, flush=True)
         finally:
@@ -143,13 +147,13 @@ def header(result: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| frontends | client | calls | p50 ms | p99 ms | server p50 ms (queue / inference) | rest p50 ms |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| frontends | flags | client | calls | p50 ms | p99 ms | server p50 ms (queue / inference) | rest p50 ms |",
+             "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         server = (f"{r['server_p50_ms']:.2f} ({r['queue_p50_ms']:.2f} / {r['inference_p50_ms']:.2f})"
                   if "server_p50_ms" in r else "")
         rest = f"{r['rest_p50_ms']:.2f}" if "rest_p50_ms" in r else ""
-        lines.append(f"| {r['frontends']} | {r['client']} | {r['calls']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+        lines.append(f"| {r['frontends']} | {r.get('flags') or 'defaults'} | {r['client']} | {r['calls']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
                      f"{server} | {rest} |")
     return "\n".join(lines) + "\n"
 
