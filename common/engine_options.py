@@ -53,12 +53,6 @@ class EngineOptions:
     """Use flash_attn's varlen kernel when that package is importable. Off: torch's own varlen_attn
     even then: to compare the two kernels, or to step around a flash_attn build that misbehaves."""
 
-    pdl: bool = True
-    """With skinny, on Hopper and later: the query layer's kernels are launched with programmatic
-    dependent launch, each prefetching its weights into L2 while the kernel before it runs
-    (worker/kernels/skinny.py). Off: plain launches, one kernel after the other: to measure what
-    it gives, or to step around a driver that refuses it."""
-
     fold_norms: bool = True
     """Qwen3: fold each pre-norm's weight into the product that reads it at load (the skinny
     products need it). Off: keep the checkpoint's weights, and with them the query kernels off:

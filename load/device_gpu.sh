@@ -13,7 +13,6 @@
 #   concurrency:  python load/bench_concurrency.py --tokenizer .whl/qwen3-tokenizer.json ARGS
 #   mixed:        python load/bench_mixed.py --tokenizer .whl/qwen3-tokenizer.json ARGS
 #   skinny:       python load/bench_skinny_linear.py ARGS (the query kernels' tile table)
-#   pdl:          python load/bench_pdl.py ARGS (the query layer's PDL chain, A/B)
 #   one:          python load/bench_one_client.py --tokenizer .whl/qwen3-tokenizer.json ARGS
 #   two:          python load/bench_two_gpus.py --tokenizer .whl/qwen3-tokenizer.json ARGS (2+ GPUs)
 set -o pipefail
@@ -31,7 +30,6 @@ case $what in
   concurrency) python3 load/bench_concurrency.py --tokenizer .whl/qwen3-tokenizer.json "$@" ;;
   mixed) python3 load/bench_mixed.py --tokenizer .whl/qwen3-tokenizer.json "$@" ;;
   skinny) python3 load/bench_skinny_linear.py "$@" ;;
-  pdl) python3 load/bench_pdl.py "$@" ;;
   one) python3 load/bench_one_client.py --tokenizer .whl/qwen3-tokenizer.json "$@" ;;
   two) python3 load/bench_two_gpus.py --tokenizer .whl/qwen3-tokenizer.json "$@" ;;
 esac

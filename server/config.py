@@ -124,7 +124,6 @@ class ServeConfig:
     skinny: bool = _engine_flag("skinny")
     skinny_configs: str | None = _engine_flag("skinny_configs")
     flash_attn: bool = _engine_flag("flash_attn")
-    pdl: bool = _engine_flag("pdl")
     fold_norms: bool = _engine_flag("fold_norms")
     # Not a flag: --frontends was left at 0 and pollen chose the count (check_shm may lower it).
     frontends_automatic: bool = dataclasses.field(default=False, init=False, repr=False)

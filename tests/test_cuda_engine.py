@@ -159,23 +159,15 @@ def test_fused_short_qk_rope_attention_equals_the_separate_kernels(causal):
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("pdl", [0, 1, 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_skinny_products_equal_the_separate_kernels(dtype, pdl):
+def test_skinny_products_equal_the_separate_kernels(dtype):
     """Each skinny product equals the kernels it replaces, for 1 to 64 rows, eagerly and replayed in
     a graph: the residual add (bit for bit) with its sums of squares, the norm folded into the
-    product (within one rounding of the product's input), and SiLU-gate; launched plainly and as
-    links of a PDL chain (early and late trigger)."""
+    product (within one rounding of the product's input), and SiLU-gate."""
     pytest.importorskip("triton")
-    import functools
-
     import torch.nn.functional as F
 
-    from pollen.worker.kernels import skinny
-
-    if pdl and not skinny.pdl_supported():
-        pytest.skip("PDL needs sm_90 and Triton's gdc instructions")
-    skinny_linear = functools.partial(skinny.skinny_linear, pdl=pdl)
+    from pollen.worker.kernels.skinny import skinny_linear
 
     g = torch.Generator(device="cuda").manual_seed(3)
 
@@ -253,35 +245,6 @@ def test_query_path_matches_cpu_reference(tmp_path, kind):
             assert cos(got, cpu.submit(batch).result()) >= 0.999, (graphs, lengths)
             if not graphs:  # eagerly, every call is visible: four products a layer, two layers
                 assert len(calls) == (8 if sum(lengths) <= 64 else 0), lengths
-
-
-@pytest.mark.parametrize("kind", ["causal", "bidirectional"])
-def test_pdl_chain_gives_the_same_bits_as_plain_launches(tmp_path, kind):
-    """The query layer launched as a PDL chain (each kernel prefetching its weights while the one
-    before it runs) computes exactly what plain launches compute, eagerly and replayed from graphs,
-    again and again: a kernel that read its input before the previous kernel finished would not."""
-    pytest.importorskip("triton")
-    from pollen.worker.cuda_engine import CudaEngine
-    from pollen.worker.kernels import skinny
-    from tests.test_model_qwen3 import make_tiny_qwen3
-
-    if not skinny.pdl_supported():
-        pytest.skip("PDL needs sm_90 and Triton's gdc instructions")
-    make_tiny_qwen3(tmp_path / "m", kind, hidden_size=512, num_attention_heads=8, num_key_value_heads=4,
-                    head_dim=64, intermediate_size=1536, num_hidden_layers=4, max_position_embeddings=256)
-    path = str(tmp_path / "m")
-    batches = [pack(seqs(lengths, seed=i)) for i, lengths in enumerate(([16], [9], [3, 20, 7], [30, 34]))]
-    rows = {}
-    for pdl in (False, True):
-        for graphs in (False, True):
-            model = load_model(path, "cuda", torch.bfloat16, options=EngineOptions(pdl=pdl))
-            assert model.query_kernels
-            engine = CudaEngine(model, "cuda", max_batch_tokens=512, cuda_graphs=graphs)
-            rows[pdl, graphs] = [[engine.submit(b).result().copy() for b in batches] for _ in range(3)]
-    for graphs in (False, True):
-        for again in range(3):
-            for plain, chained in zip(rows[False, graphs][0], rows[True, graphs][again]):
-                assert np.array_equal(plain, chained), (graphs, again)
 
 
 @pytest.mark.parametrize("options, query_calls", [

@@ -84,10 +84,10 @@ def test_engine_options_are_hidden_flags_and_variables(capsys):
     off --help; ServeConfig builds the EngineOptions the workers get."""
     assert ServeConfig.from_args([], environ={}).engine_options() == EngineOptions()
     env = {"POLLEN_TRITON": "0", "POLLEN_SHORT_ATTENTION": "0", "POLLEN_SKINNY": "0", "POLLEN_FLASH_ATTN": "0",
-           "POLLEN_FOLD_NORMS": "0", "POLLEN_SKINNY_CONFIGS": __file__, "POLLEN_PDL": "off"}
+           "POLLEN_FOLD_NORMS": "0", "POLLEN_SKINNY_CONFIGS": __file__}
     assert ServeConfig.from_args([], environ=env).engine_options() == EngineOptions(
         triton=False, short_attention=False, skinny=False, skinny_configs=__file__, flash_attn=False,
-        fold_norms=False, pdl=False)
+        fold_norms=False)
     cfg = ServeConfig.from_args(["--skinny", "1", "--fold-norms", "off"], environ={"POLLEN_SKINNY": "0"})
     assert (cfg.skinny, cfg.fold_norms, cfg.triton) == (True, False, True)
     assert ServeConfig.from_args([], environ={"POLLEN_SKINNY_CONFIGS": ""}).engine_options().skinny_configs is None

@@ -5,8 +5,6 @@ EngineOptions want the kernels (worker/models/loader.py, `choose_ops`).
 """
 from __future__ import annotations
 
-import functools
-
 from pollen.common.engine_options import EngineOptions
 from pollen.worker.kernels import activations, norms, rope, short_attention, skinny
 from pollen.worker.models.ops import Ops
@@ -18,13 +16,10 @@ def triton_ops(attention: str, options: EngineOptions) -> Ops:
     if options.skinny_configs:  # a table measured on this machine, over the committed one
         skinny.load_configs(options.skinny_configs)
     short, query = options.short_attention, options.skinny
-    # The query layer's kernels as one PDL chain, where the GPU runs it (skinny.py's docstring).
-    pdl = skinny.PDL_EARLY if query and options.pdl and skinny.pdl_supported() else skinny.PDL_OFF
     return Ops("triton", attention, norms.add_rms_norm, norms.embed_rms_norm, rope.qk_norm_rope,
                activations.silu_mul,
                short_attention=short_attention.short_attention if short else None,
-               short_qk_rope_attention=functools.partial(short_attention.short_qk_rope_attention, pdl=pdl)
-               if short else None,
-               skinny_linear=functools.partial(skinny.skinny_linear, pdl=pdl) if query else None,
+               short_qk_rope_attention=short_attention.short_qk_rope_attention if short else None,
+               skinny_linear=skinny.skinny_linear if query else None,
                skinny_fits=skinny.fits if query else None,
                skinny_layer_wins=skinny.layer_wins if query else None)

@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pollen.worker.kernels.skinny import PDL_OFF, pdl_enter, pdl_launch
-
 
 @triton.jit
 def _softmax_times_v(s, v, live, m, CAUSAL: tl.constexpr):
@@ -77,8 +75,7 @@ def _norm_rope(a, b, w_ptr, cos, sin, eps, D: tl.constexpr, HALF: tl.constexpr):
 @triton.jit
 def _short_qk_rope_attention(qkv_ptr, o_ptr, cu_ptr, pos_ptr, qw_ptr, kw_ptr, cache_ptr, eps, scale,
                              HEADS: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                             CAUSAL: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)  # a link of the query layer's PDL chain (skinny.py): qkv comes from the kernel before
+                             CAUSAL: tl.constexpr):
     seq = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // (HEADS // KV)
@@ -108,16 +105,14 @@ def _short_qk_rope_attention(qkv_ptr, o_ptr, cu_ptr, pos_ptr, qw_ptr, kw_ptr, ca
 
 def short_qk_rope_attention(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                             cache: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int, eps: float,
-                            cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool,
-                            pdl: int = PDL_OFF) -> torch.Tensor:
+                            cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool) -> torch.Tensor:
     """Qwen3's QK-norm + RoPE + attention for short sequences in one kernel: reads the fused QKV
-    projection [T, (H + 2 KV) * D] directly and writes the attention output [T, H, D]. pdl: launched
-    as a link of the query layer's PDL chain (worker/kernels/skinny.py)."""
+    projection [T, (H + 2 KV) * D] directly and writes the attention output [T, H, D]."""
     qkv = qkv.contiguous()
     d = q_weight.shape[0]
     out = qkv.new_empty(qkv.shape[0], heads, d)
     block = max(16, triton.next_power_of_2(max_seqlen))
     _short_qk_rope_attention[(cu_seqlens.shape[0] - 1, heads)](
         qkv, out, cu_seqlens, positions, q_weight, k_weight, cache, eps, d ** -0.5,
-        HEADS=heads, KV=kv_heads, D=d, BLOCK=block, CAUSAL=causal, num_warps=4, **pdl_launch(pdl))
+        HEADS=heads, KV=kv_heads, D=d, BLOCK=block, CAUSAL=causal, num_warps=4)
     return out

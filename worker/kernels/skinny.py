@@ -19,16 +19,6 @@ Around that product it takes over the element-wise kernels of a pre-norm layer:
 A layer is then five kernels (qkv, attention, o, gate/up, down) instead of eight. Rounding: the
 normalized row is not rounded before the product (HF rounds it twice, before and after the norm
 weight) and the folded weight is rounded once; both are within one bf16 step of the product's input.
-
-PDL (programmatic dependent launch, Hopper and later; `pdl`): each kernel of the chain is launched
-while the one before it still runs. Its programs pull their own slice of the weight into L2 (the
-weights never depend on the previous kernel), then wait for the previous kernel's results
-(`gdc_wait`), and only then let the next kernel launch (`gdc_launch_dependents`, PDL_EARLY), so at
-most one kernel waits ahead of the running one and its prefetch is the only one in flight: the
-next product's weights come from L2, and its launch and ramp-up overlap the running kernel. (The
-first try, docs/gpu-notes.md step 8a, let the next kernel launch before waiting: every kernel of
-the graph then launched and prefetched at once, and each product ran slower.) Every read and write
-of data another kernel makes comes after gdc_wait; launched without PDL, gdc_wait is a no-op.
 """
 from __future__ import annotations
 
@@ -38,50 +28,14 @@ import triton.language as tl
 
 from pollen.worker.kernels.skinny_configs import MEASURED
 
-try:  # programmatic dependent launch (Triton 3.3 and later)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # an older Triton: pdl_supported() is False and the PDL branches never compile
-    gdc_launch_dependents = gdc_wait = None
-
 MAX_ROWS = 64  # batches of up to this many tokens take these kernels (one row block: tl.dot's M)
-# Where a kernel of the PDL chain lets the next one launch: after its own wait (the next kernel then
-# prefetches while this one runs), or after its main loop (only its epilogue overlaps the launch).
-PDL_OFF, PDL_EARLY, PDL_LATE = 0, 1, 2
-LINE = 64  # bf16/fp16 elements in one 128-byte cache line
-
-
-def pdl_supported() -> bool:
-    """Whether this Triton has the grid-dependency instructions and the current GPU runs them (sm_90+)."""
-    return gdc_wait is not None and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-
-
-def pdl_launch(pdl: int) -> dict:
-    """Launch options of a kernel in the PDL chain (with its PDL constexpr)."""
-    return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": PDL_OFF}
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    # One L2 prefetch per pointer; is_pure=False keeps it although its value is unused.
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def pdl_enter(PDL: tl.constexpr):
-    """Wait for the previous kernel's results; PDL_EARLY: then let the next kernel launch."""
-    if PDL != 0:
-        gdc_wait()
-        if PDL == 1:
-            gdc_launch_dependents()
 
 
 @triton.jit
 def _skinny_linear(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_ptr, ws_ptr, count_ptr,
                    M, N, K: tl.constexpr, eps, n_parts,
                    PARTS: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PDL: tl.constexpr, LINES: tl.constexpr):
+                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     block = pid // SPLIT  # our BLOCK_N output columns
     part = pid % SPLIT  # our share of K
@@ -89,18 +43,9 @@ def _skinny_linear(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_pt
     row_ok = rm < M
     cols = tl.arange(0, BLOCK_N)
     rn = block * BLOCK_N + cols
-    K_PART: tl.constexpr = K // SPLIT
-    if PDL != 0:
-        # Our weight slice into L2, one prefetch per line (LINES: K_PART / LINE rounded up to a
-        # power of 2; the extra ones repeat the last line), before waiting on the previous kernel.
-        line = tl.minimum(tl.arange(0, LINES), K_PART // 64 - 1) * 64
-        slice_ptrs = w_ptr + rn[:, None].to(tl.int64) * K + (part * K_PART + line)[None, :]
-        _prefetch_l2(slice_ptrs)
-        if SWIGLU:
-            _prefetch_l2(slice_ptrs + N * K)
-    pdl_enter(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    K_PART: tl.constexpr = K // SPLIT
     for k in range(part * K_PART, (part + 1) * K_PART, BLOCK_K):
         rk = k + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=row_ok[:, None], other=0.0)
@@ -109,8 +54,6 @@ def _skinny_linear(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_pt
         if SWIGLU:
             w_up = tl.load(w_ptr + (rn + N)[:, None].to(tl.int64) * K + rk[None, :])
             acc_up += tl.dot(x, tl.trans(w_up))
-    if PDL == 2:
-        gdc_launch_dependents()
     if SPLIT == 1:
         _epilogue(acc, acc_up, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_ptr, block, rm, row_ok, rn, N, K, eps,
                   n_parts, PARTS, RESIDUAL, SWIGLU, HAS_BIAS, BLOCK_M)
@@ -239,15 +182,13 @@ class Parts:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   residual: torch.Tensor | None = None, parts: Parts | None = None, eps: float = 0.0,
-                  swiglu: bool = False, config: tuple[int, int, int, int, int] | None = None, pdl: int = PDL_OFF):
+                  swiglu: bool = False, config: tuple[int, int, int, int, int] | None = None):
     """y = f(x @ weight.T (+ bias)) for up to MAX_ROWS rows of x.
 
     parts (from the RESIDUAL product that wrote x): x is a raw residual, and the product is of
       rms_norm(x) (the norm weight must be folded into `weight`); eps is the norm's.
     swiglu: weight is [gate; up] (2I rows) and y = silu(x @ gate.T) * (x @ up.T), [rows, I].
     residual: returns (residual + y, Parts) instead of y: the new residual and its sums of squares.
-    pdl: PDL_EARLY or PDL_LATE launches it as a link of the PDL chain (see the module's docstring;
-      the caller checks pdl_supported()).
     """
     x = x.contiguous()
     m, k = x.shape
@@ -266,7 +207,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         m, n, k, eps, parts.count if parts is not None else 0,
         PARTS=triton.next_power_of_2(parts.count) if parts is not None else 0, RESIDUAL=residual is not None,
         SWIGLU=swiglu, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        LINES=triton.next_power_of_2(k // split // LINE), num_warps=warps, num_stages=stages, **pdl_launch(pdl))
+        num_warps=warps, num_stages=stages)
     if residual is not None:
         return y, Parts(parts_out, programs)
     return y
