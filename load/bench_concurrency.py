@@ -130,8 +130,10 @@ def main() -> None:
             for key, clients in level_keys(kind, args.clients):
                 if args.profile and key == args.profile_level:
                     profile_during(watch["frontends"][0], args.warm + 2.0, args.seconds - 1.0, args.profile)
+                before = worker_figures(server.http_listen)
                 r = load_clients.run(kind, server.listen, server.http_listen, clients, args.client_processes, texts,
                                      args.warm, args.seconds, watch=watch)
+                r["worker"] = worker_delta(before, worker_figures(server.http_listen))
                 result["levels"][key] = r
                 print(kind, r, flush=True)
     finally:
@@ -167,6 +169,43 @@ def profile_during(pid: int, after_s: float, seconds: float, folder: str) -> Non
                 f.write(summarize_profile(path))
 
     threading.Thread(target=spy, daemon=True).start()
+
+
+# /metrics families a level's worker figures come from (summed over workers), and what they are called here.
+WORKER_FIGURES = {"pollen_worker_batches_total": "batches", "pollen_worker_eager_batches_total": "eager",
+                  "pollen_worker_padded_batches_total": "padded", "pollen_worker_graphs": "graphs",
+                  "pollen_batch_tokens_sum": "tokens", "pollen_queue_seconds_sum": "queue_s",
+                  "pollen_queue_seconds_count": "requests"}
+
+
+def worker_figures(http_listen: str) -> dict[str, float]:
+    """The workers' counts from the server's /metrics (WORKER_FIGURES, and the loop's phases)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{http_listen}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = WORKER_FIGURES.get(sample.name)
+            if sample.name == "pollen_worker_seconds_total":
+                name = "seconds_" + sample.labels["phase"]
+            if name is not None:
+                out[name] = out.get(name, 0.0) + sample.value
+    return out
+
+
+def worker_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the workers did during a level (warm-up included): batches, eager and padded ones, mean
+    tokens a batch, mean queue time, the share of the loop spent waiting, and graphs held at the end."""
+    d = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
+    loop = sum(v for k, v in d.items() if k.startswith("seconds_"))
+    return {"batches": d.get("batches", 0.0), "eager": d.get("eager", 0.0), "padded": d.get("padded", 0.0),
+            "tokens_per_batch": d["tokens"] / d["batches"] if d.get("batches") else 0.0,
+            "queue_ms": 1e3 * d["queue_s"] / d["requests"] if d.get("requests") else 0.0,
+            "wait_share": d.get("seconds_wait", 0.0) / loop if loop else 0.0, "graphs": after.get("graphs", 0.0)}
 
 
 def server_processes(server) -> dict[str, list[int]]:
@@ -227,6 +266,12 @@ def table(result: dict, args) -> str:
         "", "CPU a query, µs (frontends / clients), at each level: " + "; ".join(
         f"{key} {cpu_per_query(r, 'frontends'):,.0f} / {cpu_per_query(r, 'clients'):,.0f}"
         for key, r in result["levels"].items() if r["queries_per_s"]) + "."]
+    if any("worker" in r for r in result["levels"].values()):
+        busy += ["", "Worker at each level (batches, tokens a batch, eager / padded batches, mean queue ms, share of "
+                 "its loop waiting, graphs held): " + "; ".join(
+                     f"{key} {w['batches']:,.0f}, {w['tokens_per_batch']:,.0f}, {w['eager']:,.0f} / {w['padded']:,.0f}, "
+                     f"{w['queue_ms']:.2f}, {w['wait_share']:.2f}, {w['graphs']:.0f}"
+                     for key, r in result["levels"].items() if (w := r.get("worker"))) + "."]
     for i, clients in enumerate(map(int, args.clients.split(","))):
         cells = []
         for kind in args.kinds.split(","):

@@ -137,10 +137,21 @@ class StateCollector:
         phases = CounterMetricFamily("pollen_worker_seconds", "Time each worker's loop has spent in each phase "
                                      "(requests, launch, answer, wait): a worker busy all the time is the "
                                      "bottleneck.", labels=["worker", "phase"])
+        batches = CounterMetricFamily("pollen_worker_batches", "Batches each worker has run.", labels=["worker"])
+        eager = CounterMetricFamily("pollen_worker_eager_batches", "cuda: batches of a graph-sized bucket that ran "
+                                    "eagerly (no captured graph held them): milliseconds of the worker's CPU each.",
+                                    labels=["worker"])
+        padded = CounterMetricFamily("pollen_worker_padded_batches", "cuda: batches run padded in a larger captured "
+                                     "graph than their own bucket's (not captured yet).", labels=["worker"])
+        graphs = GaugeMetricFamily("pollen_worker_graphs", "cuda: CUDA graphs each worker holds (both lanes).",
+                                   labels=["worker"])
         for w in range(self.state.workers):
             for phase, ns in zip(PHASES, self.state.phase_view(w).tolist()):
                 phases.add_metric([str(w), phase], ns / 1e9)
-        yield phases
+            batches.add_metric([str(w)], self.state.batches(w))
+            for family, value in zip((eager, padded, graphs), self.state.counts_view(w).tolist()):
+                family.add_metric([str(w)], value)
+        yield from (phases, batches, eager, padded, graphs)
 
 
 def exposition(state=None) -> CollectorRegistry:

@@ -4,8 +4,8 @@ every frontend and every worker must see of each other, without messages.
 Layout (little-endian, one 64-byte cache line per writer, so no two writers share a line)::
 
     line 0              magic "POLLENST" u64 | version u32 | frontends u32 | workers u32   (create())
-    line 1 + w          worker w:  heartbeat_ns u64 | ready u32 | pid u32 | batches u64 |    (worker w)
-                                   phase_ns u64 [PHASES]
+    lines 1 + 2w, 2 + 2w  worker w:  heartbeat_ns u64 | ready u32 | pid u32 | batches u64 |  (worker w)
+                                   phase_ns u64 [PHASES] | (next line) graph counts u64 [GRAPH_COUNTS]
     after them         queued u64 [F][W]: frontend f's tokens routed to worker w            (frontend f)
     after that         backlog u64 [F][W]: its requests for worker w waiting for ring space (frontend f)
                        (each region starts on a line; a frontend writes only its own row)
@@ -15,7 +15,9 @@ Layout (little-endian, one 64-byte cache line per writer, so no two writers shar
   means the worker makes no progress: the supervisor kills it and it is restarted like after a
   crash. ready is 1 from the worker's READY to its exit; batches counts the batches it ran;
   phase_ns is the time its loop has spent in each phase (PHASES), so /metrics shows whether a
-  worker's one thread is the bottleneck and where its time goes.
+  worker's one thread is the bottleneck and where its time goes. The graph counts (GRAPH_COUNTS,
+  CUDA only) say how its batches ran: eagerly for want of a graph, padded into a larger captured
+  graph, and how many graphs it holds.
 - Each frontend stores its own row of queued tokens (admitted and not yet answered, per worker);
   admission (--max-queued-tokens) and routing read the sum of all rows: whole-server figures.
 
@@ -34,13 +36,17 @@ import numpy as np
 from pollen.shared_mem.segment import close_mapping, create_segment, map_segment, unlink_segment
 
 _MAGIC = int.from_bytes(b"POLLENST", "little")
-_VERSION = 1
+_VERSION = 2
 _HEAD = struct.Struct("<QIII")
 LINE = 64
-_WORKER_WORDS = LINE // 8  # u64 words per worker line: heartbeat, (ready, pid), batches, phases
+_WORKER_WORDS = 2 * LINE // 8  # u64 words per worker (two lines): heartbeat, (ready, pid), batches, phases; counts
+_COUNTS_AT = LINE // 8  # the graph counts start the worker's second line
 # The worker loop's phases: reading requests (rings, control, deadlines), launching batches
 # (batching, planning, packing, the engine's launch), answering them (records), and waiting.
 PHASES = ("requests", "launch", "answer", "wait")
+# Batches of a graph-sized bucket that ran eagerly (no graph captured for it, none larger fits),
+# batches run in a larger captured graph (padded), and graphs captured (both lanes).
+GRAPH_COUNTS = ("eager_batches", "padded_batches", "graphs")
 
 
 def _region_bytes(frontends: int, workers: int) -> int:
@@ -54,7 +60,7 @@ class ServerState:
         self._mm = mm
         _, _, self.frontends, self.workers = _HEAD.unpack_from(mm)
         cells = self.frontends * self.workers
-        queued_at = LINE * (1 + self.workers)
+        queued_at = LINE + self.workers * _WORKER_WORDS * 8
         backlog_at = queued_at + _region_bytes(self.frontends, self.workers)
         self._u64 = np.frombuffer(mm, dtype=np.uint64)
         self._u32 = np.frombuffer(mm, dtype=np.uint32)
@@ -69,7 +75,7 @@ class ServerState:
 
     @classmethod
     def size_for(cls, frontends: int, workers: int) -> int:
-        return LINE * (1 + workers) + 2 * _region_bytes(frontends, workers)
+        return LINE + workers * _WORKER_WORDS * 8 + 2 * _region_bytes(frontends, workers)
 
     @classmethod
     def create(cls, frontends: int, workers: int, prefix: str = "pollen") -> ServerState:
@@ -89,7 +95,7 @@ class ServerState:
     # ---- worker lines (each written by its worker only) ----
 
     def _word(self, worker: int) -> int:
-        return (1 + worker) * _WORKER_WORDS
+        return LINE // 8 + worker * _WORKER_WORDS
 
     def beat(self, worker: int, batches: int | None = None) -> None:
         """The worker's loop turned: store the time (and its batch count)."""
@@ -114,13 +120,18 @@ class ServerState:
         at = self._word(worker) + 3
         return self._u64[at:at + len(PHASES)]
 
+    def counts_view(self, worker: int) -> np.ndarray:
+        """Worker `worker`'s graph counts (GRAPH_COUNTS), writable (the worker stores them)."""
+        at = self._word(worker) + _COUNTS_AT
+        return self._u64[at:at + len(GRAPH_COUNTS)]
+
     def batches(self, worker: int) -> int:
         return int(self._u64[self._word(worker) + 2])
 
     def clear_worker(self, worker: int) -> None:
         """Forget a dead worker's line (the supervisor, before its successor starts)."""
         at = self._word(worker)
-        self._u64[at:at + 3 + len(PHASES)] = 0
+        self._u64[at:at + _WORKER_WORDS] = 0
 
     # ---- queued tokens ----
 

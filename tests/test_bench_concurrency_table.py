@@ -32,3 +32,16 @@ def test_a_repeated_level_keeps_its_own_row():
                          "unary-512-2": level(22_000.0, 9.0, 4.0)}}
     text = bench.table(result, argparse.Namespace(kinds="unary", clients="512,128,512"))
     assert "| 512 | 23,000 |" in text and "| 512 | 22,000 |" in text
+
+
+def test_the_worker_figures_of_a_level_come_from_two_scrapes():
+    before = {"batches": 10.0, "eager": 1.0, "padded": 0.0, "graphs": 40.0, "tokens": 1000.0, "queue_s": 0.5,
+              "requests": 100.0, "seconds_wait": 1.0, "seconds_launch": 1.0}
+    after = {"batches": 110.0, "eager": 4.0, "padded": 20.0, "graphs": 42.0, "tokens": 51000.0, "queue_s": 2.5,
+             "requests": 1100.0, "seconds_wait": 1.5, "seconds_launch": 5.5}
+    w = bench.worker_delta(before, after)
+    assert w == {"batches": 100.0, "eager": 3.0, "padded": 20.0, "tokens_per_batch": 500.0, "queue_ms": 2.0,
+                 "wait_share": 0.1, "graphs": 42.0}
+    result = {"levels": {"unary-512": level(20_000.0, 9.0, 4.0) | {"worker": w}}}
+    text = bench.table(result, argparse.Namespace(kinds="unary", clients="512"))
+    assert "unary-512 100, 500, 3 / 20, 2.00, 0.10, 42." in text

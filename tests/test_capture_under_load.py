@@ -38,7 +38,7 @@ def worker(engine) -> Worker:
     w.engine, w.side_by_side = engine, True
     w.open = (deque(), deque())
     w.batcher = Batcher(4096, 4096, 1 << 20)
-    w.capture_pending, w.next_load_capture_ns = False, 0
+    w.capture_pending, w.next_load_capture_ns, w.split_tokens = False, 0, 0
     w.launched = []
     w.submit = lambda spans, lane: (w.launched.append(lane), w.open[lane].append(object()))
     return w

@@ -341,6 +341,38 @@ def test_a_bucket_met_often_under_load_is_captured_on_demand(tmp_path):
     assert cos(engine.submit(batch).result(), eager[0]) >= 0.9999
 
 
+@pytest.mark.parametrize("kind", ["causal", "bidirectional", "bert"])
+def test_a_batch_without_its_own_graph_runs_padded_in_a_larger_one(tmp_path, kind):
+    """A bucket met under load with no graph of its own runs in the smallest larger captured graph
+    (padded tokens, sequences and rows) rather than eagerly, and answers what the eager run does;
+    a batch no graph holds runs eagerly. The counts say which ran how, and the padded bucket is
+    captured when the lane idles."""
+    from pollen.worker.cuda_engine import CudaEngine
+
+    path = tiny(tmp_path, kind)
+    engine = CudaEngine(load_model(path, "cuda", torch.bfloat16), "cuda", max_batch_tokens=512, defer_capture=True)
+    engine.warm_up()
+    small, large = pack(seqs([7, 12, 3], seed=21)), pack(seqs([9, 14, 5, 21, 6], seed=22))
+    assert engine.bucket(small) < engine.bucket(large)
+    eager_small = engine.submit(small).result().copy()
+    eager_large = engine.submit(large).result().copy()
+    assert engine.graph_counts() == (2, 0, 0) and len(engine.wanted) == 2
+    with torch.inference_mode():
+        engine.capture(engine.bucket(large))
+    engine.wanted.clear()
+    for _ in range(2):  # again: the padding is rewritten each time
+        got = engine.submit(small).result().copy()
+        assert got.shape == eager_small.shape and cos(got, eager_small) >= 0.9999
+    assert engine.graph_counts() == (2, 2, 1) and list(engine.padded.values()) == [2]
+    assert cos(engine.submit(large).result(), eager_large) >= 0.9999
+    too_large = pack(seqs([60, 61, 62], seed=23))  # more than the graph's tokens: eager
+    engine.submit(too_large).result()
+    assert engine.graph_counts() == (3, 2, 1)
+    assert engine.capture_one() and engine.capture_one() and not engine.capture_one()  # eager first, then padded
+    assert not engine.padded and len(engine.graphs) == 3
+    assert cos(engine.submit(small).result(), eager_small) >= 0.9999
+
+
 def test_warm_up_captures_the_query_buckets_within_its_budget(tmp_path):
     from pollen.worker.cuda_engine import CudaEngine
 

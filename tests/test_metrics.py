@@ -67,6 +67,10 @@ def test_counters_move_by_the_traffic(server, stub):
     # The other families are exposed (filled by the worker pool), so dashboards can rely on them.
     names = {name for name, _ in after}
     assert {"pollen_queued_tokens", "pollen_worker_restarts_total", "pollen_queue_seconds_count"} <= names
+    # The worker's own figures, from the server state: its batches moved; a CPU engine has no graphs.
+    assert delta(before, after, "pollen_worker_batches_total", worker="0") >= 1
+    for name in ("pollen_worker_eager_batches_total", "pollen_worker_padded_batches_total", "pollen_worker_graphs"):
+        assert after[(name, (("worker", "0"),))] == 0
 
 
 def test_http_client_leaving_cancels_its_request(server):

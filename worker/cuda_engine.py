@@ -30,11 +30,14 @@ with the sequence count and the longest sequence, so both are part of the key. P
 form one extra sequence pooled into a discarded row; padding sequences are empty. Capture
 happens in `warm_up` (the likely query buckets, then the likely document buckets, within a time
 budget, before the worker says READY), and for a bucket first met under load either at once
-(`defer_capture=False`: the batch waits for its capture) or later: the batch runs eagerly now
-and `capture_one` captures the bucket when the worker has no interactive work, so no client
-waits for a capture. Under steady interactive load that never comes, so a bucket met often is
-captured then too (worker/loop.py, CAPTURE_UNDER_LOAD_HITS): a bounded pause of the interactive
-lane, once per bucket, instead of eager batches for as long as the load lasts.
+(`defer_capture=False`: the batch waits for its capture) or later: the batch runs now in the
+smallest captured graph of the lane that holds it with at most twice its tokens (`covering`:
+padding costs GPU time, an eager forward costs the worker's one thread milliseconds of launches),
+or eagerly if there is none, and `capture_one` captures the bucket when the worker has no
+interactive work, so no client waits for a capture. Under steady interactive load that never
+comes, so a bucket that ran eagerly often is captured then too (worker/loop.py,
+CAPTURE_UNDER_LOAD_HITS): a bounded pause of the interactive lane, once per bucket, instead of
+eager batches for as long as the load lasts. `graph_counts` says how batches ran.
 """
 from __future__ import annotations
 
@@ -100,8 +103,10 @@ class Lane:
         self.slot = 0
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
-        # Buckets met under load (their batches ran eagerly), to capture later: how many batches each.
+        # Buckets met under load, to capture later, by how many batches ran: eagerly (wanted), or
+        # padded into a larger graph (padded).
         self.wanted: dict[tuple[int, int, int], int] = {}
+        self.padded: dict[tuple[int, int, int], int] = {}
 
     def next_slot(self) -> int:
         slot = self.slot
@@ -149,6 +154,8 @@ class CudaEngine:
         self.registered: list[int] = []  # host addresses we page-locked (register_host_memory)
         self.defer_capture = defer_capture
         self.capture_seconds = 0.0
+        self.eager_batches = 0  # batches of a graph-sized bucket that ran eagerly: no graph held them
+        self.padded_batches = 0  # batches run in a larger captured graph than their own bucket's
 
     @property
     def graphs(self) -> dict:
@@ -159,6 +166,11 @@ class CudaEngine:
     def wanted(self) -> dict:
         """Buckets the interactive lane met under load and ran eagerly, to capture when idle."""
         return self.lanes[INTERACTIVE].wanted
+
+    @property
+    def padded(self) -> dict:
+        """Buckets the interactive lane met under load and ran padded in a larger graph, to capture when idle."""
+        return self.lanes[INTERACTIVE].padded
 
     # ---------------------------------------------------------------- layout
 
@@ -242,6 +254,7 @@ class CudaEngine:
                 graph.capture_end()
         lane.graphs[shape] = (graph, out)
         lane.wanted.pop(shape, None)
+        lane.padded.pop(shape, None)
         self.capture_seconds += time.perf_counter() - start
         return graph, out
 
@@ -258,11 +271,16 @@ class CudaEngine:
         shape = self.bucket(batch)
         graph = lane.graphs.get(shape) if shape is not None else None
         if shape is not None and graph is None:
-            if self.defer_capture:
-                lane.wanted[shape] = lane.wanted.get(shape, 0) + 1  # captured later (capture_one)
-                shape = None
-            else:
+            if not self.defer_capture:
                 graph = self.capture(shape, lane_index)
+            elif (cover := self.covering(lane, shape, batch)) is not None:
+                lane.padded[shape] = lane.padded.get(shape, 0) + 1  # captured when the lane idles
+                self.padded_batches += 1
+                shape, graph = cover, lane.graphs[cover]
+            else:
+                lane.wanted[shape] = lane.wanted.get(shape, 0) + 1  # captured later (capture_one)
+                self.eager_batches += 1
+                shape = None
         slot = lane.next_slot()
         lane.staged[slot].synchronize()  # the copy that last read this pinned slot is done
         used = self.fill(lane.host_in[slot], batch, shape, normalize)
@@ -278,6 +296,27 @@ class CudaEngine:
         done = lane.done[slot]  # reusable: this slot's previous result was read before we got here
         done.record(lane.stream)
         return LazyTensor(result, done)
+
+    @staticmethod
+    def covering(lane: Lane, shape: tuple[int, int, int], batch: PackedBatch) -> tuple[int, int, int] | None:
+        """The smallest of the lane's captured graphs that can run `batch` (of bucket `shape`, not
+        captured) padded, with at most twice the bucket's tokens; None if there is none. It needs as
+        many sequences as the batch plus its padding sequence (and rows), and as long a longest
+        sequence; the padding sequence may be longer than that, as in any bucket (its rows are
+        discarded, see fill)."""
+        tokens, _, longest = shape
+        seqs = len(batch.cu_seqlens) - 1
+        best = None
+        for key in lane.graphs:
+            t, s, longest_key = key
+            if (tokens <= t <= 2 * tokens and longest_key >= longest and s >= max(seqs + (t > batch.tokens), batch.rows)
+                    and (best is None or key < best)):
+                best = key
+        return best
+
+    def graph_counts(self) -> tuple[int, int, int]:
+        """(eager_batches, padded_batches, graphs held on both lanes): server_state.GRAPH_COUNTS."""
+        return self.eager_batches, self.padded_batches, sum(len(lane.graphs) for lane in self.lanes)
 
     def run_on_lane(self, lane: Lane, slot: int, used: int, batch: PackedBatch, graph, out):
         """Upload, run (replay the graph, or eagerly) and start the copy of the rows out, on the
@@ -343,15 +382,16 @@ class CudaEngine:
         return self.most_wanted(min_hits) is not None
 
     def capture_one(self, min_hits: int = 0) -> bool:
-        """Capture one bucket a batch met under load (it ran eagerly), the interactive lane's
-        first; False if none waits. The worker calls this when no interactive batch is in flight
+        """Capture one bucket a batch met under load (it ran eagerly or padded), the interactive
+        lane's first; False if none waits. The worker calls this when no interactive batch is in flight
         (a bulk batch may run: the capture waits for the bulk lane's stream). With `min_hits`,
         only the interactive lane's most met bucket, if met at least that often (under load)."""
         if min_hits:
             shape, lane_index = self.most_wanted(min_hits), INTERACTIVE
-        else:
-            shape, lane_index = next(((next(iter(lane.wanted)), i) for i, lane in enumerate(self.lanes)
-                                      if lane.wanted), (None, None))
+        else:  # buckets that ran eagerly first, then those that ran padded; the interactive lane's first
+            shape, lane_index = next(((next(iter(met)), i) for kind in ("wanted", "padded")
+                                      for i, lane in enumerate(self.lanes) if (met := getattr(lane, kind))),
+                                     (None, None))
         if shape is None:
             return False
         with torch.inference_mode():

@@ -104,6 +104,7 @@ class Worker:
         self.batches = 0
         self.stopping = False
         self.capture_pending = False  # interactive launches wait for a capture under load
+        self.split_tokens = cfg.split_tokens  # see launch
         self.next_load_capture_ns = 0
 
     # ---- the loop ----
@@ -112,6 +113,8 @@ class Worker:
         """The loop. Each turn adds the time of its phases to the server state (PHASES)."""
         self.state.set_ready(self.cfg.index, True)
         phase = self.state.phase_view(self.cfg.index)  # requests, launch, answer, wait (ns)
+        counts = self.state.counts_view(self.cfg.index)  # eager and padded batches, graphs (CUDA)
+        graph_counts = getattr(self.engine, "graph_counts", None)
         now = time.monotonic_ns
         control_at = 0
         while True:
@@ -126,6 +129,8 @@ class Worker:
             self.capture(t1)
             # Launch before collecting: batch N+1 is packed and launched while N still runs.
             launched = self.launch()
+            if launched and graph_counts is not None:
+                counts[:] = graph_counts()
             t2 = now()
             answered = self.collect()
             t3 = now()
@@ -182,7 +187,19 @@ class Worker:
             if lane == INTERACTIVE and self.capture_pending:
                 continue  # its batches in flight finish first; then the capture (see capture)
             if self.batcher.lanes[lane] and len(self.open[lane]) < 2:
-                self.submit(self.batcher.next_batch(lane), lane)
+                budget = None
+                if lane == INTERACTIVE and not self.open[lane]:
+                    # A queue of split_tokens or more, met with nothing in flight, goes as half of it
+                    # and then the rest right behind. One batch of the whole queue answers every
+                    # waiting client at once; they all come back at once too, and the frontends'
+                    # answer and request work then alternates with the GPU's instead of overlapping
+                    # it: a wave that keeps itself going, the worker idle between waves. Two halves
+                    # answer the first half while the second runs, so the next requests arrive while
+                    # the GPU is busy. A shallow queue (light load) stays one batch, and with a batch
+                    # in flight the next takes what is queued.
+                    queued = self.batcher.lane_tokens(lane, stop_at=2 * self.batcher.max_batch_tokens)
+                    budget = (queued + 1) // 2 if 0 < self.split_tokens <= queued else None
+                self.submit(self.batcher.next_batch(lane, budget), lane)
                 launched = True
         return launched
 

@@ -1,0 +1,73 @@
+"""Which captured graph runs a batch whose own bucket has none (CudaEngine.covering): the smallest
+that holds it padded, with at most twice its bucket's tokens, enough sequences for its padding
+sequence too, and a longest sequence as long; and which missed bucket capture_one captures first.
+Pure bookkeeping, so it runs here without a GPU, the captures recorded by a stand-in (the padded
+run and the captures themselves are tests/test_cuda_engine.py's, on the device)."""
+from __future__ import annotations
+
+import numpy as np
+
+from pollen.worker.cuda_engine import CudaEngine, Lane, token_buckets
+from pollen.worker.packed import pack
+
+
+def lane_with(*shapes, wanted=(), padded=()) -> Lane:
+    lane = object.__new__(Lane)
+    lane.graphs = {shape: None for shape in shapes}
+    lane.wanted = {shape: 1 for shape in wanted}
+    lane.padded = {shape: 1 for shape in padded}
+    return lane
+
+
+def engine() -> CudaEngine:
+    e = object.__new__(CudaEngine)
+    e.buckets, e.max_positions, e.graphs_on = token_buckets(8192), 32768, True
+    return e
+
+
+def batch(*lengths):
+    return pack([np.arange(1, n + 1, dtype=np.int32) for n in lengths])
+
+
+def test_the_smallest_graph_that_holds_the_batch_is_chosen():
+    b = batch(13, 14, 12)  # 39 tokens, 3 sequences
+    shape = engine().bucket(b)
+    assert shape == (48, 4, 16)
+    lane = lane_with((64, 4, 16), (64, 8, 16), (80, 4, 32), (48, 2, 16), (160, 4, 16))
+    assert CudaEngine.covering(lane, shape, b) == (64, 4, 16)
+
+
+def test_no_graph_with_more_than_twice_the_tokens_fewer_sequences_or_shorter_longest():
+    b = batch(13, 14, 12)
+    shape = engine().bucket(b)
+    for too_small in ((112, 4, 16), (64, 2, 16), (64, 4, 8)):
+        assert CudaEngine.covering(lane_with(too_small), shape, b) is None, too_small
+    assert CudaEngine.covering(lane_with(), shape, b) is None
+
+
+def test_a_padded_graph_needs_a_sequence_for_the_padding():
+    b = batch(16, 16, 16, 16)  # 64 tokens exactly: its own bucket pads nothing
+    shape = engine().bucket(b)
+    assert shape == (64, 4, 16)
+    # 80 tokens pad 16: four texts and the padding sequence need more than 4 sequences.
+    assert CudaEngine.covering(lane_with((80, 4, 16)), shape, b) is None
+    assert CudaEngine.covering(lane_with((80, 4, 16), (80, 8, 16)), shape, b) == (80, 8, 16)
+
+
+def test_capture_one_takes_eager_buckets_first_then_padded_ones_interactive_lane_first():
+    e = engine()
+    interactive = lane_with(padded=[(32, 2, 16)])
+    bulk = lane_with(wanted=[(8192, 64, 512)], padded=[(8192, 32, 512)])
+    e.lanes = (interactive, bulk)
+    captured = []
+
+    def capture(shape, lane_index=0):  # stands in for the graph capture: the bookkeeping it does
+        captured.append((shape, lane_index))
+        e.lanes[lane_index].graphs[shape] = None
+        e.lanes[lane_index].wanted.pop(shape, None)
+        e.lanes[lane_index].padded.pop(shape, None)
+
+    e.capture = capture
+    while e.capture_one():
+        pass
+    assert captured == [((8192, 64, 512), 1), ((32, 2, 16), 0), ((8192, 32, 512), 1)]
