@@ -6,10 +6,6 @@ import json
 
 from pollen.common.engine_options import EngineOptions
 
-# An idle interactive lane launches a queue of this many tokens or more as two batches (worker/loop.py,
-# Worker.launch, says why); ServeConfig.split_tokens, 0: never.
-DEFAULT_SPLIT_TOKENS = 2048
-
 
 @dataclasses.dataclass(slots=True)
 class WorkerConfig:
@@ -34,7 +30,6 @@ class WorkerConfig:
     bulk_sms: int = 0  # cuda: SMs of the bulk lane (ServeConfig.bulk_sms; -1 default, 0 all)
     spin_us: int = 0  # poll the request rings this long before sleeping (ServeConfig.worker_spin_us)
     warmup_s: float = 0.0  # seconds of graph captures before READY (ServeConfig.warmup_seconds)
-    split_tokens: int = DEFAULT_SPLIT_TOKENS  # ServeConfig.split_tokens
     engine_options: EngineOptions = dataclasses.field(default_factory=EngineOptions)  # the kernels' switches
 
     def __post_init__(self) -> None:

@@ -8,7 +8,6 @@ import resource
 
 from pollen.common.engine_options import EngineOptions, parse_switch
 from pollen.common.model_spec import DEFAULT_MODEL_NAME, default_model_path
-from pollen.common.worker_config import DEFAULT_SPLIT_TOKENS
 from pollen.server import tracing
 
 # --default-truncate's values: the proto's Truncate names in lower case, as the HTTP door takes them.
@@ -100,9 +99,6 @@ class ServeConfig:
                                 "(-1: 5000 with --device cuda, where each GPU's worker owns its cores; 0 on cpu)")
     warmup_seconds: float = _flag(-1.0, "seconds a CUDA worker spends capturing the likely query graphs before it "
                                   "says READY, so no client waits for a capture (-1: 30 with --device cuda, 0 on cpu)")
-    split_tokens: int = _flag(DEFAULT_SPLIT_TOKENS, "cuda: an interactive queue of this many tokens or more, met "
-                              "with no batch in flight, is launched as two batches (half, then the rest), so that "
-                              "the clients it answers do not all come back at once; 0: always one batch")
     shutdown_grace: float = _flag(30.0, "seconds SIGTERM waits for in-flight work before cancelling it")
     worker_hang_timeout: float = _flag(60.0, "seconds a worker may go without progress (its loop's heartbeat) "
                                        "before it is killed and restarted, its requests sent again")
@@ -174,8 +170,6 @@ class ServeConfig:
             raise ValueError(f"--listen-mode must be an octal file mode like 0660, got {self.listen_mode!r}") from None
         if self.worker_hang_timeout <= 0:
             raise ValueError("--worker-hang-timeout must be more than 0")
-        if self.split_tokens < 0:
-            raise ValueError(f"--split-tokens must be 0 (never split) or more, got {self.split_tokens}")
         if self.max_batch_tokens < 0:
             raise ValueError(f"--max-batch-tokens must be 0 (auto) or more, got {self.max_batch_tokens}")
         if self.max_queued_tokens < self.max_batch_tokens:

@@ -184,7 +184,6 @@ class Supervisor:
             cpu_cores=worker_cores(cfg, w), dtype=cfg.worker_dtype(), cuda_graphs=cfg.cuda_graphs == "on",
             graph_max_tokens=cfg.graph_max_tokens, pooling=cfg.pooling, attention=cfg.attention,
             bulk_sms=cfg.bulk_sms, spin_us=cfg.worker_spin_us, warmup_s=cfg.warmup_seconds,
-            split_tokens=cfg.split_tokens,
             engine_options=cfg.engine_options())
         argv = [sys.executable, "-m", "pollen.worker", wcfg.to_json()]
         self.workers[w] = child = Child(f"worker {w}", argv, theirs, ours, lambda c, code: self.on_worker_exit(w, code),

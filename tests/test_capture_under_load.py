@@ -38,7 +38,7 @@ def worker(engine) -> Worker:
     w.engine, w.side_by_side = engine, True
     w.open = (deque(), deque())
     w.batcher = Batcher(4096, 4096, 1 << 20)
-    w.capture_pending, w.next_load_capture_ns, w.split_tokens = False, 0, 0
+    w.capture_pending, w.next_load_capture_ns = False, 0
     w.launched = []
     w.submit = lambda spans, lane: (w.launched.append(lane), w.open[lane].append(object()))
     return w
@@ -46,8 +46,8 @@ def worker(engine) -> Worker:
 
 def test_with_no_interactive_work_any_missed_bucket_is_captured():
     w = worker(CountingGraphEngine(hits=1))
-    w.capture(0)
-    assert w.engine.captures == [0]
+    assert w.capture(0) and w.engine.captures == [0]  # True: the worker then stores its graph counts
+    assert not w.capture(1)  # nothing left to capture
 
 
 def test_under_load_a_rarely_met_bucket_waits_for_the_lane_to_idle():
@@ -68,7 +68,7 @@ def test_under_load_an_often_met_bucket_is_captured_once_the_lane_s_batches_are_
     assert w.launch() and w.launched == [BULK]  # the interactive lane waits; bulk goes on
     w.open[INTERACTIVE].clear()  # that batch is done and answered
     monkeypatch.setattr(loop.time, "monotonic_ns", lambda: 5)
-    w.capture(1)
+    assert w.capture(1)
     assert w.engine.captures == [CAPTURE_UNDER_LOAD_HITS] and not w.capture_pending
     assert w.next_load_capture_ns == 5 + CAPTURE_UNDER_LOAD_EVERY_NS
     assert w.launch() and w.launched == [BULK, INTERACTIVE]  # interactive batches launch again

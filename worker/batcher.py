@@ -152,20 +152,10 @@ class Batcher:
             self._remove(lane, job)
         return [job for _, job in gone]
 
-    def lane_tokens(self, lane: int, stop_at: int) -> int:
-        """Tokens queued in one lane, not yet batched; counting stops once past `stop_at`."""
-        total = 0
-        for job in self.lanes[lane]:
-            total += job.tokens(job.next_seq, job.n_seqs)
-            if total > stop_at:
-                break
-        return total
-
-    def next_batch(self, lane: int | None = None, budget: int | None = None) -> list[tuple[Job, int, int]]:
-        """The next batch: of one lane (INTERACTIVE, or BULK up to bulk_batch_tokens; at most
-        `budget` tokens if given), for an engine that runs the lanes side by side; or, with `lane`
-        None, of both (the mixed rule in the module docstring), for an engine that runs one batch
-        at a time.
+    def next_batch(self, lane: int | None = None) -> list[tuple[Job, int, int]]:
+        """The next batch: of one lane (INTERACTIVE, or BULK up to bulk_batch_tokens), for an
+        engine that runs the lanes side by side; or, with `lane` None, of both (the mixed rule in
+        the module docstring), for an engine that runs one batch at a time.
 
         A single sequence is never longer than the budget (the config guarantees the model's
         limit fits) nor costs more rows than the row cap (the frontend checks it against the most
@@ -175,8 +165,8 @@ class Batcher:
         if lane is None:
             return self._mixed()
         spans: list[tuple[Job, int, int]] = []
-        cap = self.max_batch_tokens if lane == INTERACTIVE else self.bulk_batch_tokens or self.max_batch_tokens
-        self._take(self.lanes[lane], min(cap, budget or cap), self.max_batch_rows or 1 << 62, spans)
+        budget = self.max_batch_tokens if lane == INTERACTIVE else self.bulk_batch_tokens or self.max_batch_tokens
+        self._take(self.lanes[lane], budget, self.max_batch_rows or 1 << 62, spans)
         return spans
 
     def _mixed(self) -> list[tuple[Job, int, int]]:

@@ -104,7 +104,6 @@ class Worker:
         self.batches = 0
         self.stopping = False
         self.capture_pending = False  # interactive launches wait for a capture under load
-        self.split_tokens = cfg.split_tokens  # see launch
         self.next_load_capture_ns = 0
 
     # ---- the loop ----
@@ -126,10 +125,10 @@ class Worker:
             self.drain_requests()
             self.drop_expired()
             t1 = now()
-            self.capture(t1)
+            captured = self.capture(t1)
             # Launch before collecting: batch N+1 is packed and launched while N still runs.
             launched = self.launch()
-            if launched and graph_counts is not None:
+            if (launched or captured) and graph_counts is not None:
                 counts[:] = graph_counts()
             t2 = now()
             answered = self.collect()
@@ -144,22 +143,24 @@ class Worker:
             self.idle()
             phase[3] += now() - t3
 
-    def capture(self, now_ns: int) -> None:
-        """Capture a graph a batch missed (it ran eagerly): while no interactive work waits, any
-        (a steady bulk stream, which never leaves the worker idle, gets its graphs too); under
-        interactive load, one met CAPTURE_UNDER_LOAD_HITS times, once the lane's batches in
-        flight are done (see CAPTURE_UNDER_LOAD_HITS)."""
+    def capture(self, now_ns: int) -> bool:
+        """Capture a graph a batch missed (it ran eagerly, or padded in a larger graph): while no
+        interactive work waits, any (a steady bulk stream, which never leaves the worker idle,
+        gets its graphs too); under interactive load, one that ran eagerly
+        CAPTURE_UNDER_LOAD_HITS times, once the lane's batches in flight are done (see
+        CAPTURE_UNDER_LOAD_HITS). True if it captured one."""
         if not self.open[INTERACTIVE] and not self.batcher.lanes[INTERACTIVE]:
-            self.engine.capture_one()
             self.capture_pending = False
-            return
+            return self.engine.capture_one()
         if not self.capture_pending:
             self.capture_pending = (now_ns >= self.next_load_capture_ns
                                     and self.engine.wants_capture(CAPTURE_UNDER_LOAD_HITS))
         if self.capture_pending and not self.open[INTERACTIVE]:
-            self.engine.capture_one(CAPTURE_UNDER_LOAD_HITS)
+            captured = self.engine.capture_one(CAPTURE_UNDER_LOAD_HITS)
             self.capture_pending = False
             self.next_load_capture_ns = time.monotonic_ns() + CAPTURE_UNDER_LOAD_EVERY_NS
+            return captured
+        return False
 
     def idle(self) -> None:
         """Nothing to launch or answer this turn: wait for a running batch, or spin, then sleep,
@@ -187,19 +188,7 @@ class Worker:
             if lane == INTERACTIVE and self.capture_pending:
                 continue  # its batches in flight finish first; then the capture (see capture)
             if self.batcher.lanes[lane] and len(self.open[lane]) < 2:
-                budget = None
-                if lane == INTERACTIVE and not self.open[lane]:
-                    # A queue of split_tokens or more, met with nothing in flight, goes as half of it
-                    # and then the rest right behind. One batch of the whole queue answers every
-                    # waiting client at once; they all come back at once too, and the frontends'
-                    # answer and request work then alternates with the GPU's instead of overlapping
-                    # it: a wave that keeps itself going, the worker idle between waves. Two halves
-                    # answer the first half while the second runs, so the next requests arrive while
-                    # the GPU is busy. A shallow queue (light load) stays one batch, and with a batch
-                    # in flight the next takes what is queued.
-                    queued = self.batcher.lane_tokens(lane, stop_at=2 * self.batcher.max_batch_tokens)
-                    budget = (queued + 1) // 2 if 0 < self.split_tokens <= queued else None
-                self.submit(self.batcher.next_batch(lane, budget), lane)
+                self.submit(self.batcher.next_batch(lane), lane)
                 launched = True
         return launched
 
