@@ -1,7 +1,7 @@
 """One client, one query at a time: where a lone query's time goes, by frontend count and client API.
 
     python load/bench_one_client.py --shape qwen3-0.6b --tokenizer TOKENIZER.json --out load/results/STEM
-           [--frontends 0,1,7] [--calls 2000] [--device cuda] [--server-flags "--pdl 0" ...]
+           [--frontends 0,1,7] [--calls 2000] [--device cuda] [--server-flags "--worker-spin-us 0" ...]
 
 For each --frontends value (0: the server's default) a fresh `pollen serve` (defaults otherwise)
 is started and answers --calls queries sent one after the other (after a warm-up), from three

@@ -23,7 +23,7 @@ def test_figures_split_the_workers_share_from_the_rest():
 
 def test_the_table_has_a_row_per_server_and_client():
     rows = [{"frontends": 11, "flags": "", "client": "sync"} | bench.figures([0.002], [(90, 880)]),
-            {"frontends": 11, "flags": "--pdl 0", "client": "pollen"} | bench.figures([0.0025], [])]
+            {"frontends": 11, "flags": "--worker-spin-us 0", "client": "pollen"} | bench.figures([0.0025], [])]
     text = bench.table(rows)
     assert "| 11 | defaults | sync | 1 | 2.00 | 2.00 | 0.97 (0.09 / 0.88) | 1.03 |" in text
-    assert "| 11 | --pdl 0 | pollen | 1 | 2.50 | 2.50 |  |  |" in text
+    assert "| 11 | --worker-spin-us 0 | pollen | 1 | 2.50 | 2.50 |  |  |" in text
