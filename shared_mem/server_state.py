@@ -49,6 +49,11 @@ PHASES = ("requests", "launch", "answer", "wait")
 GRAPH_COUNTS = ("eager_batches", "padded_batches", "graphs")
 
 
+def _workers_end(workers: int) -> int:
+    """Byte offset just past the worker lines (where the frontends' regions begin)."""
+    return LINE + workers * _WORKER_WORDS * 8
+
+
 def _region_bytes(frontends: int, workers: int) -> int:
     """Bytes of one [frontends][workers] u64 region, whole lines."""
     return -(-frontends * workers * 8 // LINE) * LINE
@@ -60,7 +65,7 @@ class ServerState:
         self._mm = mm
         _, _, self.frontends, self.workers = _HEAD.unpack_from(mm)
         cells = self.frontends * self.workers
-        queued_at = LINE + self.workers * _WORKER_WORDS * 8
+        queued_at = _workers_end(self.workers)
         backlog_at = queued_at + _region_bytes(self.frontends, self.workers)
         self._u64 = np.frombuffer(mm, dtype=np.uint64)
         self._u32 = np.frombuffer(mm, dtype=np.uint32)
@@ -75,7 +80,7 @@ class ServerState:
 
     @classmethod
     def size_for(cls, frontends: int, workers: int) -> int:
-        return LINE + workers * _WORKER_WORDS * 8 + 2 * _region_bytes(frontends, workers)
+        return _workers_end(workers) + 2 * _region_bytes(frontends, workers)
 
     @classmethod
     def create(cls, frontends: int, workers: int, prefix: str = "pollen") -> ServerState:

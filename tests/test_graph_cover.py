@@ -61,11 +61,9 @@ def test_capture_one_takes_eager_buckets_first_then_padded_ones_interactive_lane
     e.lanes = (interactive, bulk)
     captured = []
 
-    def capture(shape, lane_index=0):  # stands in for the graph capture: the bookkeeping it does
+    def capture(shape, lane_index=0):  # stands in for the graph capture, keeping no graph
         captured.append((shape, lane_index))
-        e.lanes[lane_index].graphs[shape] = None
-        e.lanes[lane_index].wanted.pop(shape, None)
-        e.lanes[lane_index].padded.pop(shape, None)
+        e.lanes[lane_index].keep(shape, None)
 
     e.capture = capture
     while e.capture_one():

@@ -108,6 +108,12 @@ class Lane:
         self.wanted: dict[tuple[int, int, int], int] = {}
         self.padded: dict[tuple[int, int, int], int] = {}
 
+    def keep(self, shape: tuple[int, int, int], graph: tuple[torch.cuda.CUDAGraph, torch.Tensor]) -> None:
+        """A graph captured for `shape`: its batches stop running eagerly or padded."""
+        self.graphs[shape] = graph
+        self.wanted.pop(shape, None)
+        self.padded.pop(shape, None)
+
     def next_slot(self) -> int:
         slot = self.slot
         self.slot = (slot + 1) % self.SLOTS
@@ -252,9 +258,7 @@ class CudaEngine:
                 out = self.forward(inputs, shape[2])
             finally:
                 graph.capture_end()
-        lane.graphs[shape] = (graph, out)
-        lane.wanted.pop(shape, None)
-        lane.padded.pop(shape, None)
+        lane.keep(shape, (graph, out))
         self.capture_seconds += time.perf_counter() - start
         return graph, out
 

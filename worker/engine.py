@@ -10,6 +10,7 @@ The worker loop only knows this interface:
     engine.capture_one()             # no interactive work: capture a graph a batch missed (CUDA)
     engine.wants_capture(n)          # under load: a bucket n batches ran eagerly in waits (CUDA)
     engine.capture_one(n)            # ... capture it (no interactive batch in flight)
+    engine.graph_counts()            # (eager batches, padded batches, graphs held): /metrics (CUDA)
     engine.unregister_host_memory(address)         # before a response ring goes
     engine.close()
 
@@ -97,6 +98,9 @@ class EagerEngine:
 
     def capture_one(self, min_hits: int = 0) -> bool:
         return False
+
+    def graph_counts(self) -> tuple[int, int, int]:
+        return 0, 0, 0  # no graphs on the CPU
 
     def register_host_memory(self, address: int, nbytes: int) -> None:
         """Nothing to do: the CPU writes any memory directly."""

@@ -113,7 +113,6 @@ class Worker:
         self.state.set_ready(self.cfg.index, True)
         phase = self.state.phase_view(self.cfg.index)  # requests, launch, answer, wait (ns)
         counts = self.state.counts_view(self.cfg.index)  # eager and padded batches, graphs (CUDA)
-        graph_counts = getattr(self.engine, "graph_counts", None)
         now = time.monotonic_ns
         control_at = 0
         while True:
@@ -128,8 +127,8 @@ class Worker:
             captured = self.capture(t1)
             # Launch before collecting: batch N+1 is packed and launched while N still runs.
             launched = self.launch()
-            if (launched or captured) and graph_counts is not None:
-                counts[:] = graph_counts()
+            if launched or captured:
+                counts[:] = self.engine.graph_counts()
             t2 = now()
             answered = self.collect()
             t3 = now()
