@@ -266,6 +266,10 @@ def table(result: dict, args) -> str:
         "", "CPU a query, µs (frontends / clients), at each level: " + "; ".join(
         f"{key} {cpu_per_query(r, 'frontends'):,.0f} / {cpu_per_query(r, 'clients'):,.0f}"
         for key, r in result["levels"].items() if r["queries_per_s"]) + "."]
+    if any("machine" in r["cores_busy"] for r in result["levels"].values()):
+        busy += ["", "The whole machine at each level, cores (busy / idle / stolen by the hypervisor): " + "; ".join(
+            f"{key} {m['busy']:.1f} / {m['idle']:.1f} / {m['steal']:.1f}"
+            for key, r in result["levels"].items() if (m := r["cores_busy"].get("machine"))) + "."]
     if any("worker" in r for r in result["levels"].values()):
         busy += ["", "Worker at each level (batches, tokens a batch, eager / padded batches, mean queue ms, share of "
                  "its loop waiting, graphs held): " + "; ".join(

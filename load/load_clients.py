@@ -151,12 +151,25 @@ def _cores_busy(watch: dict[str, list[int]], t0: float, seconds: float) -> dict[
 
     time.sleep(max(0.0, t0 - time.time()))
     before = {pid: cpu([pid]) for pids in watch.values() for pid in pids}
+    machine_before = _machine_cpu()
     time.sleep(max(0.0, t0 + seconds - time.time()))
     each = {pid: (cpu([pid]) - was) / seconds for pid, was in before.items()}
+    machine = {k: round((v - machine_before[k]) / tick / seconds, 2) for k, v in _machine_cpu().items()}
     busy = {name: sum(each[pid] for pid in pids) for name, pids in watch.items()}
     # Each process's own share too: an uneven spread (one frontend saturated, another idle) shows there.
     busy["each"] = {str(pid): round(share, 2) for pid, share in each.items()}
+    # The whole machine, in cores: what no process shows. Idle cores under a saturating load mean
+    # the processes waited on each other; stolen ones, that the hypervisor ran someone else.
+    busy["machine"] = machine
     return busy
+
+
+def _machine_cpu() -> dict[str, int]:
+    """The machine's CPU time so far, in clock ticks, from /proc/stat's first line: busy (user,
+    nice, system, irq, softirq), idle (idle, iowait) and steal."""
+    fields = [int(f) for f in open("/proc/stat").readline().split()[1:9]]
+    user, nice, system, idle, iowait, irq, softirq, steal = fields + [0] * (8 - len(fields))
+    return {"busy": user + nice + system + irq + softirq, "idle": idle + iowait, "steal": steal}
 
 
 async def _read_response(conn, reader) -> int:

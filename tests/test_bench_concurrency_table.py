@@ -3,6 +3,8 @@ only how they are laid out is checked)."""
 from __future__ import annotations
 
 import argparse
+import os
+import time
 import pathlib
 import sys
 
@@ -45,3 +47,21 @@ def test_the_worker_figures_of_a_level_come_from_two_scrapes():
     result = {"levels": {"unary-512": level(20_000.0, 9.0, 4.0) | {"worker": w}}}
     text = bench.table(result, argparse.Namespace(kinds="unary", clients="512"))
     assert "unary-512 100, 500, 3 / 20, 2.00, 0.10, 42." in text
+
+
+def test_the_machines_idle_and_stolen_cores_are_reported_per_level():
+    busy = {"frontends": 6.7, "workers": 0.9, "clients": 2.9, "machine": {"busy": 9.6, "idle": 1.2, "steal": 5.2}}
+    result = {"levels": {"unary-512": {"queries_per_s": 12_000.0, "p50_ms": 27.0, "p99_ms": 45.0, "cores_busy": busy}}}
+    text = bench.table(result, argparse.Namespace(kinds="unary", clients="512"))
+    assert "(busy / idle / stolen by the hypervisor): unary-512 9.6 / 1.2 / 5.2." in text
+
+
+def test_the_machine_figures_are_cores_over_the_window():
+    from load.load_clients import _cores_busy, _machine_cpu
+
+    first = _machine_cpu()
+    assert set(first) == {"busy", "idle", "steal"} and all(v >= 0 for v in first.values())
+    busy = _cores_busy({}, time.time(), 0.3)
+    total = sum(busy["machine"].values())
+    # busy + idle + steal over the window add up to the machine's cores (/proc/stat counts every CPU)
+    assert 0.5 * os.cpu_count() <= total <= 1.5 * os.cpu_count()
