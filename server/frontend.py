@@ -130,7 +130,7 @@ class Frontend:
         tokenizer = TextTokenizer(cfg.model, spec.max_tokens, tiktoken=cfg.tiktoken)
         admission = Admission(spec, tokenizer, executor, cfg.max_texts_per_request,
                               default_truncate=cfg.default_truncate)
-        channels = [WorkerChannel(w, fcfg.index, state) for w in range(cfg.workers)]
+        channels = [WorkerChannel(w, fcfg.index, state, spin_us=cfg.frontend_spin_us) for w in range(cfg.workers)]
         service = EmbedderService(cfg, spec, admission, Router(cfg, channels, state), fcfg.index)
         service.tracer = tracing.start(cfg.otlp_endpoint, fcfg.index)  # None without --otlp-endpoint
         frontend = cls(fcfg, cfg, state, executor, channels, service)

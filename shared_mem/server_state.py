@@ -149,6 +149,10 @@ class ServerState:
     def queued_total(self) -> int:
         return sum(self._queued)
 
+    def queued_by(self, frontend: int) -> int:
+        """Frontend `frontend`'s queued tokens, over every worker."""
+        return sum(self._queued[frontend * self.workers:(frontend + 1) * self.workers])
+
     def queued_on(self, worker: int) -> int:
         return sum(self._queued[worker::self.workers])
 
