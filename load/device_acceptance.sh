@@ -7,7 +7,8 @@
 #   tests        the GPU tests
 #   concurrency  unary, streams and HTTP at 1, 128, 512 and 512 clients, and the cold start
 #   mixed        one interactive client under a bulk stream, and docs through EmbedStream
-#   one          one client at a time, grpc's blocking stub and grpc.aio
+#   one          one client at a time, grpc's blocking stub and grpc.aio, with the defaults and
+#                with the frontends' spin off (--frontend-spin-us 0)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -23,7 +24,8 @@ step 180 tests tests
 grep -E "passed|failed" "$log" | tail -1 >"$OUT/tests.txt"
 step 170 concurrency concurrency --clients 1,128,512,512 --seconds 4 --skip-engine --out "$work/concurrency"
 step 100 mixed mixed --seconds 6 --interactive-clients 1 --out "$work/mixed"
-step 70 one one --frontends 0 --calls 1500 --clients sync,aio --out "$work/one"
+step 110 one one --frontends 0 --calls 1500 --clients sync,aio --server-flags "" --server-flags "--frontend-spin-us 0" \
+    --out "$work/one"
 cp "$work"/*.md "$OUT"/ 2>/dev/null
 (cd "$work" && tar czf "$OUT/json.tgz" ./*.json)
 grep -E " rc |passed|failed" "$log"

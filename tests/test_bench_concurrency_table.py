@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 import pathlib
 import sys
+import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
