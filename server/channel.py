@@ -29,9 +29,10 @@ Everything here runs on the event loop's thread: answers arrive through loop.add
 response ring's eventfd, or, for a lone query, by polling (`spin`): with --frontend-spin-us, a
 channel that sends a request while no other frontend has work in flight polls the response ring on
 each turn of the event loop for that long, so the answer is read the moment the worker commits it,
-without the eventfd's write and the scheduler's wake-up, and on a core still warm. Under load the
-loop is busy anyway and other frontends have work in flight, so nobody polls; the cost is bounded
-by the flag, on about one core server-wide.
+without the eventfd's write and the scheduler's wake-up, and the client's next call, if it comes
+within that time, finds the loop awake and its core warm. Under load the loop is busy anyway and
+other frontends have work in flight, so nobody polls; the cost is bounded by the flag per request
+sent, on about one core server-wide.
 """
 from __future__ import annotations
 
@@ -204,14 +205,17 @@ class WorkerChannel:
             self.loop.call_soon(self.spin, self.generation)
 
     def spin(self, generation: int) -> None:
-        """One look at the response ring; again on the loop's next turn while requests are out
-        and the spin lasts. Other callbacks and I/O run between two looks."""
+        """One look at the response ring; again on the loop's next turn while the spin lasts.
+        Other callbacks and I/O run between two looks."""
         ring = self.responses
         if generation != self.generation or ring is None:
             return  # these rings are gone; attach() starts afresh
         if ring.has_data():
             self.read_answers()
-        if self.inflight and time.monotonic_ns() < self.spin_until:
+        # On after the answer too, until spin_until: a client that sends its next query within
+        # that time finds this loop awake (gRPC's poller thread hands the call over at once) and
+        # its core warm, as the worker's own spin does for the rings.
+        if time.monotonic_ns() < self.spin_until:
             self.loop.call_soon(self.spin, generation)
             return
         self.spinning = False

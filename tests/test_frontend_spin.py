@@ -56,9 +56,12 @@ def test_a_lone_request_is_read_by_polling_and_the_poll_stops_on_its_own():
         result = await asyncio.wait_for(future, 5)
         writer.join()
         assert result.req_id == 1 and np.frombuffer(result.body, np.float32).tolist() == [0, 1, 2, 3]
-        await asyncio.sleep(0.01)
-        # Nothing in flight: the poll stopped and the channel sleeps on the eventfd again.
-        assert not channel.spinning and responses.consumer_sleeping
+        # The poll lasts its time after the answer too (for the client's next call), then stops
+        # and the channel sleeps on the eventfd again.
+        assert channel.spinning and not channel.inflight
+        while channel.spinning:
+            await asyncio.sleep(0.01)
+        assert time.monotonic_ns() >= channel.spin_until and responses.consumer_sleeping
 
         # Another frontend has work in flight: no poll (under load nobody spins).
         loop.add_reader(responses.data_fd, channel.read_answers)
