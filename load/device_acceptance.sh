@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Issue 11's acceptance figures in one device call (about 8 minutes; device time is scarce):
+# Issue 11's acceptance figures in one device call (about 9 minutes; device time is scarce):
 #   run(command="bash load/device_acceptance.sh", carry=[".whl"], timeout_s=600)
 # Each step has its own time limit, so one that overruns costs only itself. Leaves under $OUT the
-# tables (tests.txt, concurrency.md, mixed.md, one.md), the log, and json.tgz with every JSON:
+# tables (tests.txt, concurrency.md, mixed.md, one.md, hops.md), the log, and json.tgz with every JSON:
 # at most 8 files, as the device tool returns. What each step is: load/device_gpu.sh.
 #   tests        the GPU tests
 #   concurrency  unary, streams and HTTP at 1, 128, 512 and 512 clients, and the cold start
 #   mixed        one interactive client under a bulk stream, and docs through EmbedStream
 #   one          one client at a time, grpc's blocking stub and grpc.aio, with the defaults and
 #                with the frontends' spin off (--frontend-spin-us 0)
+#   hops         one query's time, hop by hop (load/bench_query_hops.py)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -26,6 +27,7 @@ step 170 concurrency concurrency --clients 1,128,512,512 --seconds 4 --skip-engi
 step 100 mixed mixed --seconds 6 --interactive-clients 1 --out "$work/mixed"
 step 110 one one --frontends 0 --calls 1500 --clients sync,aio --server-flags "" --server-flags "--frontend-spin-us 0" \
     --out "$work/one"
+step 80 hops hops --calls 2000 --out "$work/hops"
 cp "$work"/*.md "$OUT"/ 2>/dev/null
 (cd "$work" && tar czf "$OUT/json.tgz" ./*.json)
 grep -E " rc |passed|failed" "$log"

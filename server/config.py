@@ -100,8 +100,8 @@ class ServeConfig:
     frontend_spin_us: int = _flag(-1, "microseconds a frontend polls a worker's response ring, instead of sleeping "
                                   "on its eventfd, after it sends a request while no other frontend has one "
                                   "in flight: a lone query's answer is then read without a wake-up, at the "
-                                  "cost of at most this much of one core per request (-1: 2000 with --device "
-                                  "cuda; 0 on cpu)")
+                                  "cost of at most this much of one core per request (-1: 5000 with --device "
+                                  "cuda, as the worker's spin; 0 on cpu)")
     warmup_seconds: float = _flag(-1.0, "seconds a CUDA worker spends capturing the likely query graphs before it "
                                   "says READY, so no client waits for a capture (-1: 30 with --device cuda, 0 on cpu)")
     shutdown_grace: float = _flag(30.0, "seconds SIGTERM waits for in-flight work before cancelling it")
@@ -160,7 +160,7 @@ class ServeConfig:
         if self.worker_spin_us < 0:
             self.worker_spin_us = 5000 if self.device == "cuda" else 0
         if self.frontend_spin_us < 0:
-            self.frontend_spin_us = 2000 if self.device == "cuda" else 0
+            self.frontend_spin_us = 5000 if self.device == "cuda" else 0
         if self.warmup_seconds < 0:
             self.warmup_seconds = 30.0 if self.device == "cuda" else 0.0
         if self.worker_threads == 0:

@@ -23,7 +23,7 @@ from tests.conftest import ServerProcess, cosine_rows, vectors
 
 def test_frontend_spin_defaults_by_device():
     assert ServeConfig.from_args([], environ={}).frontend_spin_us == 0
-    assert ServeConfig.from_args(["--device", "cuda", "--devices", "0"], environ={}).frontend_spin_us == 2000
+    assert ServeConfig.from_args(["--device", "cuda", "--devices", "0"], environ={}).frontend_spin_us == 5000
     assert ServeConfig.from_args(["--frontend-spin-us", "300"], environ={}).frontend_spin_us == 300
 
 
