@@ -33,6 +33,7 @@ def test_each_worker_keeps_its_own_words_and_another_process_sees_them():
         # The frontends' rows come after the worker lines and do not overlap them.
         state.publish(2, 1, queued=5, backlog=6)
         assert state.queued_total() == 5 and state.backlog_total() == 6
+        assert state.queued_by(2) == 5 and state.queued_by(1) == 0  # a frontend's row, over its workers
         assert state.counts_view(1).tolist() == [7, 8, 9]
         state.clear_worker(1)
         assert not state.ready(1) and state.batches(1) == 0 and state.heartbeat_ns(1) == 0
