@@ -179,11 +179,18 @@ WORKER_FIGURES = {"pollen_worker_batches_total": "batches", "pollen_worker_eager
 
 
 def worker_figures(http_listen: str) -> dict[str, float]:
-    """The workers' counts from the server's /metrics (WORKER_FIGURES, and the loop's phases)."""
+    """The workers' counts from the server's /metrics (WORKER_FIGURES, and the loop's phases),
+    once every frontend has written out the counts of the load that just ended."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
+    from pollen.server.metrics import FLUSH_S
+
+    # The frontends write their per-request counts (batch tokens, queue times) at most FLUSH_S
+    # after they happen; scraped at once, the last of a level's would land in the next level's
+    # figures (a one-client level after the cold start showed 51 tokens a batch that way).
+    time.sleep(FLUSH_S + 0.25)
     with urllib.request.urlopen(f"http://{http_listen}/metrics", timeout=30) as reply:
         text = reply.read().decode()
     out: dict[str, float] = {}
