@@ -393,9 +393,9 @@ class CudaEngine:
         if min_hits:
             shape, lane_index = self.most_wanted(min_hits), INTERACTIVE
         else:  # buckets that ran eagerly first, then those that ran padded; the interactive lane's first
-            shape, lane_index = next(((next(iter(met)), i) for kind in ("wanted", "padded")
-                                      for i, lane in enumerate(self.lanes) if (met := getattr(lane, kind))),
-                                     (None, None))
+            missed = [(lane.wanted, i) for i, lane in enumerate(self.lanes)]
+            missed += [(lane.padded, i) for i, lane in enumerate(self.lanes)]
+            shape, lane_index = next(((next(iter(met)), i) for met, i in missed if met), (None, None))
         if shape is None:
             return False
         with torch.inference_mode():
