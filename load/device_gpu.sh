@@ -19,6 +19,10 @@
 set -o pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null || exit 1
+# h2load (load/h2load_clients.py): Debian's nghttp2-client binary and its libraries under .whl/h2load/,
+# behind a wrapper that points the loader at them (cp /usr/bin/h2load .whl/h2load/lib/h2load.bin and
+# the .so files `ldd` names that the device lacks: libnghttp2, libev, libjemalloc, libssl, libcrypto).
+[ -x .whl/h2load/h2load ] && export POLLEN_H2LOAD=$PWD/.whl/h2load/h2load
 export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || exit 1
 what=$1; shift
