@@ -65,9 +65,14 @@ def split_streams(clients: int, connections: int = CONNECTIONS_PER_PROCESS) -> t
 
 
 def embed_outcomes(http_target: str) -> dict[str, float]:
-    """The server's gRPC call counts by outcome (pollen_requests_total, door grpc)."""
+    """The server's gRPC call counts by outcome (pollen_requests_total, door grpc), once every
+    frontend has written out the counts of the calls answered so far: a frontend keeps them up to
+    FLUSH_S before prometheus_client has them (server/metrics.py)."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    from pollen.server.metrics import FLUSH_S
+
+    time.sleep(FLUSH_S + 0.25)
     with urllib.request.urlopen(f"http://{http_target}/metrics", timeout=30) as reply:
         text = reply.read().decode()
     out: dict[str, float] = {}
@@ -109,12 +114,12 @@ def run(target: str, http_target: str, clients: int, processes: int, texts: list
             f.write(grpc_body(texts[i % len(texts)], priority))
         connections, streams = split_streams(share)
         # The run lasts past the window on both sides; the log's timestamps pick the window.
+        lasts_ms = round((STARTUP_S + warm_s + seconds + 0.5) * 1000)
         procs.append(subprocess.Popen(
-            [binary, "-c", str(connections), "-m", str(streams), "-t", "1", "-D", f"{round((STARTUP_S + warm_s + seconds + 0.5) * 1000)}ms",
-             "-d", body, "-H", "content-type: application/grpc", "-H", "te: trailers",
+            [binary, "-c", str(connections), "-m", str(streams), "-t", "1", "-D", f"{lasts_ms}ms", "-d", body, "-H", "content-type: application/grpc", "-H", "te: trailers",
              "--log-file", os.path.join(folder, f"log{i}.tsv"), f"http://{target}/pollen.v1.Embedder/Embed"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    busy = load_clients._cores_busy({**(watch or {}), "clients": [p.pid for p in procs]}, t0, seconds)
+    busy = load_clients.cores_busy({**(watch or {}), "clients": [p.pid for p in procs]}, t0, seconds)
     outputs = [p.communicate()[0].decode(errors="replace") for p in procs]
     parts, failed = [], 0
     for i, (proc, text) in enumerate(zip(procs, outputs)):

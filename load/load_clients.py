@@ -30,7 +30,7 @@ def run(kind: str, target: str, http_target: str, clients: int, processes: int, 
             for i, n in enumerate(shares)]
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
         pending = pool.starmap_async(_process, args)
-        busy = _cores_busy(watch or {}, start + warm_s, seconds)
+        busy = cores_busy(watch or {}, start + warm_s, seconds)
         parts = pending.get()
     latencies = np.concatenate([p["latencies"] for p in parts]) if parts else np.empty(0)
     errors = sum(p["errors"] for p in parts)
@@ -135,7 +135,7 @@ async def _clients(kind, target, http_target, clients, texts, t0, seconds, prior
     return {"latencies": np.array(latencies), "errors": errors[0], "cpu_s": await window}
 
 
-def _cores_busy(watch: dict[str, list[int]], t0: float, seconds: float) -> dict[str, float]:
+def cores_busy(watch: dict[str, list[int]], t0: float, seconds: float) -> dict[str, float]:
     """Cores busy per group of pids over [t0, t0 + seconds] (user + system time, from /proc)."""
     tick = os.sysconf("SC_CLK_TCK")
 

@@ -57,11 +57,11 @@ def test_the_machines_idle_and_stolen_cores_are_reported_per_level():
 
 
 def test_the_machine_figures_are_cores_over_the_window():
-    from load.load_clients import _cores_busy, _machine_cpu
+    from load.load_clients import _machine_cpu, cores_busy
 
     first = _machine_cpu()
     assert set(first) == {"busy", "idle", "steal"} and all(v >= 0 for v in first.values())
-    busy = _cores_busy({}, time.time(), 0.3)
+    busy = cores_busy({}, time.time(), 0.3)
     total = sum(busy["machine"].values())
     # busy + idle + steal over the window add up to the machine's cores (/proc/stat counts every CPU)
     assert 0.5 * os.cpu_count() <= total <= 1.5 * os.cpu_count()
