@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from load import h2load_clients, load_clients  # noqa: E402
+from load import h2load_clients, load_clients, server_metrics  # noqa: E402
 from load.corpus import _WORDS  # noqa: E402
 from load.results_file import write_results_to  # noqa: E402
 
@@ -193,26 +193,13 @@ WORKER_FIGURES = {"pollen_worker_batches_total": "batches", "pollen_worker_eager
 def worker_figures(http_listen: str) -> dict[str, float]:
     """The workers' counts from the server's /metrics (WORKER_FIGURES, and the loop's phases),
     once every frontend has written out the counts of the load that just ended."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from pollen.server.metrics import FLUSH_S
-
-    # The frontends write their per-request counts (batch tokens, queue times) at most FLUSH_S
-    # after they happen; scraped at once, the last of a level's would land in the next level's
-    # figures (a one-client level after the cold start showed 51 tokens a batch that way).
-    time.sleep(FLUSH_S + 0.25)
-    with urllib.request.urlopen(f"http://{http_listen}/metrics", timeout=30) as reply:
-        text = reply.read().decode()
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            name = WORKER_FIGURES.get(sample.name)
-            if sample.name == "pollen_worker_seconds_total":
-                name = "seconds_" + sample.labels["phase"]
-            if name is not None:
-                out[name] = out.get(name, 0.0) + sample.value
+    for sample in server_metrics.settled_samples(http_listen):
+        name = WORKER_FIGURES.get(sample.name)
+        if sample.name == "pollen_worker_seconds_total":
+            name = "seconds_" + sample.labels["phase"]
+        if name is not None:
+            out[name] = out.get(name, 0.0) + sample.value
     return out
 
 

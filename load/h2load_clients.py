@@ -28,11 +28,10 @@ import struct
 import subprocess
 import tempfile
 import time
-import urllib.request
 
 import numpy as np
 
-from load import load_clients
+from load import load_clients, server_metrics
 
 CONNECTIONS_PER_PROCESS = 16  # as load_clients' processes open
 STARTUP_S = 1.0  # from launch to the warm-up's start: the processes start and connect
@@ -66,20 +65,11 @@ def split_streams(clients: int, connections: int = CONNECTIONS_PER_PROCESS) -> t
 
 def embed_outcomes(http_target: str) -> dict[str, float]:
     """The server's gRPC call counts by outcome (pollen_requests_total, door grpc), once every
-    frontend has written out the counts of the calls answered so far: a frontend keeps them up to
-    FLUSH_S before prometheus_client has them (server/metrics.py)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from pollen.server.metrics import FLUSH_S
-
-    time.sleep(FLUSH_S + 0.25)
-    with urllib.request.urlopen(f"http://{http_target}/metrics", timeout=30) as reply:
-        text = reply.read().decode()
+    frontend has written out the counts of the calls answered so far."""
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "pollen_requests_total" and s.labels.get("door") == "grpc":
-                out[s.labels["outcome"]] = out.get(s.labels["outcome"], 0.0) + s.value
+    for s in server_metrics.settled_samples(http_target):
+        if s.name == "pollen_requests_total" and s.labels.get("door") == "grpc":
+            out[s.labels["outcome"]] = out.get(s.labels["outcome"], 0.0) + s.value
     return out
 
 
