@@ -114,7 +114,6 @@ def test_every_kind_of_request_equals_finish_on_its_rows():
         assert unanswered == []
         report, results = records.decode_batch_result(memoryview(bytes(buf)))
         assert (report.tokens, report.seqs, report.rows) == (plan.tokens, plan.seqs, plan.rows)
-        assert report.req_ids.tolist() == [r.req_id for r in results]
         for entry in plan.entries:
             if entry.direct:  # its answer is its raw rows: nobody copied or wrote them
                 assert plan.raw_at <= entry.body_at < plan.raw_at + 4 * HIDDEN * plan.rows
