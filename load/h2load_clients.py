@@ -92,33 +92,39 @@ def run(target: str, http_target: str, clients: int, processes: int, texts: list
         raise RuntimeError("h2load not found (install nghttp2-client, or set POLLEN_H2LOAD)")
     processes = max(1, min(processes, clients))
     shares = [clients // processes + (i < clients % processes) for i in range(processes)]
-    folder = tempfile.mkdtemp(prefix="pollen-h2load-")
     before = embed_outcomes(http_target)
-    launched = time.time()
-    t0 = launched + STARTUP_S + warm_s
+    t0 = time.time() + STARTUP_S + warm_s
     end = t0 + seconds
-    procs = []
-    for i, share in enumerate(shares):
-        body = os.path.join(folder, f"body{i}.bin")
-        with open(body, "wb") as f:
-            f.write(grpc_body(texts[i % len(texts)], priority))
-        connections, streams = split_streams(share)
-        # The run lasts past the window on both sides; the log's timestamps pick the window.
-        lasts_ms = round((STARTUP_S + warm_s + seconds + 0.5) * 1000)
-        procs.append(subprocess.Popen(
-            [binary, "-c", str(connections), "-m", str(streams), "-t", "1", "-D", f"{lasts_ms}ms", "-d", body, "-H", "content-type: application/grpc", "-H", "te: trailers",
-             "--log-file", os.path.join(folder, f"log{i}.tsv"), f"http://{target}/pollen.v1.Embedder/Embed"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    busy = load_clients.cores_busy({**(watch or {}), "clients": [p.pid for p in procs]}, t0, seconds)
-    outputs = [p.communicate()[0].decode(errors="replace") for p in procs]
-    parts, failed = [], 0
-    for i, (proc, text) in enumerate(zip(procs, outputs)):
-        if proc.returncode != 0:
-            raise RuntimeError(f"h2load exited with {proc.returncode}: {text[-2000:]}")
-        latencies, bad = read_log(os.path.join(folder, f"log{i}.tsv"), t0, end)
-        parts.append(latencies)
-        failed += bad
-    shutil.rmtree(folder, ignore_errors=True)
+    # The run lasts past the window on both sides; the log's timestamps pick the window.
+    lasts_ms = round((STARTUP_S + warm_s + seconds + 0.5) * 1000)
+    folder = tempfile.mkdtemp(prefix="pollen-h2load-")
+    procs: list[subprocess.Popen] = []
+    try:
+        for i, share in enumerate(shares):
+            body = os.path.join(folder, f"body{i}.bin")
+            with open(body, "wb") as f:
+                f.write(grpc_body(texts[i % len(texts)], priority))
+            connections, streams = split_streams(share)
+            procs.append(subprocess.Popen(
+                [binary, "-c", str(connections), "-m", str(streams), "-t", "1", "-D", f"{lasts_ms}ms", "-d", body,
+                 "-H", "content-type: application/grpc", "-H", "te: trailers",
+                 "--log-file", os.path.join(folder, f"log{i}.tsv"), f"http://{target}/pollen.v1.Embedder/Embed"],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        busy = load_clients.cores_busy({**(watch or {}), "clients": [p.pid for p in procs]}, t0, seconds)
+        outputs = [p.communicate()[0].decode(errors="replace") for p in procs]
+        parts, failed = [], 0
+        for i, (proc, text) in enumerate(zip(procs, outputs)):
+            if proc.returncode != 0:
+                raise RuntimeError(f"h2load exited with {proc.returncode}: {text[-2000:]}")
+            latencies, bad = read_log(os.path.join(folder, f"log{i}.tsv"), t0, end)
+            parts.append(latencies)
+            failed += bad
+    finally:  # a launch or a run that failed leaves no h2load running and no files behind
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
     after = embed_outcomes(http_target)
     refused = sum(after.get(k, 0.0) - before.get(k, 0.0) for k in after if k not in ("ok", "CANCELLED"))
     latencies = np.concatenate(parts)
