@@ -45,12 +45,6 @@ class EngineOptions:
     products of worker/kernels/skinny.py, norms applied in their epilogues) instead of eight
     kernels. Off: queries take the general path: to measure or rule out the query kernels."""
 
-    persistent_layers: bool = True
-    """With skinny: on the interactive lane, batches of up to 32 tokens run each layer as one
-    persistent launch (worker/kernels/query_layer.py: the five kernels as phases, one program per
-    SM, weights prefetched into L2 across the phase boundaries). Off: five launches a layer: to
-    measure what it gives, or to step around it."""
-
     skinny_configs: str | None = None
     """A tile table written by load/bench_skinny_linear.py (its JSON), laid over the committed one
     (worker/kernels/skinny_configs.py): for a GPU other than the one that table was measured on."""

@@ -127,7 +127,6 @@ class ServeConfig:
     triton: bool = _engine_flag("triton")
     short_attention: bool = _engine_flag("short_attention")
     skinny: bool = _engine_flag("skinny")
-    persistent_layers: bool = _engine_flag("persistent_layers")
     skinny_configs: str | None = _engine_flag("skinny_configs")
     flash_attn: bool = _engine_flag("flash_attn")
     fold_norms: bool = _engine_flag("fold_norms")

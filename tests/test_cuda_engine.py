@@ -232,7 +232,7 @@ def test_query_path_matches_cpu_reference(tmp_path, kind):
     calls = []
     cpu = EagerEngine(load_model(path))
     for graphs in (False, True):
-        model = load_model(path, "cuda", torch.bfloat16, options=EngineOptions(persistent_layers=False))
+        model = load_model(path, "cuda", torch.bfloat16)
         assert model.ops.name == "triton" and model.query_kernels
         real = model.ops.skinny_linear
         model.ops = dataclasses.replace(model.ops, skinny_linear=lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -247,15 +247,14 @@ def test_query_path_matches_cpu_reference(tmp_path, kind):
                 assert len(calls) == (8 if sum(lengths) <= 64 else 0), lengths
 
 
-@pytest.mark.parametrize("options, query_calls, layer_calls", [
-    (EngineOptions(), 0, 2), (EngineOptions(persistent_layers=False), 8, 0), (EngineOptions(skinny=False), 0, 0),
-    (EngineOptions(fold_norms=False), 0, 0), (EngineOptions(short_attention=False), 8, 0),
-    (EngineOptions(triton=False), 0, 0), (EngineOptions(flash_attn=False), 0, 2)])
-def test_each_engine_option_switches_its_kernels(tmp_path, options, query_calls, layer_calls):
+@pytest.mark.parametrize("options, query_calls", [
+    (EngineOptions(), 8), (EngineOptions(skinny=False), 0), (EngineOptions(fold_norms=False), 0),
+    (EngineOptions(short_attention=False), 8), (EngineOptions(triton=False), 0),
+    (EngineOptions(flash_attn=False), 8)])
+def test_each_engine_option_switches_its_kernels(tmp_path, options, query_calls):
     """Each option turns off exactly its kernels, and every combination still equals the CPU
-    reference: a 16-token query through the persistent layer (one launch a layer, two layers), the
-    skinny products (four a layer) or neither, short attention or the varlen kernel, flash_attn or
-    torch's varlen_attn."""
+    reference: a 16-token query through the skinny products (two layers, four each) or not, short
+    attention or the varlen kernel, flash_attn or torch's varlen_attn."""
     import dataclasses
 
     from pollen.worker.cuda_engine import CudaEngine
@@ -271,74 +270,31 @@ def test_each_engine_option_switches_its_kernels(tmp_path, options, query_calls,
     assert model.attention.kind != "flash_attn" or options.flash_attn
     has_short = options.triton and options.short_attention
     assert (model.short_qk_rope_attention is not None) == has_short == (model.attention.short is not None)
-    calls, layers = [], []
+    calls = []
     if model.ops.skinny_linear is not None:
         real = model.ops.skinny_linear
         model.ops = dataclasses.replace(model.ops, skinny_linear=lambda *a, **k: calls.append(1) or real(*a, **k))
-    if model.ops.query_layer is not None:
-        real_layer = model.ops.query_layer
-        model.ops = dataclasses.replace(model.ops,
-                                        query_layer=lambda *a, **k: layers.append(1) or real_layer(*a, **k))
     engine = CudaEngine(model, "cuda", max_batch_tokens=512, cuda_graphs=False)
     batch = pack(seqs([16], seed=6))
     got = engine.submit(batch).result()
-    assert (len(calls), len(layers)) == (query_calls, layer_calls)
+    assert len(calls) == query_calls
     assert cos(got, EagerEngine(load_model(path)).submit(batch).result()) >= 0.999
 
 
-def layer_widths(tmp_path, kind, layers=3):
-    """A Qwen3 checkpoint of Qwen3-0.6B's widths (so the query kernels take their real tile
-    configurations, split K included) and a few layers."""
+def test_small_batches_on_both_lanes_at_once(tmp_path):
+    """Small batches on both lanes at once (the query kernels, split K included, on two streams
+    of different priority) all equal the CPU reference: each stream keeps its own split-K arrival
+    counters (shared ones let one lane's launch finish another's column block)."""
+    from pollen.worker.cuda_engine import BULK, INTERACTIVE, CudaEngine
     from tests.test_model_qwen3 import make_tiny_qwen3
 
-    make_tiny_qwen3(tmp_path / "m", kind, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
-                    head_dim=128, intermediate_size=3072, num_hidden_layers=layers, max_position_embeddings=512)
-    return str(tmp_path / "m")
-
-
-@pytest.mark.parametrize("kind", ["causal", "bidirectional"])
-def test_persistent_layer_equals_five_launches(tmp_path, kind):
-    """The persistent layer (one launch a layer, grid barriers between its phases) gives what the
-    five launches give, eagerly and replayed from graphs, on every replay (a barrier that let a
-    phase read its input early would not), and both equal the float32 CPU reference. Batches of
-    up to 32 tokens take it, larger ones do not."""
-    import dataclasses
-
-    from pollen.worker.cuda_engine import CudaEngine
-
-    path = layer_widths(tmp_path, kind)
-    cpu = EagerEngine(load_model(path))
-    batches = [pack(seqs(lengths, seed=len(lengths) + sum(lengths)))
-               for lengths in ([16], [9], [1], [3, 20, 7], [13, 1, 2, 5, 11], [32], [20, 13])]
-    for graphs in (False, True):
-        five = CudaEngine(load_model(path, "cuda", torch.bfloat16, options=EngineOptions(persistent_layers=False)),
-                          "cuda", max_batch_tokens=512, cuda_graphs=graphs)
-        model = load_model(path, "cuda", torch.bfloat16)
-        real, layers = model.ops.query_layer, []
-        model.ops = dataclasses.replace(model.ops, query_layer=lambda *a, **k: layers.append(1) or real(*a, **k))
-        persistent = CudaEngine(model, "cuda", max_batch_tokens=512, cuda_graphs=graphs)
-        for batch in batches:
-            layers.clear()
-            want = five.submit(batch).result().copy()
-            got = [persistent.submit(batch).result().copy() for _ in range(4)]
-            if not graphs:
-                assert len(layers) == (3 * 4 if batch.tokens <= 32 else 0), batch.tokens
-            assert all(np.array_equal(g, got[0]) for g in got[1:]), (graphs, batch.tokens)
-            assert cos(got[0], want) >= 0.99999, (graphs, batch.tokens)
-            assert cos(got[0], cpu.submit(batch).result()) >= 0.999, (graphs, batch.tokens)
-
-
-def test_persistent_layer_beside_small_bulk_batches(tmp_path):
-    """Interactive queries (persistent layers, high-priority stream) launched while the bulk lane
-    runs small batches of its own (the five-launch query kernels, split K included, on the other
-    stream) all equal the CPU reference: the two streams keep separate split-K counters, and the
-    bulk lane never takes the persistent layer."""
-    from pollen.worker.cuda_engine import BULK, INTERACTIVE, CudaEngine
-
-    path = layer_widths(tmp_path, "causal", layers=2)
+    # Qwen3-0.6B's widths, so the products take their real tile configurations (split K for o and down).
+    make_tiny_qwen3(tmp_path / "m", "causal", hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
+                    head_dim=128, intermediate_size=3072, num_hidden_layers=2, max_position_embeddings=512)
+    path = str(tmp_path / "m")
     cpu = EagerEngine(load_model(path))
     engine = CudaEngine(load_model(path, "cuda", torch.bfloat16), "cuda", max_batch_tokens=4096)
-    small = [pack(seqs([n, 40 - n], seed=n)) for n in (5, 11, 17)]  # 40 tokens: five launches
+    small = [pack(seqs([n, 40 - n], seed=n)) for n in (5, 11, 17)]
     queries = [pack(seqs([n], seed=30 + n)) for n in (4, 9, 16, 27)]
     want = {id(b): cpu.submit(b).result() for b in small + queries}
     for b in small:

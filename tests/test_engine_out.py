@@ -80,6 +80,6 @@ def test_cuda_engine_layout_and_forward_on_the_cpu(model, padded):
     inputs, _ = CudaEngine.views(host, tokens, n_seqs, rows)
     assert inputs[-1].tolist()[:batch.rows] == flags.tolist() and not inputs[-1][batch.rows:].any()
     with torch.inference_mode():
-        got = engine.forward(inputs, shape[2] if padded else batch.max_seqlen, True)[:batch.rows].numpy()
+        got = engine.forward(inputs, shape[2] if padded else batch.max_seqlen)[:batch.rows].numpy()
     want = EagerEngine(model).submit(batch, normalize=flags).result()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -229,11 +229,8 @@ class CudaEngine:
 
     # ---------------------------------------------------------------- running
 
-    def forward(self, inputs: list[torch.Tensor], longest: int, interactive: bool) -> torch.Tensor:
+    def forward(self, inputs: list[torch.Tensor], longest: int) -> torch.Tensor:
         ids, pos, index, cu, first, last, count, norm = inputs
-        # Persistent launches only on the interactive lane: two at once could each hold part of
-        # the SMs and wait for the rest for ever (worker/kernels/query_layer.py).
-        self.model.persistent_layers = interactive
         hidden = self.model.hidden_states(ids, pos, cu, longest)
         return normalize_rows(pool_rows(hidden, index, first, last, count, self.pooling), norm)
 
@@ -250,8 +247,7 @@ class CudaEngine:
         with torch.cuda.stream(lane.stream):
             lane.static_in[:used].copy_(lane.host_in[slot][:used], non_blocking=True)
             lane.staged[slot].record(lane.stream)
-            # warm-up outside the graph: lazy inits, autotuning
-            self.forward(inputs, shape[2], lane_index == INTERACTIVE)
+            self.forward(inputs, shape[2])  # warm-up outside the graph: lazy inits, autotuning
         lane.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         # capture_begin/end rather than torch.cuda.graph(), which synchronizes the whole device
@@ -259,7 +255,7 @@ class CudaEngine:
         with torch.cuda.stream(lane.stream):
             graph.capture_begin(pool=lane.pool)
             try:
-                out = self.forward(inputs, shape[2], lane_index == INTERACTIVE)
+                out = self.forward(inputs, shape[2])
             finally:
                 graph.capture_end()
         lane.keep(shape, (graph, out))
@@ -332,7 +328,7 @@ class CudaEngine:
         self.upload(lane, slot, used)
         if graph is None:
             inputs, _ = self.views(lane.static_in, batch.tokens, len(batch.cu_seqlens) - 1, batch.rows)
-            rows = self.forward(inputs, batch.max_seqlen, lane is self.lanes[INTERACTIVE])
+            rows = self.forward(inputs, batch.max_seqlen)
         else:
             graph[0].replay()
             rows = graph[1]

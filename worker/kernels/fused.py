@@ -6,7 +6,7 @@ EngineOptions want the kernels (worker/models/loader.py, `choose_ops`).
 from __future__ import annotations
 
 from pollen.common.engine_options import EngineOptions
-from pollen.worker.kernels import activations, norms, query_layer, rope, short_attention, skinny
+from pollen.worker.kernels import activations, norms, rope, short_attention, skinny
 from pollen.worker.models.ops import Ops
 
 
@@ -16,14 +16,10 @@ def triton_ops(attention: str, options: EngineOptions) -> Ops:
     if options.skinny_configs:  # a table measured on this machine, over the committed one
         skinny.load_configs(options.skinny_configs)
     short, query = options.short_attention, options.skinny
-    persistent = query and options.persistent_layers
     return Ops("triton", attention, norms.add_rms_norm, norms.embed_rms_norm, rope.qk_norm_rope,
                activations.silu_mul,
                short_attention=short_attention.short_attention if short else None,
                short_qk_rope_attention=short_attention.short_qk_rope_attention if short else None,
                skinny_linear=skinny.skinny_linear if query else None,
                skinny_fits=skinny.fits if query else None,
-               skinny_layer_wins=skinny.layer_wins if query else None,
-               query_layer=query_layer.query_layer if persistent else None,
-               query_layer_fits=query_layer.fits if persistent else None,
-               query_layer_scratch=query_layer.Scratch if persistent else None)
+               skinny_layer_wins=skinny.layer_wins if query else None)

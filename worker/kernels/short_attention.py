@@ -76,15 +76,8 @@ def _norm_rope(a, b, w_ptr, cos, sin, eps, D: tl.constexpr, HALF: tl.constexpr):
 def _short_qk_rope_attention(qkv_ptr, o_ptr, cu_ptr, pos_ptr, qw_ptr, kw_ptr, cache_ptr, eps, scale,
                              HEADS: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                              CAUSAL: tl.constexpr):
-    qk_rope_attend(tl.program_id(0), tl.program_id(1), qkv_ptr, o_ptr, cu_ptr, pos_ptr, qw_ptr, kw_ptr, cache_ptr,
-                   eps, scale, HEADS, KV, D, BLOCK, CAUSAL)
-
-
-@triton.jit
-def qk_rope_attend(seq, h, qkv_ptr, o_ptr, cu_ptr, pos_ptr, qw_ptr, kw_ptr, cache_ptr, eps, scale,
-                   HEADS: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr):
-    """One (sequence, head): QK-norm, RoPE, attention. The projection is read past L1 (.cg): in the
-    persistent query layer (worker/kernels/query_layer.py) other programs of the launch wrote it."""
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
     kvh = h // (HEADS // KV)
     HALF: tl.constexpr = D // 2
     ALL: tl.constexpr = HEADS + 2 * KV
@@ -98,11 +91,11 @@ def qk_rope_attend(seq, h, qkv_ptr, o_ptr, cu_ptr, pos_ptr, qw_ptr, kw_ptr, cach
     pos = tl.load(pos_ptr + start + m, mask=live, other=0).to(tl.int64)[:, None]
     cos = tl.load(cache_ptr + pos * D + c)
     sin = tl.load(cache_ptr + pos * D + HALF + c)
-    qa = tl.load(rows + h * D + c, mask=lm, other=0.0, cache_modifier=".cg").to(tl.float32)
-    qb = tl.load(rows + h * D + HALF + c, mask=lm, other=0.0, cache_modifier=".cg").to(tl.float32)
-    ka = tl.load(rows + (HEADS + kvh) * D + c, mask=lm, other=0.0, cache_modifier=".cg").to(tl.float32)
-    kb = tl.load(rows + (HEADS + kvh) * D + HALF + c, mask=lm, other=0.0, cache_modifier=".cg").to(tl.float32)
-    v = tl.load(rows + (HEADS + KV + kvh) * D + tl.arange(0, D)[None, :], mask=lm, other=0.0, cache_modifier=".cg")
+    qa = tl.load(rows + h * D + c, mask=lm, other=0.0).to(tl.float32)
+    qb = tl.load(rows + h * D + HALF + c, mask=lm, other=0.0).to(tl.float32)
+    ka = tl.load(rows + (HEADS + kvh) * D + c, mask=lm, other=0.0).to(tl.float32)
+    kb = tl.load(rows + (HEADS + kvh) * D + HALF + c, mask=lm, other=0.0).to(tl.float32)
+    v = tl.load(rows + (HEADS + KV + kvh) * D + tl.arange(0, D)[None, :], mask=lm, other=0.0)
     qa, qb = _norm_rope(qa, qb, qw_ptr, cos, sin, eps, D, HALF)
     ka, kb = _norm_rope(ka, kb, kw_ptr, cos, sin, eps, D, HALF)
     o = _softmax_times_v((tl.dot(qa, tl.trans(ka)) + tl.dot(qb, tl.trans(kb))) * scale, v, live, m, CAUSAL)

@@ -36,20 +36,9 @@ def _skinny_linear(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_pt
                    M, N, K: tl.constexpr, eps, n_parts,
                    PARTS: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
                    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    product_item(tl.program_id(0), x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_ptr, ws_ptr, count_ptr,
-                 M, N, K, eps, n_parts, PARTS, RESIDUAL, SWIGLU, HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
-
-
-@triton.jit
-def product_item(item, x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_ptr, ws_ptr, count_ptr,
-                 M, N, K: tl.constexpr, eps, n_parts,
-                 PARTS: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One program's share of the product: BLOCK_N columns, one SPLIT-th of K. Reads of data that
-    other programs write (x, the residual, the partial sums, the workspace) bypass L1 (.cg), so the
-    persistent query layer (worker/kernels/query_layer.py) can run several products in one launch."""
-    block = item // SPLIT  # our BLOCK_N output columns
-    part = item % SPLIT  # our share of K
+    pid = tl.program_id(0)
+    block = pid // SPLIT  # our BLOCK_N output columns
+    part = pid % SPLIT  # our share of K
     rm = tl.arange(0, BLOCK_M)
     row_ok = rm < M
     cols = tl.arange(0, BLOCK_N)
@@ -59,7 +48,7 @@ def product_item(item, x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_ou
     K_PART: tl.constexpr = K // SPLIT
     for k in range(part * K_PART, (part + 1) * K_PART, BLOCK_K):
         rk = k + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=row_ok[:, None], other=0.0)
         w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :])
         acc += tl.dot(x, tl.trans(w))
         if SWIGLU:
@@ -72,7 +61,7 @@ def product_item(item, x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_ou
         # Split K: each program leaves its partial tile in the workspace; the last of a column
         # block to arrive (counted atomically) sums them in a fixed order and finishes.
         tile = (rm[:, None] * BLOCK_N + cols[None, :])
-        tl.store(ws_ptr + item * BLOCK_M * BLOCK_N + tile, acc)
+        tl.store(ws_ptr + pid * BLOCK_M * BLOCK_N + tile, acc)
         tl.debug_barrier()  # every thread's partial is written before the count says so
         arrived = tl.atomic_add(count_ptr + block, 1, sem="acq_rel")
         if arrived == SPLIT - 1:
@@ -91,8 +80,7 @@ def _epilogue(acc, acc_up, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_ptr, blo
     if PARTS > 0:
         # The producer's partial sums of squares, [n_parts, BLOCK_M] (PARTS: n_parts rounded up to a power of 2).
         p = tl.arange(0, PARTS)
-        squares = tl.load(parts_in_ptr + p[:, None] * BLOCK_M + rm[None, :], mask=p[:, None] < n_parts, other=0.0,
-                          cache_modifier=".cg")
+        squares = tl.load(parts_in_ptr + p[:, None] * BLOCK_M + rm[None, :], mask=p[:, None] < n_parts, other=0.0)
         rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
         acc = acc * rstd[:, None]
         acc_up = acc_up * rstd[:, None]
@@ -105,8 +93,7 @@ def _epilogue(acc, acc_up, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_ptr, blo
         acc = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * acc_up.to(dt).to(tl.float32)
     out = y_ptr + rm[:, None] * N + rn[None, :]
     if RESIDUAL:
-        r = tl.load(r_ptr + rm[:, None] * N + rn[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-        r = r.to(tl.float32)
+        r = tl.load(r_ptr + rm[:, None] * N + rn[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
         summed = (acc.to(dt).to(tl.float32) + r).to(dt)
         tl.store(out, summed, mask=row_ok[:, None])
         s = summed.to(tl.float32)

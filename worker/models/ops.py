@@ -93,11 +93,6 @@ class Ops:
     skinny_linear: Callable | None = None
     skinny_fits: Callable | None = None
     skinny_layer_wins: Callable | None = None
-    # Batches of up to 32 tokens on the interactive lane: a whole layer in one persistent launch
-    # (worker/kernels/query_layer.py: query_layer, fits, Scratch).
-    query_layer: Callable | None = None
-    query_layer_fits: Callable | None = None
-    query_layer_scratch: Callable | None = None
 
 
 def reference_ops(attention: str) -> Ops:

@@ -69,9 +69,6 @@ class Qwen3Encoder(EmbeddingModel):
         self.short_qk_rope_attention = ops.short_qk_rope_attention if takes else None
         self.folded = False  # whether after_load folded the norms into the products (the query kernels need it)
         self.query_kernels = False  # whether queries may take the skinny products (after_load decides)
-        # Whether this call may take the persistent layer: the CUDA engine sets it for each forward,
-        # True on its interactive lane only (worker/kernels/query_layer.py says why).
-        self.persistent_layers = False
 
     def rope(self, device) -> torch.Tensor:
         if self._rope is None or self._rope.device != device:
@@ -88,8 +85,6 @@ class Qwen3Encoder(EmbeddingModel):
         short = self.short_qk_rope_attention is not None and max_seqlen <= kernels.SHORT_MAX_LEN
         attend = functools.partial(self.attend, short=short, cache=self.rope(input_ids.device),
                                    positions=positions, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        if self.fits_persistent_layers(input_ids.shape[0], max_seqlen):
-            return self.persistent_hidden_states(input_ids, positions, cu_seqlens, max_seqlen)
         if self.fits_query_kernels(input_ids.shape[0]):
             return self.query_hidden_states(input_ids, attend)
         norms = [layer.attn_norm.weight for layer in self.layers[1:]] + [self.norm.weight]
@@ -140,35 +135,6 @@ class Qwen3Encoder(EmbeddingModel):
                                             layer.heads, layer.kv_heads, self.eps)
             attn = self.attention(q, k, v, cu_seqlens, max_seqlen, causal=self.causal)
         return attn.reshape(qkv.shape[0], -1)
-
-    def persistent_hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
-                                 max_seqlen: int) -> torch.Tensor:
-        """At most 32 tokens on the interactive lane: each layer one persistent launch
-        (worker/kernels/query_layer.py), the residual updated in place, each layer prefetching
-        the next one's qkv weight."""
-        ops = self.ops
-        first = self.layers[0]
-        x, residual = ops.embed_rms_norm(input_ids, self.embed.weight, first.attn_norm.weight, self.eps)
-        scratch = ops.query_layer_scratch(input_ids.shape[0], x.shape[1], first.qkv.weight.shape[0],
-                                          first.o.weight.shape[1], first.down.weight.shape[1], x)
-        cache = self.rope(input_ids.device)
-        for i, layer in enumerate(self.layers):
-            following = self.layers[i + 1].qkv.weight if i + 1 < len(self.layers) else None
-            ops.query_layer(x if i == 0 else None, residual, scratch, layer.qkv.weight, layer.o.weight,
-                            layer.gate_up.weight, layer.down.weight, following, layer.q_norm.weight,
-                            layer.k_norm.weight, cache, positions, cu_seqlens, max_seqlen, layer.heads,
-                            layer.kv_heads, self.eps, self.causal)
-        return ops.add_rms_norm(residual, None, self.norm.weight, self.eps)[0]
-
-    def fits_persistent_layers(self, tokens: int, max_seqlen: int) -> bool:
-        """Whether a batch takes persistent_hidden_states: the engine allows it on this call (its
-        interactive lane), the query kernels fit, and so does the persistent layer."""
-        if not (self.persistent_layers and self.query_kernels and self.ops.query_layer is not None
-                and self.short_qk_rope_attention is not None and max_seqlen <= kernels.SHORT_MAX_LEN):
-            return False
-        first = self.layers[0]
-        return self.ops.query_layer_fits(tokens, first.qkv.weight, first.o.weight, first.gate_up.weight,
-                                         first.down.weight, first.qkv.bias is not None)
 
     def query_hidden_states(self, input_ids: torch.Tensor, attend) -> torch.Tensor:
         """At most 64 tokens (queries): five kernels a layer instead of eight (worker/kernels/skinny.py).
