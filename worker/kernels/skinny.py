@@ -35,10 +35,7 @@ MAX_ROWS = 64  # batches of up to this many tokens take these kernels (one row b
 def _skinny_linear(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_ptr, ws_ptr, count_ptr,
                    M, N, K: tl.constexpr, eps, n_parts,
                    PARTS: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EARLY: tl.constexpr):
-    # EARLY: the epilogue's inputs (the norm's partial sums, the residual tile) are read before the
-    # main loop, so their round trip to L2 overlaps the weight stream instead of following it.
+                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     block = pid // SPLIT  # our BLOCK_N output columns
     part = pid % SPLIT  # our share of K
@@ -46,9 +43,6 @@ def _skinny_linear(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_pt
     row_ok = rm < M
     cols = tl.arange(0, BLOCK_N)
     rn = block * BLOCK_N + cols
-    if EARLY:
-        rstd, r = _epilogue_inputs(r_ptr, parts_in_ptr, rm, row_ok, rn, N, K, eps, n_parts, PARTS, RESIDUAL,
-                                   BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     K_PART: tl.constexpr = K // SPLIT
@@ -61,11 +55,8 @@ def _skinny_linear(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_pt
             w_up = tl.load(w_ptr + (rn + N)[:, None].to(tl.int64) * K + rk[None, :])
             acc_up += tl.dot(x, tl.trans(w_up))
     if SPLIT == 1:
-        if not EARLY:
-            rstd, r = _epilogue_inputs(r_ptr, parts_in_ptr, rm, row_ok, rn, N, K, eps, n_parts, PARTS, RESIDUAL,
-                                       BLOCK_M, BLOCK_N)
-        _epilogue(acc, acc_up, rstd, r, b_ptr, y_ptr, parts_out_ptr, block, rm, row_ok, rn, N,
-                  PARTS, RESIDUAL, SWIGLU, HAS_BIAS, BLOCK_M)
+        _epilogue(acc, acc_up, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_ptr, block, rm, row_ok, rn, N, K, eps,
+                  n_parts, PARTS, RESIDUAL, SWIGLU, HAS_BIAS, BLOCK_M)
     else:
         # Split K: each program leaves its partial tile in the workspace; the last of a column
         # block to arrive (counted atomically) sums them in a fixed order and finishes.
@@ -78,35 +69,19 @@ def _skinny_linear(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_pt
             for s in tl.static_range(SPLIT):
                 total += tl.load(ws_ptr + (block * SPLIT + s) * BLOCK_M * BLOCK_N + tile, cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + block, 0)  # zero again for the next launch (or graph replay)
-            if not EARLY:
-                rstd, r = _epilogue_inputs(r_ptr, parts_in_ptr, rm, row_ok, rn, N, K, eps, n_parts, PARTS, RESIDUAL,
-                                           BLOCK_M, BLOCK_N)
-            _epilogue(total, acc_up, rstd, r, b_ptr, y_ptr, parts_out_ptr, block, rm, row_ok, rn, N,
-                      PARTS, RESIDUAL, SWIGLU, HAS_BIAS, BLOCK_M)
+            _epilogue(total, acc_up, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_ptr, block, rm, row_ok, rn, N, K,
+                      eps, n_parts, PARTS, RESIDUAL, SWIGLU, HAS_BIAS, BLOCK_M)
 
 
 @triton.jit
-def _epilogue_inputs(r_ptr, parts_in_ptr, rm, row_ok, rn, N, K, eps, n_parts, PARTS: tl.constexpr,
-                     RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(rstd [BLOCK_M], the residual tile [BLOCK_M, BLOCK_N]) in float32: ones and zeros where the
-    product has no norm (PARTS 0) or no residual."""
-    rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
+def _epilogue(acc, acc_up, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_ptr, block, rm, row_ok, rn, N, K, eps,
+              n_parts, PARTS: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
+              BLOCK_M: tl.constexpr):
     if PARTS > 0:
         # The producer's partial sums of squares, [n_parts, BLOCK_M] (PARTS: n_parts rounded up to a power of 2).
         p = tl.arange(0, PARTS)
         squares = tl.load(parts_in_ptr + p[:, None] * BLOCK_M + rm[None, :], mask=p[:, None] < n_parts, other=0.0)
         rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-    r = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if RESIDUAL:
-        r = tl.load(r_ptr + rm[:, None] * N + rn[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    return rstd, r
-
-
-@triton.jit
-def _epilogue(acc, acc_up, rstd, r, b_ptr, y_ptr, parts_out_ptr, block, rm, row_ok, rn, N,
-              PARTS: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
-              BLOCK_M: tl.constexpr):
-    if PARTS > 0:
         acc = acc * rstd[:, None]
         acc_up = acc_up * rstd[:, None]
     if HAS_BIAS:
@@ -118,6 +93,7 @@ def _epilogue(acc, acc_up, rstd, r, b_ptr, y_ptr, parts_out_ptr, block, rm, row_
         acc = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * acc_up.to(dt).to(tl.float32)
     out = y_ptr + rm[:, None] * N + rn[None, :]
     if RESIDUAL:
+        r = tl.load(r_ptr + rm[:, None] * N + rn[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
         summed = (acc.to(dt).to(tl.float32) + r).to(dt)
         tl.store(out, summed, mask=row_ok[:, None])
         s = summed.to(tl.float32)
@@ -208,16 +184,13 @@ class Parts:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   residual: torch.Tensor | None = None, parts: Parts | None = None, eps: float = 0.0,
-                  swiglu: bool = False, config: tuple[int, int, int, int, int] | None = None,
-                  early_loads: bool = True):
+                  swiglu: bool = False, config: tuple[int, int, int, int, int] | None = None):
     """y = f(x @ weight.T (+ bias)) for up to MAX_ROWS rows of x.
 
     parts (from the RESIDUAL product that wrote x): x is a raw residual, and the product is of
       rms_norm(x) (the norm weight must be folded into `weight`); eps is the norm's.
     swiglu: weight is [gate; up] (2I rows) and y = silu(x @ gate.T) * (x @ up.T), [rows, I].
     residual: returns (residual + y, Parts) instead of y: the new residual and its sums of squares.
-    early_loads: read the norm's sums and the residual tile before the main loop (the kernel's
-      EARLY); off, after it, as before: for load/bench_query_ab.py's comparison.
     """
     x = x.contiguous()
     m, k = x.shape
@@ -236,7 +209,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         m, n, k, eps, parts.count if parts is not None else 0,
         PARTS=triton.next_power_of_2(parts.count) if parts is not None else 0, RESIDUAL=residual is not None,
         SWIGLU=swiglu, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        EARLY=early_loads, num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages)
     if residual is not None:
         return y, Parts(parts_out, programs)
     return y
