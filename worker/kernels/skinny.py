@@ -165,7 +165,8 @@ def arrival_counts(device: torch.device, blocks: int) -> torch.Tensor:
     """The split-K arrival counters: zeros, one per column block, shared by every launch on the
     current stream. Each launch leaves them zero again, and launches on one stream run one after
     another, so no launch ever needs a memset of its own. Each stream has its own: the worker's
-    two lanes run at once, and a bulk batch of a few tokens takes these kernels too."""
+    two lanes run at once, and a bulk batch of a few tokens takes these kernels too. Bound: one
+    tensor of at least 4,096 int32 per stream that runs these kernels (two in a worker)."""
     key = (device, torch.cuda.current_stream(device).cuda_stream)
     counts = _COUNTS.get(key)
     if counts is None or counts.numel() < blocks:
