@@ -15,6 +15,7 @@
 #   skinny:       python load/bench_skinny_linear.py ARGS (the query kernels' tile table)
 #   one:          python load/bench_one_client.py --tokenizer .whl/qwen3-tokenizer.json ARGS
 #   two:          python load/bench_two_gpus.py --tokenizer .whl/qwen3-tokenizer.json ARGS (2+ GPUs)
+#   pieces:       python load/bench_submit_pieces.py ARGS (a lone query's submit, step by step)
 #   hops:         python load/bench_query_hops.py --shape qwen3-0.6b --device cuda --tokenizer ... ARGS
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -37,5 +38,6 @@ case $what in
   skinny) python3 load/bench_skinny_linear.py "$@" ;;
   one) python3 load/bench_one_client.py --tokenizer .whl/qwen3-tokenizer.json "$@" ;;
   two) python3 load/bench_two_gpus.py --tokenizer .whl/qwen3-tokenizer.json "$@" ;;
+  pieces) python3 load/bench_submit_pieces.py "$@" ;;
   hops) python3 load/bench_query_hops.py --shape qwen3-0.6b --device cuda --tokenizer .whl/qwen3-tokenizer.json "$@" ;;
 esac

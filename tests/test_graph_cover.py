@@ -22,6 +22,7 @@ def lane_with(*shapes, wanted=(), padded=()) -> Lane:
 def engine() -> CudaEngine:
     e = object.__new__(CudaEngine)
     e.buckets, e.max_positions, e.graphs_on = token_buckets(8192), 32768, True
+    e.one_text_buckets, e.one_text_layouts = {}, {}
     return e
 
 

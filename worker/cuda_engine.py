@@ -54,7 +54,7 @@ from pollen.worker.engine import BULK, INTERACTIVE
 from pollen.worker.lazy import LazyTensor
 from pollen.worker.models.base import EmbeddingModel
 from pollen.worker.models.pooling import normalize_rows, pool_rows
-from pollen.worker.packed import PackedBatch, warm_up_batch
+from pollen.worker.packed import ONE_TEXT_SHARED_MAX, PackedBatch, warm_up_batch
 from pollen.worker.sm_partition import BulkPartition, bulk_sm_count, green_contexts_supported
 
 
@@ -96,6 +96,7 @@ class Lane:
         else:
             self.stream, self.copy_stream = partition.stream(), partition.stream()
         self.host_in = [torch.empty(cap, dtype=torch.int32, pin_memory=True) for _ in range(self.SLOTS)]
+        self.host_np = [slot.numpy() for slot in self.host_in]  # the same memory; .numpy() costs 2 µs a call
         self.staging = [torch.empty(cap, dtype=torch.int32, device=device) for _ in range(self.SLOTS)]
         self.staged = [torch.cuda.Event() for _ in range(self.SLOTS)]
         self.done = [torch.cuda.Event() for _ in range(self.SLOTS)]
@@ -162,6 +163,10 @@ class CudaEngine:
         self.capture_seconds = 0.0
         self.eager_batches = 0  # batches of a graph-sized bucket that ran eagerly: no graph held them
         self.padded_batches = 0  # batches run in a larger captured graph than their own bucket's
+        # A lone query's bucket and its pinned layout less its ids and normalize flag, by its length
+        # and bucket (see fill_one_text): bounded by ONE_TEXT_SHARED_MAX lengths, one bucket each.
+        self.one_text_buckets: dict[int, tuple[int, int, int]] = {}
+        self.one_text_layouts: dict[tuple[tuple[int, int, int], int], np.ndarray] = {}
 
     @property
     def graphs(self) -> dict:
@@ -195,6 +200,12 @@ class CudaEngine:
         """(tokens, sequences, longest) of the graph that runs this batch, or None for eager."""
         if not self.graphs_on or batch.tokens > self.buckets[-1]:
             return None
+        n = batch.tokens
+        if n <= ONE_TEXT_SHARED_MAX and batch.rows == 1 and len(batch.cu_seqlens) == 2 and batch.max_seqlen == n:
+            shape = self.one_text_buckets.get(n)  # a lone query: the common latency-bound case
+            if shape is None:
+                shape = self.one_text_buckets[n] = self.bucket_of(n, 1, 1, n)
+            return shape
         return self.bucket_of(batch.tokens, len(batch.cu_seqlens) - 1, batch.rows, batch.max_seqlen)
 
     def bucket_of(self, tokens: int, seqs: int, rows: int, longest: int) -> tuple[int, int, int]:
@@ -207,12 +218,17 @@ class CudaEngine:
     def fill(self, host: torch.Tensor, batch: PackedBatch, shape, normalize: np.ndarray | None = None) -> int:
         """Write the batch and its per-row normalize flags into a pinned slot in the layout of
         `shape` (padded); return its length."""
+        arr = host if isinstance(host, np.ndarray) else host.numpy()
+        if shape is not None and self.one_text(batch):
+            return self.fill_one_text(arr, batch, shape, normalize)
+        return self.fill_general(arr, batch, shape, normalize)
+
+    def fill_general(self, arr: np.ndarray, batch: PackedBatch, shape, normalize: np.ndarray | None) -> int:
         if shape is None:
             tokens, seqs, rows = batch.tokens, len(batch.cu_seqlens) - 1, batch.rows
         else:
             tokens, seqs, _ = shape
             rows = seqs
-        arr = host.numpy()
         (ids, pos, index, cu, first, last, count, norm), used = self.views(arr, tokens, seqs, rows)
         n, b, r = batch.tokens, len(batch.cu_seqlens), batch.rows
         ids[:n], pos[:n], index[:n] = batch.ids, batch.positions, batch.pool_index
@@ -225,6 +241,29 @@ class CudaEngine:
         first[r:], last[r:], count[r:] = 0, 0, 1
         norm[:r] = 0 if normalize is None else normalize
         norm[r:] = 0
+        return used
+
+    @staticmethod
+    def one_text(batch: PackedBatch) -> bool:
+        """A batch of one text pooled into one row over all its tokens, of a query's length."""
+        return (batch.tokens <= ONE_TEXT_SHARED_MAX and batch.rows == 1 and len(batch.cu_seqlens) == 2
+                and int(batch.pool_count[0]) == batch.tokens)
+
+    def fill_one_text(self, arr: np.ndarray, batch: PackedBatch, shape, normalize: np.ndarray | None) -> int:
+        """fill() for one text: everything in its padded layout but the ids and the normalize flag
+        depends on its length and bucket alone, so it is laid out once (by fill_general) and copied.
+        The general fill's dozen small numpy writes cost a lone query 16-27 µs of host time before its
+        GPU work starts (load/results/gpu-submit-pieces-2026-12-02.md)."""
+        n = batch.tokens
+        layout = self.one_text_layouts.get((shape, n))
+        if layout is None:
+            scratch = np.empty(len(arr), dtype=np.int32)
+            used = self.fill_general(scratch, batch, shape, None)
+            layout = self.one_text_layouts[(shape, n)] = scratch[:used].copy()
+        used = len(layout)
+        arr[:used] = layout
+        arr[:n] = batch.ids
+        arr[used - shape[1]] = 0 if normalize is None else normalize[0]  # norm [rows]: the last array, row 0
         return used
 
     # ---------------------------------------------------------------- running
@@ -287,7 +326,7 @@ class CudaEngine:
                 shape = None
         slot = lane.next_slot()
         lane.staged[slot].synchronize()  # the copy that last read this pinned slot is done
-        used = self.fill(lane.host_in[slot], batch, shape, normalize)
+        used = self.fill(lane.host_np[slot], batch, shape, normalize)
         torch.cuda.set_stream(lane.stream)  # the worker's one thread works on this lane's stream
         try:
             result = self.run_on_lane(lane, slot, used, batch, graph, out)

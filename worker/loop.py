@@ -327,7 +327,7 @@ class Worker:
         plain = all(job.rec.rows is None for job, _, _ in spans)
         row_spans = None if plain else [job.row_spans(i) for job, a, b in spans for i in range(a, b)]
         outs = [part.plan.raw_rows(part.record.view) for part in parts] if held else None
-        normalize = np.concatenate([part.plan.normalize for part in parts])
+        normalize = parts[0].plan.normalize if len(parts) == 1 else np.concatenate([p.plan.normalize for p in parts])
         try:
             pending, error = self.engine.submit(pack(sequences, row_spans), out=outs, normalize=normalize,
                                                 lane=lane), None

@@ -71,9 +71,26 @@ def warm_up_batch() -> PackedBatch:
     return pack([np.array([1, 2], np.int32), np.array([3, 4], np.int32)])
 
 
+# A query's index arrays depend only on its length: made once per length up to this many tokens
+# (at most 64 sets of six arrays of at most 64 values) and shared by every batch of that length.
+# Making them cost a lone query 6-8 µs of the host time before its GPU work starts
+# (load/results/gpu-submit-pieces-2026-12-02.md). Batches never write their arrays.
+ONE_TEXT_SHARED_MAX = 64
+_ONE_TEXT: dict[int, tuple[np.ndarray, ...]] = {}
+
+
+def _one_text_arrays(n: int) -> tuple[np.ndarray, ...]:
+    """positions, cu_seqlens, pool_index, pool_first, pool_last, pool_count of one text of n tokens."""
+    arrays = _ONE_TEXT.get(n)
+    if arrays is None:
+        arrays = (np.arange(n, dtype=np.int32), np.array([0, n], dtype=np.int32), np.zeros(n, dtype=np.int32),
+                  np.zeros(1, dtype=np.int32), np.array([n - 1], dtype=np.int32), np.array([n], dtype=np.int32))
+        if n <= ONE_TEXT_SHARED_MAX:
+            _ONE_TEXT[n] = arrays
+    return arrays
+
+
 def _pack_one(seq: np.ndarray) -> PackedBatch:
     n = len(seq)
-    return PackedBatch(np.asarray(seq, dtype=np.int32), np.arange(n, dtype=np.int32),
-                       np.array([0, n], dtype=np.int32), n, np.zeros(n, dtype=np.int32),
-                       np.zeros(1, dtype=np.int32), np.array([n - 1], dtype=np.int32),
-                       np.array([n], dtype=np.int32))
+    positions, cu, index, first, last, count = _one_text_arrays(n)
+    return PackedBatch(np.asarray(seq, dtype=np.int32), positions, cu, n, index, first, last, count)
