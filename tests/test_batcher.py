@@ -194,3 +194,36 @@ def test_combine_is_the_weighted_mean_and_int8_scales_round_trip():
     scales = np.frombuffer(bytes(out[4:]), "<f4")
     np.testing.assert_allclose(scales, [3.5 / 127, 6 / 127], rtol=1e-6)
     assert q.tolist() == [[91, 127], [106, -127]]
+
+
+def test_a_lone_request_takes_the_same_batches_with_and_without_the_shortcut(monkeypatch):
+    """Batcher._take_lone_request (the lone query's shortcut) must give what the two passes give:
+    the same spans, queued tokens and deadline count, batch after batch, for lone requests of
+    every shape, budget and row cap, in each lane and mixed."""
+    rng = np.random.default_rng(11)
+
+    def batches(shortcut: bool, lengths, budget, bulk_cap, rows, lane, deadline):
+        if not shortcut:
+            monkeypatch.setattr(Batcher, "_take_lone_request", lambda *a: False)
+        b = Batcher(budget, bulk_cap, rows)
+        seqs = [np.full(n, 3, dtype=np.int32) for n in lengths]
+        rec = records.decode_request(memoryview(records.encode_request(
+            7, 0, seqs, 0, False, 0, priority=lane or 0, deadline_ns=deadline)))
+        b.add(Job.of(rec))
+        out = []
+        while b:
+            spans = b.next_batch(lane)
+            out.append(([(s, e) for _, s, e in spans], b.queued_tokens, b.with_deadline))
+        monkeypatch.undo()
+        return out
+
+    taken = 0
+    for _ in range(400):
+        lengths = [int(n) for n in rng.integers(1, 40, rng.integers(1, 6))]
+        budget = int(rng.integers(max(lengths), 120))
+        case = (lengths, budget, int(rng.integers(0, 2)) * budget // 2, int(rng.integers(1, 8)),
+                [None, 0, 1][rng.integers(0, 3)], int(rng.integers(0, 2)) * 10**18)
+        with_it = batches(True, *case)
+        assert with_it == batches(False, *case), case
+        taken += len(with_it) == 1
+    assert 50 < taken < 400  # both the shortcut's case and the two passes' were met
