@@ -10,6 +10,8 @@ requests in arrival order, then begun ones by the tokens they have had. Then wha
 first come, first served. So a short request goes into the next batch even behind a request of
 thousands of windows, whose windows fill the rest of each batch; equal short requests keep their
 arrival order.
+A lane holding one request that fits whole skips the passes (they would give the same batch):
+the lone query's case.
 
 Lanes (docs/architecture.md, "Priority lanes"). On CUDA the engine runs the two lanes side by
 side, each on a stream of its own priority, and asks for one lane's batch at a time
