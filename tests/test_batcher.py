@@ -204,7 +204,7 @@ def test_a_lone_request_takes_the_same_batches_with_and_without_the_shortcut(mon
 
     def batches(shortcut: bool, lengths, budget, bulk_cap, rows, lane, deadline):
         if not shortcut:
-            monkeypatch.setattr(Batcher, "_take_lone_request", lambda *a: False)
+            monkeypatch.setattr(Batcher, "_take_lone_request", lambda *a: None)
         b = Batcher(budget, bulk_cap, rows)
         seqs = [np.full(n, 3, dtype=np.int32) for n in lengths]
         rec = records.decode_request(memoryview(records.encode_request(

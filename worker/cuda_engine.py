@@ -201,8 +201,10 @@ class CudaEngine:
         if not self.graphs_on or batch.tokens > self.buckets[-1]:
             return None
         n = batch.tokens
-        if n <= ONE_TEXT_SHARED_MAX and batch.rows == 1 and len(batch.cu_seqlens) == 2 and batch.max_seqlen == n:
-            shape = self.one_text_buckets.get(n)  # a lone query: the common latency-bound case
+        # A lone query, the common latency-bound case: its bucket depends on its length alone (one
+        # sequence, one row). Not one_text(), whose pooled-span check costs a numpy read here.
+        if n <= ONE_TEXT_SHARED_MAX and batch.rows == 1 and len(batch.cu_seqlens) == 2:
+            shape = self.one_text_buckets.get(n)
             if shape is None:
                 shape = self.one_text_buckets[n] = self.bucket_of(n, 1, 1, n)
             return shape
