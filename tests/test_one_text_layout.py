@@ -42,6 +42,7 @@ def test_one_text_takes_the_general_bucket_and_layout_at_every_length(max_tokens
                 assert used == e.fill_general(general, slow, shape, normalize)
                 assert np.array_equal(fast, general), (n, normalize)
     assert len(e.one_text_buckets) == ONE_TEXT_SHARED_MAX  # bounded: lengths past the cap are not kept
+    assert len(e.one_text_layouts) == ONE_TEXT_SHARED_MAX  # one layout a length here: each ran in its own bucket
 
 
 def test_the_shared_arrays_of_a_length_are_not_written_by_filling():

@@ -164,7 +164,9 @@ class CudaEngine:
         self.eager_batches = 0  # batches of a graph-sized bucket that ran eagerly: no graph held them
         self.padded_batches = 0  # batches run in a larger captured graph than their own bucket's
         # A lone query's bucket and its pinned layout less its ids and normalize flag, by its length
-        # and bucket (see fill_one_text): bounded by ONE_TEXT_SHARED_MAX lengths, one bucket each.
+        # and bucket (see fill_one_text). Bounded: ONE_TEXT_SHARED_MAX lengths, each with its own
+        # bucket, and a layout for each bucket it runs in (its own, or a larger captured graph that
+        # covers it: at most one per graph of the interactive lane).
         self.one_text_buckets: dict[int, tuple[int, int, int]] = {}
         self.one_text_layouts: dict[tuple[tuple[int, int, int], int], np.ndarray] = {}
 
