@@ -81,6 +81,16 @@ def engine_ceiling(path: str, tokenizer: str, texts: list[str], device: str) -> 
     return out
 
 
+def server_flags(flags: str) -> tuple[dict[str, str], list[str]]:
+    """--server-flags as a shell would read them: leading NAME=VALUE words are the server's
+    environment (`GRPC_EXPERIMENTS= --frontends 2`), the rest its `pollen serve` flags."""
+    words, env = shlex.split(flags), {}
+    while words and "=" in words[0] and words[0].split("=", 1)[0].isidentifier():
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    return env, words
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The served checkpoint's flags, shared with load/bench_one_client.py."""
     p.add_argument("--shape", default="qwen3-0.6b")
@@ -100,7 +110,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=6.0)
     p.add_argument("--warm", type=float, default=1.0)
     p.add_argument("--client-processes", type=int, default=6)
-    p.add_argument("--server-flags", default="", help="extra `pollen serve` flags (defaults otherwise)")
+    p.add_argument("--server-flags", default="", help="extra `pollen serve` flags (defaults otherwise), after any NAME=VALUE for its environment")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-cold", action="store_true")
     p.add_argument("--profile", default="", help="a folder: py-spy records frontend 0 during --profile-level")
@@ -113,9 +123,10 @@ def main() -> None:
     result = {"meta": versions(), "command": " ".join(shlex.quote(a) for a in sys.argv), "levels": {}}
     if not args.skip_engine:
         result["engine"] = engine_ceiling(path, args.tokenizer, texts, args.device)
-    flags = ["--model", path, "--device", args.device, *shlex.split(args.server_flags)]
+    env, extra = server_flags(args.server_flags)
+    flags = ["--model", path, "--device", args.device, *extra]
     began = time.monotonic()
-    server = ServerProcess(*flags, "--log-level", "WARNING").start(timeout=600)
+    server = ServerProcess(*flags, "--log-level", "WARNING", env=env).start(timeout=600)
     result["serving_after_s"] = time.monotonic() - began
     try:
         info = server_info(server.listen)

@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from load.bench_concurrency import add_model_args, query_texts, server_info, versions  # noqa: E402
+from load.bench_concurrency import add_model_args, query_texts, server_flags, server_info, versions  # noqa: E402
 from load.gpu_models import make_checkpoint, with_tokenizer  # noqa: E402
 from load.results_file import write_results_to  # noqa: E402
 from tests.conftest import ServerProcess  # noqa: E402
@@ -116,16 +116,20 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--clients", default=",".join(CLIENTS))
     p.add_argument("--server-flags", action="append",
-                   help="extra `pollen serve` flags; given several times, a server for each, in turn")
+                   help="extra `pollen serve` flags, after any NAME=VALUE for its environment (`GRPC_EXPERIMENTS=`); "
+                        "given several times, a server for each, in turn")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
     path = with_tokenizer(make_checkpoint(args.shape, args.root), args.tokenizer)
     texts = query_texts()
-    result = {"meta": versions(), "command": " ".join(shlex.quote(a) for a in sys.argv), "rows": []}
+    # The clients' own gRPC settings (they run in this process): load/bench_grpc_latency.py measures them.
+    result = {"meta": versions(), "command": " ".join(shlex.quote(a) for a in sys.argv), "rows": [],
+              "client_grpc_experiments": os.environ.get("GRPC_EXPERIMENTS")}
     for frontends, flags in itertools.product(map(int, args.frontends.split(",")), args.server_flags or [""]):
+        env, extra = server_flags(flags)
         server = ServerProcess("--model", path, "--device", args.device, "--frontends", str(frontends),
-                               "--log-level", "WARNING", *shlex.split(flags)).start(timeout=600)
+                               "--log-level", "WARNING", *extra, env=env).start(timeout=600)
         try:
             started = server_info(server.listen)["frontends"]
             for client in args.clients.split(","):
@@ -143,7 +147,8 @@ def header(result: dict) -> str:
     return (f"# One client, one query at a time, {m['date']}\n\n{m.get('gpu', 'CPU')}, {m['cores']} cores, "
             f"torch {m['torch']}, grpcio {m['grpcio']}, Python {m['python']}. Command: `{result['command']}`. "
             "`server` is the answer's queue_us + inference_us (the worker's share); `rest` is the wall time "
-            "less that, per call.\n\n")
+            "less that, per call. The clients' GRPC_EXPERIMENTS: "
+            f"{result.get('client_grpc_experiments') or 'unset (gRPC defaults)'}.\n\n")
 
 
 def table(rows: list[dict]) -> str:

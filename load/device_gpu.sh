@@ -17,6 +17,7 @@
 #   two:          python load/bench_two_gpus.py --tokenizer .whl/qwen3-tokenizer.json ARGS (2+ GPUs)
 #   pieces:       python load/bench_submit_pieces.py ARGS (a lone query's submit, step by step)
 #   hops:         python load/bench_query_hops.py --shape qwen3-0.6b --device cuda --tokenizer ... ARGS
+#   grpclat:      python load/bench_grpc_latency.py --tokenizer .whl/qwen3-tokenizer.json ARGS (bare gRPC, one call at a time)
 set -o pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null || exit 1
@@ -39,5 +40,6 @@ case $what in
   one) python3 load/bench_one_client.py --tokenizer .whl/qwen3-tokenizer.json "$@" ;;
   two) python3 load/bench_two_gpus.py --tokenizer .whl/qwen3-tokenizer.json "$@" ;;
   pieces) python3 load/bench_submit_pieces.py "$@" ;;
+  grpclat) python3 load/bench_grpc_latency.py --tokenizer .whl/qwen3-tokenizer.json "$@" ;;
   hops) python3 load/bench_query_hops.py --shape qwen3-0.6b --device cuda --tokenizer .whl/qwen3-tokenizer.json "$@" ;;
 esac

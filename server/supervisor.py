@@ -35,6 +35,7 @@ from pollen.server import auth, metrics
 from pollen.server.address import Claim, claim
 from pollen.server.config import ServeConfig
 from pollen.server.frontend import FrontendConfig
+from pollen.server.grpc_core import GRPC_CORE_ENV
 from pollen.server.tokenizer import FRONTEND_ENV
 from pollen.shared_mem.ring import Ring
 from pollen.shared_mem.segment import unlink_segment
@@ -202,7 +203,7 @@ class Supervisor:
         argv = [sys.executable, "-m", "pollen.server.frontend", fcfg.to_json()]
         self.frontends[f] = child = Child(f"frontend {f}", argv, theirs, ours,
                                           lambda c, code: self.on_frontend_exit(f, c, code),
-                                          env={**FRONTEND_ENV, **os.environ})
+                                          env={**FRONTEND_ENV, **GRPC_CORE_ENV, **os.environ})
         self.loop.add_reader(child.control.fileno(), self.on_frontend_message, f, child)
         if self.started:  # a frontend restarted after the start
             child.send({"kind": "started"})

@@ -65,3 +65,12 @@ def test_the_machine_figures_are_cores_over_the_window():
     total = sum(busy["machine"].values())
     # busy + idle + steal over the window add up to the machine's cores (/proc/stat counts every CPU)
     assert 0.5 * os.cpu_count() <= total <= 1.5 * os.cpu_count()
+
+
+def test_server_flags_take_leading_environment_words():
+    from load.bench_concurrency import server_flags
+
+    assert server_flags("") == ({}, [])
+    assert server_flags("GRPC_EXPERIMENTS= --frontends 2") == ({"GRPC_EXPERIMENTS": ""}, ["--frontends", "2"])
+    assert server_flags("A=1 B='x y' --flag a=b") == ({"A": "1", "B": "x y"}, ["--flag", "a=b"])
+    assert server_flags("--frontend-spin-us 0") == ({}, ["--frontend-spin-us", "0"])
