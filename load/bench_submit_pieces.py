@@ -9,9 +9,7 @@ a timestamp between each, so each step's host cost is known: packing, the bucket
 event, the fill of the pinned slot, the stream switch, the upload, the graph's launch, the copy of
 the rows out, the done event; then the wait until the event fires, against the graph's GPU time
 (CUDA events around the replay). Between queries the thread spins for --gap-us, as the worker
-does between requests. Queries alternate between the engine's own calls (the interactive lane's
-launch, event records and copies through the CUDA runtime, worker/cudart.py) and torch's
-(CUDAGraph.replay, Event.record), one column each. Needs a CUDA GPU.
+does between requests. Needs a CUDA GPU.
 """
 from __future__ import annotations
 
@@ -38,70 +36,54 @@ STEPS = ["pack", "bucket", "slot event", "fill", "set stream", "upload", "launch
 ON_THE_PATH = len(STEPS) - 2
 
 
-def figures(values: np.ndarray) -> dict:
-    return {"p50_us": float(np.percentile(values, 50)), "mean_us": float(values.mean())}
-
-
 def spin(us: float) -> None:
     end = time.perf_counter_ns() + int(us * 1000)
     while time.perf_counter_ns() < end:
         pass
 
 
-def one(engine: CudaEngine, seq: np.ndarray, out: np.ndarray, timing: tuple, gpu: list[float],
-        direct: bool) -> list[float]:
-    """One query through the engine's steps: each step's µs, in STEPS' order. direct: the engine's
-    runtime calls for the graph's launch and the event records (worker/cudart.py), else torch's."""
+def one(engine: CudaEngine, seq: np.ndarray, out: np.ndarray, gpu: list[float]) -> list[int]:
+    """One query through the engine's steps; the ns after each step."""
     now = time.perf_counter_ns
-    lane, runtime = engine.lanes[INTERACTIVE], engine.runtime
-    record = (lambda event: engine.record(lane, event)) if direct else (lambda event: event.record(lane.stream))
-    times = []
-
-    def step(began: int) -> int:
-        times.append((now() - began) / 1000)
-        return now()
-
-    t = now()
+    lane = engine.lanes[INTERACTIVE]
+    marks = [now()]
     batch = pack([seq])
-    t = step(t)
+    marks.append(now())
     shape = engine.bucket(batch)
     graph = lane.graphs[shape]
-    t = step(t)
+    marks.append(now())
     slot = lane.next_slot()
     lane.staged[slot].synchronize()
-    t = step(t)
+    marks.append(now())
     used = engine.fill(lane.host_np[slot], batch, shape, np.ones(1, np.int32))
-    t = step(t)
+    marks.append(now())
     torch.cuda.set_stream(lane.stream)
-    t = step(t)
-    runtime.memcpy_async(lane.static_in.data_ptr(), lane.host_in[slot].data_ptr(), used * 4, cudart.HOST_TO_DEVICE,
-                         lane.stream_handle)  # the upload, as CudaEngine.upload makes it
-    record(lane.staged[slot])
-    step(t)
-    start, end = timing
-    start.record(lane.stream)  # the graph's GPU time, off the steps' clocks
-    t = now()
-    engine.launch(lane, graph[0]) if direct else graph[0].replay()
-    step(t)
+    marks.append(now())
+    engine.upload(lane, slot, used)
+    marks.append(now())
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(lane.stream)
+    graph[0].replay()
     end.record(lane.stream)
-    t = now()
+    marks.append(now())
     rows = graph[1]
-    runtime.memcpy_async(out.ctypes.data, rows.data_ptr(), out.nbytes, cudart.DEVICE_TO_HOST, lane.stream_handle)
-    t = step(t)
+    engine.runtime.memcpy_async(out.ctypes.data, rows.data_ptr(), out.nbytes, cudart.DEVICE_TO_HOST,
+                                lane.stream.cuda_stream)
+    marks.append(now())
     done = lane.done[slot]
-    record(done)
-    t = step(t)
+    done.record(lane.stream)
+    marks.append(now())
     while not done.query():
         pass
-    t = step(t)
+    marks.append(now())
     # For comparison, off the query's path: the general packing and fill a one-text batch took
     # before the one-text shortcuts (worker/packed.py _pack_one, CudaEngine.fill_one_text).
     general = pack([seq], [[(0, len(seq))]])
-    t = step(t)
+    marks.append(now())
     engine.fill_general(lane.host_np[1 - slot], general, shape, np.ones(1, np.int32))
-    step(t)
+    marks.append(now())
     gpu.append(start.elapsed_time(end) * 1000)
-    return times
+    return marks
 
 
 def main():
@@ -119,38 +101,30 @@ def main():
     engine.warm_up(budget_s=60.0)
     qs = queries(args.queries + 50, vocab)
     out = torch.empty(1, model.spec.hidden_size, dtype=torch.float32, pin_memory=True).numpy()
-    timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-    gpu = {True: [], False: []}
-    steps = {True: [], False: []}  # by direct
+    gpu: list[float] = []
+    steps = []
     with torch.inference_mode():
         for s in qs:  # captures any bucket warm_up left out
             engine.submit(pack([s])).result()
         for i, s in enumerate(qs):
             spin(args.gap_us)
-            direct = i % 2 == 0
-            times = one(engine, s, out, timing, gpu[direct], direct)
+            marks = one(engine, s, out, gpu)
             if i >= 50:
-                steps[direct].append(times)
+                steps.append(np.diff(marks) / 1000)
+    steps = np.array(steps)
+    gpu_us = np.array(gpu[50:])
     meta = versions()
     meta["date"] = datetime.date.today().isoformat()
-    table = {}
-    for direct in (True, False):
-        mine = np.array(steps[direct])
-        gpu_us = np.array(gpu[direct][25:])
-        column = {name: figures(mine[:, i]) for i, name in enumerate(STEPS)}
-        column["graph on the GPU (events)"] = figures(gpu_us)
-        column["submit to rows, host clock"] = figures(mine[:, :ON_THE_PATH].sum(axis=1))
-        table["runtime" if direct else "torch"] = column
-    lines = ["| step | p50 µs (runtime calls) | p50 µs (torch's) | mean µs (runtime) | mean µs (torch) |",
-             "| --- | ---: | ---: | ---: | ---: |"]
-    for name in table["runtime"]:
-        r, t = table["runtime"][name], table["torch"][name]
-        lines.append(f"| {name} | {r['p50_us']:.1f} | {t['p50_us']:.1f} | {r['mean_us']:.1f} | {t['mean_us']:.1f} |")
+    table = {name: {"p50_us": float(np.percentile(steps[:, i], 50)), "mean_us": float(steps[:, i].mean())}
+             for i, name in enumerate(STEPS)}
+    table["graph on the GPU (events)"] = {"p50_us": float(np.percentile(gpu_us, 50)), "mean_us": float(gpu_us.mean())}
+    total = steps[:, :ON_THE_PATH].sum(axis=1)
+    table["submit to rows, host clock"] = {"p50_us": float(np.percentile(total, 50)), "mean_us": float(total.mean())}
+    lines = ["| step | p50 µs | mean µs |", "| --- | ---: | ---: |"]
+    lines += [f"| {name} | {v['p50_us']:.1f} | {v['mean_us']:.1f} |" for name, v in table.items()]
     header = (f"# A lone query through CudaEngine.submit, step by step, {meta['date']}\n\n"
               f"{meta.get('gpu', '')} torch {torch.__version__}. {args.shape}, random weights, bf16, graphs; "
-              f"{sum(map(len, steps.values()))} queries of 8..32 tokens, {args.gap_us:.0f} µs of spinning between "
-              "them, alternating between the engine's runtime calls for the graph's launch and the event records "
-              "(worker/cudart.py) and torch's (CUDAGraph.replay, Event.record). Command: "
+              f"{len(steps)} queries of 8..32 tokens, {args.gap_us:.0f} µs of spinning between them. Command: "
               f"`python load/bench_submit_pieces.py --shape {args.shape} --gap-us {args.gap_us:.0f} --out {args.out}`.\n\n")
     write_results_to(args.out, {"meta": meta, "steps": table}, header, "\n".join(lines))
     print(header + "\n".join(lines))

@@ -89,29 +89,21 @@ def test_d2h_lands_in_the_registered_ring_and_equals_the_cpu(tmp_path, ring, dty
 
 
 def test_direct_copies_equal_torch_copies_and_never_overrun(tmp_path):
-    """The interactive lane's copies, graph launches and event records go straight to the CUDA
-    runtime torch loaded (worker/cudart.py): rows split over several buffers, as the worker splits
-    a batch over its frontends' rings, equal what torch's copy_ and replay write to the bit, every
-    time (each result read once its done event, recorded through the runtime, has fired: a record
-    that did not order the copy would leave NaN rows), and buffers that do not fit the rows are
-    refused, not overrun."""
+    """The interactive lane's copies go straight to the CUDA runtime torch loaded (worker/cudart.py):
+    rows split over several buffers, as the worker splits a batch over its frontends' rings, equal
+    what copy_ writes to the bit, and buffers that do not fit the rows are refused, not overrun."""
     from pollen.worker.cuda_engine import CudaEngine
     from tests.test_model_bert import make_tiny
 
     make_tiny(tmp_path / "m", pooling="mean")
     engine = CudaEngine(load_model(str(tmp_path / "m"), "cuda", torch.bfloat16), "cuda", max_batch_tokens=512)
     assert engine.runtime is not None and "libcudart" in engine.runtime.path
-    assert engine.direct_graphs  # the torch on the device hands out the graph's executable
     engine.warm_up()
     rng = np.random.default_rng(3)
     batch = pack([rng.integers(5, 1000, n, dtype=np.int32) for n in (4, 17, 2, 30, 9, 11, 6)])
     flags = np.array([1, 1, 0, 1, 0, 1, 1], np.int32)
-    engine.submit(batch, normalize=flags).result()  # captures the batch's graph if warm_up left it out
-    assert engine.bucket(batch) in engine.lanes[0].graphs  # so each submit below replays it
-    for _ in range(20):  # both slots' events, each recorded through the runtime after its first time
-        direct = [np.full((3, HIDDEN), np.nan, np.float32), np.full((4, HIDDEN), np.nan, np.float32)]
-        engine.submit(batch, out=direct, normalize=flags).result()
-        assert not np.isnan(np.concatenate(direct)).any()
+    direct = [np.full((3, HIDDEN), np.nan, np.float32), np.full((4, HIDDEN), np.nan, np.float32)]
+    engine.submit(batch, out=direct, normalize=flags).result()
     runtime, engine.runtime = engine.runtime, None
     via_torch = [np.full((3, HIDDEN), np.nan, np.float32), np.full((4, HIDDEN), np.nan, np.float32)]
     engine.submit(batch, out=via_torch, normalize=flags).result()

@@ -95,7 +95,6 @@ class Lane:
             self.copy_stream = torch.cuda.Stream(device, priority=priority)
         else:
             self.stream, self.copy_stream = partition.stream(), partition.stream()
-        self.stream_handle = self.stream.cuda_stream  # the cudaStream_t, for the runtime's own calls
         self.host_in = [torch.empty(cap, dtype=torch.int32, pin_memory=True) for _ in range(self.SLOTS)]
         self.host_np = [slot.numpy() for slot in self.host_in]  # the same memory; .numpy() costs 2 µs a call
         self.staging = [torch.empty(cap, dtype=torch.int32, device=device) for _ in range(self.SLOTS)]
@@ -157,10 +156,8 @@ class CudaEngine:
                       file=sys.stderr, flush=True)
                 self.bulk_sms = 0
         self.lanes = (Lane(self.device, cap, high), Lane(self.device, cap, low, partition))
-        # The interactive lane's small copies, graph launches and event records skip torch's
-        # (worker/cudart.py); None: torch's throughout.
+        # The interactive lane's small copies skip torch's copy_ (worker/cudart.py); None: copy_ throughout.
         self.runtime = cudart.find()
-        self.direct_graphs = hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec")  # torch 2.7 on
         self.registered: list[int] = []  # host addresses we page-locked (register_host_memory)
         self.defer_capture = defer_capture
         self.capture_seconds = 0.0
@@ -344,7 +341,7 @@ class CudaEngine:
                 # stream's context may be gone by then.
                 torch.cuda.set_stream(self.lanes[INTERACTIVE].stream)
         done = lane.done[slot]  # reusable: this slot's previous result was read before we got here
-        self.record(lane, done)
+        done.record(lane.stream)
         return LazyTensor(result, done)
 
     @staticmethod
@@ -376,7 +373,7 @@ class CudaEngine:
             inputs, _ = self.views(lane.static_in, batch.tokens, len(batch.cu_seqlens) - 1, batch.rows)
             rows = self.forward(inputs, batch.max_seqlen)
         else:
-            self.launch(lane, graph[0])
+            graph[0].replay()
             rows = graph[1]
         if out is None:  # tests, tools and the bulk lane: a pinned buffer of the caching host allocator
             result = torch.empty(batch.rows, self.hidden, dtype=torch.float32, pin_memory=True)
@@ -386,7 +383,7 @@ class CudaEngine:
         if self.direct(lane) and rows.dtype == torch.float32 and rows.is_contiguous():
             # The response rings, registered: each part's DMA lands in its answer record itself.
             check_row_buffers(parts, rows.shape)
-            at, row_bytes, stream = rows.data_ptr(), rows.stride(0) * 4, lane.stream_handle
+            at, row_bytes, stream = rows.data_ptr(), rows.stride(0) * 4, lane.stream.cuda_stream
             for part in parts:
                 self.runtime.memcpy_async(part.ctypes.data, at, part.nbytes, cudart.DEVICE_TO_HOST, stream)
                 at += len(part) * row_bytes
@@ -398,25 +395,9 @@ class CudaEngine:
         return out
 
     def direct(self, lane: Lane) -> bool:
-        """Whether this lane's small copies, launches and records go straight to the runtime: the
-        interactive lane's, where a query waits on them. A green context's streams keep torch's."""
+        """Whether this lane's small copies go straight to the runtime: the interactive lane's,
+        where a query waits on them. A green context's streams keep torch's copy_."""
         return self.runtime is not None and lane.partition is None
-
-    def launch(self, lane: Lane, graph: torch.cuda.CUDAGraph) -> None:
-        """Replay a captured graph on the lane's stream (the current one). The models draw no random
-        numbers, so the runtime's launch skips nothing they need (worker/cudart.py)."""
-        if self.direct_graphs and self.direct(lane):
-            self.runtime.graph_launch(graph.raw_cuda_graph_exec(), lane.stream_handle)
-        else:
-            graph.replay()
-
-    def record(self, lane: Lane, event: torch.cuda.Event) -> None:
-        """Record `event` on the lane's stream; through the runtime once torch has created it."""
-        handle = event.cuda_event
-        if handle and self.direct(lane):
-            self.runtime.event_record(handle, lane.stream_handle)
-        else:
-            event.record(lane.stream)
 
     def upload(self, lane: Lane, slot: int, used: int) -> None:
         """The pinned slot's inputs into the lane's static inputs, on the lane's stream."""
@@ -432,10 +413,10 @@ class CudaEngine:
             # A query's few hundred bytes: one copy on the compute stream costs less than a stream hop.
             if self.direct(lane):
                 self.runtime.memcpy_async(lane.static_in.data_ptr(), lane.host_in[slot].data_ptr(), used * 4,
-                                          cudart.HOST_TO_DEVICE, lane.stream_handle)
+                                          cudart.HOST_TO_DEVICE, lane.stream.cuda_stream)
             else:
                 lane.static_in[:used].copy_(lane.host_in[slot][:used], non_blocking=True)
-            self.record(lane, lane.staged[slot])
+            lane.staged[slot].record(lane.stream)
 
     def most_wanted(self, min_hits: int):
         """The interactive lane's bucket that the most batches ran eagerly in, if at least

@@ -1,5 +1,4 @@
-"""cudaMemcpyAsync, cudaGraphLaunch and cudaEventRecord straight from the CUDA runtime torch loaded,
-for the engine's per-batch calls on a lone query's path.
+"""cudaMemcpyAsync straight from the CUDA runtime torch loaded, for the engine's small per-batch copies.
 
 A lone query's batch makes two copies on its critical path: its inputs up (a few hundred bytes)
 and its rows down into the response ring. On the H200 host (torch 2.11; `python
@@ -15,13 +14,6 @@ eager forward's rows (freed to torch's allocator for the same stream, so any reu
 behind the copy), and response-ring records (registered with cudaHostRegister, so the copy is a
 true DMA). The caller orders the copy on its stream and records the events it waits on, as with
 `copy_`.
-
-A graph goes up with cudaGraphLaunch on the graph's executable (`CUDAGraph.raw_cuda_graph_exec`):
-torch's `replay()` also runs the prologue of each random-number generator the capture registered
-(the default one always), which fills the generator's seed and offset on the device, two small
-kernels ahead of every replay, and asks the driver its version. The engine's models draw no random
-numbers, so the prologue has nothing to do for them. Events are recorded with cudaEventRecord on
-torch's own event handle, once torch has created it (its first record goes through torch).
 
 `find()` opens the libcudart that this process has already mapped (torch's own), so the stream
 handles are that runtime's; None where there is none to find (a torch that links the runtime
@@ -42,25 +34,6 @@ class CudaRuntime:
         self._memcpy = lib.cudaMemcpyAsync
         self._memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         self._memcpy.restype = ctypes.c_int
-
-        self._graph_launch = lib.cudaGraphLaunch
-        self._graph_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        self._graph_launch.restype = ctypes.c_int
-        self._event_record = lib.cudaEventRecord
-        self._event_record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        self._event_record.restype = ctypes.c_int
-
-    def graph_launch(self, graph_exec: int, stream: int) -> None:
-        """Queue a graph's executable (a cudaGraphExec_t as int) on stream."""
-        err = self._graph_launch(graph_exec, stream)
-        if err:
-            raise RuntimeError(f"cudaGraphLaunch failed with cudaError {err}")
-
-    def event_record(self, event: int, stream: int) -> None:
-        """Record an event (a cudaEvent_t as int, already created) on stream."""
-        err = self._event_record(event, stream)
-        if err:
-            raise RuntimeError(f"cudaEventRecord failed with cudaError {err}")
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
         """Queue a copy of nbytes from address src to dst on stream (a cudaStream_t as int)."""
