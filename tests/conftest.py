@@ -87,9 +87,12 @@ class ServerProcess:
         """The workers among the children, by their process titles (pollen-worker[i] ...)."""
         pids = []
         for pid in self.child_pids():
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if f.read().startswith(b"pollen-worker["):
-                    pids.append(pid)
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if f.read().startswith(b"pollen-worker["):
+                        pids.append(pid)
+            except (FileNotFoundError, ProcessLookupError):  # a child that died since child_pids (tests kill them)
+                continue
         return pids
 
     def healthy(self) -> bool:

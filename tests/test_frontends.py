@@ -25,8 +25,11 @@ def frontend_pids(server: ServerProcess) -> dict[int, int]:
     """{frontend index: pid} from the children's process titles."""
     pids = {}
     for pid in server.child_pids():
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            title = f.read().split(b"\0")[0].decode()
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read().split(b"\0")[0].decode()
+        except (FileNotFoundError, ProcessLookupError):  # a child that died since child_pids (tests kill them)
+            continue
         if title.startswith("pollen-frontend["):
             pids[int(title[len("pollen-frontend["):title.index("]")])] = pid
     return pids
