@@ -37,8 +37,9 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-IOMGR = "-event_engine_client,-event_engine_listener,-event_engine_for_all_other_endpoints,-event_engine_callback_cq"
-_IOMGR = {"GRPC_EXPERIMENTS": IOMGR}
+from pollen.server.grpc_core import IOMGR_EXPERIMENTS  # noqa: E402  (the frontends' own setting)
+
+_IOMGR = {"GRPC_EXPERIMENTS": IOMGR_EXPERIMENTS}
 _POLL = {"GRPC_POLL_STRATEGY": "poll"}
 # name -> (the server's environment, the client's)
 VARIANTS = {
