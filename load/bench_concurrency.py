@@ -110,7 +110,8 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=6.0)
     p.add_argument("--warm", type=float, default=1.0)
     p.add_argument("--client-processes", type=int, default=6)
-    p.add_argument("--server-flags", default="", help="extra `pollen serve` flags (defaults otherwise), after any NAME=VALUE for its environment")
+    p.add_argument("--server-flags", default="",
+                   help="extra `pollen serve` flags (defaults otherwise), after any NAME=VALUE for its environment")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-cold", action="store_true")
     p.add_argument("--profile", default="", help="a folder: py-spy records frontend 0 during --profile-level")
