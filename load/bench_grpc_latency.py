@@ -6,9 +6,10 @@ core settings: what each of gRPC's two Python ends costs a lone query, and which
                                       [--transports tcp,unix] [--out load/results/STEM]
 
 The servers are load/bench_frontend_floor.py's stand-ins (`grpc`: grpc.aio as pollen's frontend
-serves, with its options; `grpc-sync`: grpcio's threaded server), answering a fixed vector of 1,024
-floats at once. The client (grpc's blocking stub, or grpc.aio's on uvloop) sends the queries of
-load/bench_concurrency.py one after the other, each after the last answer. Server and client are
+serves, with its options; `grpc-sync`: grpcio's threaded server), answering a fixed vector of the
+model's width at once. The client, load/bench_one_client.py's (grpc's blocking stub, or grpc.aio's
+on uvloop), sends the queries of load/bench_concurrency.py one after the other, each after the last
+answer, after its warm-up. Server and client are
 separate processes started with the variant's environment (gRPC reads it at import):
 
   default   gRPC as installed
@@ -32,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -50,43 +50,15 @@ VARIANTS = {
     "poll": (_POLL, _POLL),
     "iomgr-poll": (_IOMGR | _POLL, _IOMGR | _POLL),
 }
-WARM_CALLS = 300
 
 
 def client(kind: str, target: str, calls: int) -> None:
-    """Run one client; print its latencies (seconds) as JSON."""
+    """Run one of load/bench_one_client.py's clients (its warm-up, then `calls` timed calls); print
+    its figures as JSON."""
     from load.bench_concurrency import query_texts
-    from pollen.v1 import embedder_pb2 as pb
-    from pollen.v1 import embedder_pb2_grpc as pb_grpc
+    from load.bench_one_client import RUN
 
-    texts = query_texts()
-    requests = [pb.EmbedRequest(texts=[texts[n % len(texts)]], normalize=True) for n in range(WARM_CALLS + calls)]
-    wall = []
-    if kind == "sync":
-        import grpc
-
-        with grpc.insecure_channel(target) as channel:
-            stub = pb_grpc.EmbedderStub(channel)
-            for n, request in enumerate(requests):
-                began = time.perf_counter()
-                stub.Embed(request, timeout=60)
-                if n >= WARM_CALLS:
-                    wall.append(time.perf_counter() - began)
-    else:
-        import grpc
-        import uvloop
-
-        async def run():
-            async with grpc.aio.insecure_channel(target) as channel:
-                stub = pb_grpc.EmbedderStub(channel)
-                for n, request in enumerate(requests):
-                    began = time.perf_counter()
-                    await stub.Embed(request, timeout=60)
-                    if n >= WARM_CALLS:
-                        wall.append(time.perf_counter() - began)
-
-        uvloop.run(run())
-    print(json.dumps(wall))
+    print(json.dumps(RUN[kind](target, query_texts(), calls)))
 
 
 def one_cell(server: str, client_kind: str, transport: str, variant: str, model: str, calls: int) -> dict:
@@ -105,10 +77,9 @@ def one_cell(server: str, client_kind: str, transport: str, variant: str, model:
     finally:
         proc.kill()
         proc.wait()
-    wall = sorted(json.loads(out))
-    pick = lambda q: wall[min(len(wall) - 1, int(q * len(wall)))] * 1e3  # noqa: E731
+    figures = json.loads(out)
     return {"server": server, "client": client_kind, "transport": transport, "variant": variant,
-            "calls": len(wall), "p50_ms": pick(0.50), "p99_ms": pick(0.99)}
+            "calls": figures["calls"], "p50_ms": figures["p50_ms"], "p99_ms": figures["p99_ms"]}
 
 
 def main() -> None:
