@@ -205,7 +205,7 @@ class CudaEngine:
         n = batch.tokens
         # A lone query, the common latency-bound case: its bucket depends on its length alone (one
         # sequence, one row). Not one_text(), whose pooled-span check costs a numpy read here.
-        if n <= ONE_TEXT_SHARED_MAX and batch.rows == 1 and len(batch.cu_seqlens) == 2:
+        if self.lone_sequence(batch):
             shape = self.one_text_buckets.get(n)
             if shape is None:
                 shape = self.one_text_buckets[n] = self.bucket_of(n, 1, 1, n)
@@ -248,10 +248,14 @@ class CudaEngine:
         return used
 
     @staticmethod
-    def one_text(batch: PackedBatch) -> bool:
-        """A batch of one text pooled into one row over all its tokens, of a query's length."""
-        return (batch.tokens <= ONE_TEXT_SHARED_MAX and batch.rows == 1 and len(batch.cu_seqlens) == 2
-                and int(batch.pool_count[0]) == batch.tokens)
+    def lone_sequence(batch: PackedBatch) -> bool:
+        """A batch of one sequence of a query's length, pooled into one row."""
+        return batch.tokens <= ONE_TEXT_SHARED_MAX and batch.rows == 1 and len(batch.cu_seqlens) == 2
+
+    @classmethod
+    def one_text(cls, batch: PackedBatch) -> bool:
+        """A lone sequence pooled over all its tokens (not a chunk of it)."""
+        return cls.lone_sequence(batch) and int(batch.pool_count[0]) == batch.tokens
 
     def fill_one_text(self, arr: np.ndarray, batch: PackedBatch, shape, normalize: np.ndarray | None) -> int:
         """fill() for one text: everything in its padded layout but the ids and the normalize flag
