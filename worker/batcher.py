@@ -235,11 +235,7 @@ class Batcher:
         tokens = job.tokens(0, job.n_seqs)
         if job.next_seq or tokens > budget or job.n_rows > rows_left:
             return None
-        spans.append((job, 0, job.n_seqs))
-        self.queued_tokens -= tokens
-        job.next_seq = job.n_seqs
-        self.with_deadline -= job.rec.deadline_ns != 0
-        lane.clear()
+        self._commit(lane, [job], {job: job.n_seqs}, spans)
         return budget - tokens, rows_left - job.n_rows
 
     def _commit(self, lane: deque, jobs: list[Job], stops: dict[Job, int], spans: list) -> None:
@@ -252,7 +248,10 @@ class Batcher:
                 self.queued_tokens -= job.tokens(job.next_seq, stop)
                 job.next_seq = stop
             finished += job.next_seq >= job.n_seqs
-        if finished:
+        if finished == len(lane):  # the lane is empty now (a lone query's case): no sorting out
+            self.with_deadline -= sum(job.rec.deadline_ns != 0 for job in lane)
+            lane.clear()
+        elif finished:
             keep = [job for job in lane if job.next_seq < job.n_seqs]
             self.with_deadline -= sum(job.rec.deadline_ns != 0 for job in lane if job.next_seq >= job.n_seqs)
             lane.clear()
