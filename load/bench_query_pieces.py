@@ -1,5 +1,6 @@
 """A query's per-call pieces in a tight loop: tokenization (HF tokenizers against the tiktoken
-path of server/ascii_bpe.py) and its request record (the struct shortcut against the general path).
+path of server/ascii_bpe.py), its request record (the struct shortcut against the general path),
+and the worker's batcher taking it alone (add, then next_batch: worker/batcher.py).
 
     python load/bench_query_pieces.py --tokenizer TOKENIZER.json [--calls 20000] [--out load/results/STEM]
 
@@ -41,6 +42,8 @@ def measure(tokenizer_json: str, calls: int, repeats: int) -> dict:
     from pollen.server.tokenizer import TextTokenizer
     from pollen.shared_mem import records
     from pollen.v1 import embedder_pb2 as pb
+    from pollen.worker.batcher import Batcher, Job
+    from pollen.worker.engine import INTERACTIVE
 
     model = tempfile.mkdtemp(prefix="pollen-pieces-")
     shutil.copy(tokenizer_json, os.path.join(model, "tokenizer.json"))
@@ -50,6 +53,13 @@ def measure(tokenizer_json: str, calls: int, repeats: int) -> dict:
     texts = query_texts()
     seqs32 = [fast.encode([t], pb.TRUNCATE_NONE)[0] for t in texts]
     seqs64 = [s.astype(np.int64) for s in seqs32]  # the general path of encode_request
+    recs = [records.decode_request(memoryview(records.encode_request(1, 0, [s], 0, True, 0))) for s in seqs32]
+    batcher = Batcher(16384)
+
+    def lone_query(rec) -> None:
+        batcher.add(Job.of(rec))
+        batcher.next_batch(INTERACTIVE)
+
     return {
         "hf tokenizer (TextTokenizer, --tiktoken off)":
             best_us(lambda t: slow.encode([t], pb.TRUNCATE_NONE), texts, calls, repeats),
@@ -59,6 +69,7 @@ def measure(tokenizer_json: str, calls: int, repeats: int) -> dict:
             best_us(lambda s: records.encode_request(1, 0, [s], 0, True, 0), seqs64, calls, repeats),
         "request record, one int32 sequence (struct)":
             best_us(lambda s: records.encode_request(1, 0, [s], 0, True, 0), seqs32, calls, repeats),
+        "worker: the batcher takes a lone query (Job.of, add, next_batch)": best_us(lone_query, recs, calls, repeats),
     }
 
 

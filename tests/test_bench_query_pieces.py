@@ -19,7 +19,7 @@ def test_it_measures_each_piece_of_a_byte_level_tokenizer(tmp_path):
     path = tmp_path / "tokenizer.json"
     train(QWEN3).save(str(path))
     figures = bench.measure(str(path), calls=50, repeats=1)
-    assert len(figures) == 4 and all(us > 0 for us in figures.values())
+    assert len(figures) == 5 and all(us > 0 for us in figures.values())
 
 
 def test_a_tokenizer_tiktoken_cannot_reproduce_is_refused():
