@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from load.bench_concurrency import add_model_args, query_texts, versions  # noqa: E402
+from load.bench_one_client import figures  # noqa: E402
 from load.gpu_models import make_checkpoint, with_tokenizer  # noqa: E402
 from load.results_file import write_results_to  # noqa: E402
 from tests.conftest import ServerProcess  # noqa: E402
@@ -62,9 +63,14 @@ def affinity(pid: int) -> list[int]:
     return sorted(allowed)
 
 
+def pinned_core(index: int, cores: list[int]) -> int:
+    """The one core frontend `index` runs on when pinned."""
+    return cores[index % len(cores)]
+
+
 def place(frontends: dict[int, int], cores: list[int], placement: str) -> None:
     for index, pid in sorted(frontends.items()):
-        allowed = set(cores) if placement == "shared" else {cores[index % len(cores)]}
+        allowed = set(cores) if placement == "shared" else {pinned_core(index, cores)}
         for tid in threads(pid):
             try:
                 os.sched_setaffinity(tid, allowed)
@@ -73,17 +79,15 @@ def place(frontends: dict[int, int], cores: list[int], placement: str) -> None:
 
 
 def block(stub, pb, texts: list[str], calls: int) -> dict:
-    wall, server = [], []
+    """`calls` queries one after the other; load/bench_one_client.py's figures of them."""
+    wall, timings = [], []
     for n in range(calls):
         request = pb.EmbedRequest(texts=[texts[n % len(texts)]], normalize=True)
         began = time.perf_counter()
         answer = stub.Embed(request, timeout=60)
         wall.append(time.perf_counter() - began)
-        server.append((answer.timing.queue_us + answer.timing.inference_us) / 1e3)
-    wall_ms = np.asarray(wall) * 1e3
-    return {"p50_ms": float(np.percentile(wall_ms, 50)), "p99_ms": float(np.percentile(wall_ms, 99)),
-            "server_p50_ms": float(np.percentile(server, 50)),
-            "rest_p50_ms": float(np.percentile(wall_ms - np.asarray(server), 50))}
+        timings.append((answer.timing.queue_us, answer.timing.inference_us))
+    return figures(wall, timings)
 
 
 def where(frontends: dict[int, int], before: dict, after: dict) -> dict:
@@ -121,7 +125,7 @@ def one_start(path: str, device: str, start: int, rounds: int, calls: int) -> li
                     row = {"start": start, "round": round_, "placement": placement} | block(stub, pb, texts, calls)
                     after = {i: threads(pid) for i, pid in frontends.items()}
                     row |= where(frontends, before, after)
-                    row["pinned_core"] = cores[row["serving"] % len(cores)] if placement == "pinned" else None
+                    row["pinned_core"] = pinned_core(row["serving"], cores) if placement == "pinned" else None
                     row["serving_affinity"] = affinity(frontends[row["serving"]])
                     row["client_core"] = threads(os.getpid())[os.getpid()][1]
                     row["worker_cores"] = sorted({c for w in workers for _, c in threads(w).values()})
