@@ -284,7 +284,7 @@ class WorkerChannel:
                     if 0 < sent.deadline_ns <= now:
                         self.drop(lane.popleft(), "deadline")
                         continue
-                    if not ring.try_write(records.EMBED, sent.record):
+                    if not ring.try_write(records.REQUEST, sent.record):
                         return  # the ring is full; bulk must not pass interactive work
                     sent.sent = True
                     sent.ring_end = ring.write_pos

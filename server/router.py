@@ -14,6 +14,7 @@ import time
 
 import grpc
 
+from pollen.common.request import LANES, RequestOptions, Task
 from pollen.server import metrics, request_parts
 from pollen.server.channel import WorkerChannel, dropped_error
 from pollen.server.config import ServeConfig
@@ -62,8 +63,8 @@ class Router:
         if deadline_ns and deadline_ns <= now:
             metrics.DROPPED.labels(reason="deadline").inc()
             raise dropped_error("deadline")
-        record = records.encode_request(next(self.ids), now, seqs, dims, normalize, encoding,
-                                        deadline_ns=deadline_ns, priority=priority, rows=rows)
+        options = RequestOptions(Task.EMBED, dims, normalize, encoding, LANES[priority], deadline_ns)
+        record = records.encode_request(next(self.ids), now, seqs, options, rows)
         if len(record) <= self.max_record:
             return await self.send(record, tokens, deadline_ns, priority)
         try:
@@ -71,8 +72,7 @@ class Router:
         except ValueError as exc:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{exc}; split it") from None
         results = await asyncio.gather(*(
-            self.send(records.encode_request(next(self.ids), now, part.seqs, dims, normalize, encoding,
-                                             deadline_ns=deadline_ns, priority=priority, rows=part.rows),
+            self.send(records.encode_request(next(self.ids), now, part.seqs, options, part.rows),
                       sum(len(s) for s in part.seqs), deadline_ns, priority) for part in parts))
         failed = next((r for r in results if r.status != records.OK), None)
         return failed or request_parts.join(results)

@@ -1,11 +1,11 @@
 """The records that travel through the rings: fixed little-endian headers, then flat arrays.
 
-Request ring (frontend -> worker), kind EMBED:
+Request ring (frontend -> worker), kind REQUEST:
 
-    +--------+----------+-------------+--------+--------+-------+------+-------+----------+----------+-----+
-    | req_id | admit_ns | deadline_ns | n_seqs | n_rows | n_out | dims | flags | encoding | priority | pad |
-    | u64    | u64      | u64         | u32    | u32    | u32   | u32  | u32   | u32      | u32      | u32 |
-    +--------+----------+-------------+--------+--------+-------+------+-------+----------+----------+-----+
+    +--------+----------+-------------+--------+--------+-------+------+-------+----------+------+------+
+    | req_id | admit_ns | deadline_ns | n_seqs | n_rows | n_out | dims | flags | encoding | lane | task |
+    | u64    | u64      | u64         | u32    | u32    | u32   | u32  | u32   | u32      | u32  | u32  |
+    +--------+----------+-------------+--------+--------+-------+------+-------+----------+------+------+
     | lengths: u32 * n_seqs                                                                              |
     | only when flags & FLAG_ROWS:  row_seq u32*n_rows | row_start u32*n_rows | row_stop u32*n_rows      |
     |                               row_out u32*n_rows | row_weight f32*n_rows                           |
@@ -15,7 +15,7 @@ Request ring (frontend -> worker), kind EMBED:
     admit_ns and deadline_ns are CLOCK_MONOTONIC (system-wide on Linux), so the worker can report
     queue time and drop a request whose deadline passed before it reached the model; deadline_ns
     0 means none. flags bit 0: normalize; bit 1 (FLAG_ROWS): the row arrays follow. dims 0: the
-    model's full size. priority: 0 interactive, 1 bulk (the protobuf Priority values).
+    model's full size. lane and task: common/request.py's Lane and Task.
 
     Rows are what the model pools; outputs are what the answer holds. Without FLAG_ROWS every
     sequence is one row over all its tokens and one output (n_rows = n_out = n_seqs). With it,
@@ -84,7 +84,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-EMBED, RESULT, READY, CANCEL, BATCH_RESULT = 1, 2, 3, 4, 5
+from pollen.common.request import LANES, RequestOptions, Task
+
+REQUEST, RESULT, READY, CANCEL, BATCH_RESULT = 1, 2, 3, 4, 5
 
 FLAG_NORMALIZE = 1
 FLAG_ROWS = 2
@@ -125,20 +127,19 @@ class RowPlan:
         return int(self.out.max()) + 1 if len(self.out) else 0
 
 
-def encode_request(req_id: int, admit_ns: int, seqs: list[np.ndarray], dims: int, normalize: bool,
-                   encoding: int, *, deadline_ns: int = 0, priority: int = 0,
+def encode_request(req_id: int, admit_ns: int, seqs: list[np.ndarray], options: RequestOptions,
                    rows: RowPlan | None = None) -> bytes:
     """One request record's payload, built once and kept by the frontend for a resend."""
+    flags = FLAG_NORMALIZE if options.normalize else 0
     if rows is None and len(seqs) == 1 and seqs[0].dtype == _INT32_LE:
-        # A query: one sequence, one output. Built with struct alone: numpy's calls cost several
-        # times their tight-loop time in a busy frontend, and this runs once per query.
+        # A query: one sequence, one output, packed with struct alone (numpy's per-call setup
+        # dominates at this size, and this runs once per query).
         (seq,) = seqs
-        head = _REQUEST.pack(req_id, admit_ns, deadline_ns, 1, 1, 1, dims, FLAG_NORMALIZE if normalize else 0,
-                             encoding, priority, 0)
+        head = _REQUEST.pack(req_id, admit_ns, options.deadline_ns, 1, 1, 1, options.dims, flags, options.encoding,
+                             options.lane, options.task)
         return b"".join((head, _LENGTH.pack(len(seq)), seq.tobytes()))
     lengths = np.fromiter((len(s) for s in seqs), dtype="<u4", count=len(seqs))
     ids = np.concatenate(seqs).astype("<i4", copy=False) if seqs else np.empty(0, "<i4")
-    flags = FLAG_NORMALIZE if normalize else 0
     parts = [lengths.tobytes()]
     n_rows = n_out = len(seqs)
     if rows is not None:
@@ -147,8 +148,8 @@ def encode_request(req_id: int, admit_ns: int, seqs: list[np.ndarray], dims: int
         parts += [np.asarray(a, dtype=t).tobytes() for a, t in
                   ((rows.seq, "<u4"), (rows.start, "<u4"), (rows.stop, "<u4"), (rows.out, "<u4"),
                    (rows.weight, "<f4"))]
-    head = _REQUEST.pack(req_id, admit_ns, deadline_ns, len(seqs), n_rows, n_out, dims, flags, encoding,
-                         priority, 0)
+    head = _REQUEST.pack(req_id, admit_ns, options.deadline_ns, len(seqs), n_rows, n_out, options.dims, flags,
+                         options.encoding, options.lane, options.task)
     return b"".join((head, *parts, ids.tobytes()))
 
 
@@ -161,20 +162,16 @@ def request_id(record: bytes) -> int:
 class RequestRecord:
     req_id: int
     admit_ns: int
-    dims: int
-    normalize: bool
-    encoding: int
+    options: RequestOptions
     lengths: np.ndarray  # u32 [n_seqs]
     ids: np.ndarray      # i32 [sum(lengths)], a private copy: the ring's bytes are released after parsing
-    deadline_ns: int = 0
-    priority: int = 0
     n_out: int = 0
     rows: RowPlan | None = None  # None: one row (and one output) per sequence
 
 
 def decode_request(view: memoryview) -> RequestRecord:
-    (req_id, admit_ns, deadline_ns, n, n_rows, n_out, dims, flags, encoding, priority,
-     _) = _REQUEST.unpack_from(view, 0)
+    (req_id, admit_ns, deadline_ns, n, n_rows, n_out, dims, flags, encoding, lane,
+     task) = _REQUEST.unpack_from(view, 0)
     offset = REQUEST_HEADER
     lengths = np.frombuffer(view, dtype="<u4", count=n, offset=offset).copy()
     offset += 4 * n
@@ -186,8 +183,8 @@ def decode_request(view: memoryview) -> RequestRecord:
             offset += 4 * n_rows
         rows = RowPlan(*arrays)
     ids = np.frombuffer(view, dtype="<i4", count=int(lengths.sum()), offset=offset).copy()
-    return RequestRecord(req_id, admit_ns, dims, bool(flags & FLAG_NORMALIZE), encoding, lengths, ids,
-                         deadline_ns, priority, n_out, rows)
+    options = RequestOptions(Task(task), dims, bool(flags & FLAG_NORMALIZE), encoding, LANES[lane], deadline_ns)
+    return RequestRecord(req_id, admit_ns, options, lengths, ids, n_out, rows)
 
 
 def encode_cancel(req_id: int) -> bytes:
@@ -260,10 +257,8 @@ class BatchReport:
 
 def decode_batch_result(view: memoryview) -> tuple[BatchReport, list[ResultRecord]]:
     """The batch's figures and one ResultRecord per entry, bodies copied out of the ring. The
-    entries are read with struct rather than as batch_entries' numpy view: a frontend decodes
-    one of these per batch, often of one entry, where numpy's setup cost 3.7 µs against 1.3 in a
-    loop (and numpy on a busy frontend's per-query path costs several times its loop time,
-    docs/gpu-notes.md)."""
+    entries are read with struct rather than as batch_entries' numpy view: a frontend decodes one
+    of these per batch, often of one entry, where numpy's per-call setup is the larger cost."""
     tokens, seqs, rows, n, _, _, batch_tokens, _ = _BATCH.unpack_from(view, 0)
     results = [ResultRecord(req_id, status, n_rows, dims, encoding, queue_us, inference_us,
                             bytes(view[at:at + length]))

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from pollen.common.encodings import row_bytes
+from pollen.common.request import LANES, RequestOptions, Task
 from pollen.shared_mem import records
 from pollen.shared_mem.ring import Ring
 from pollen.v1 import embedder_pb2 as pb
@@ -36,7 +37,8 @@ ENCODINGS = (pb.ENCODING_FLOAT32, pb.ENCODING_FLOAT16, pb.ENCODING_BFLOAT16, pb.
 def make_job(req_id: int, lengths: list[int], dims: int = 0, normalize: bool = False,
              encoding: int = pb.ENCODING_FLOAT32, rows: records.RowPlan | None = None, priority: int = 0) -> Job:
     seqs = [np.arange(n, dtype=np.int32) + 5 for n in lengths]
-    data = records.encode_request(req_id, 1_000, seqs, dims, normalize, encoding, rows=rows, priority=priority)
+    data = records.encode_request(req_id, 1_000, seqs, RequestOptions(Task.EMBED, dims, normalize, encoding, LANES[priority]),
+                                  rows)
     return Job.of(records.decode_request(memoryview(data)))
 
 
@@ -81,8 +83,8 @@ def reference(job: Job) -> bytes:
     vectors = pooled_rows(job)
     if rec.rows is not None:
         vectors = combine(vectors, rec.rows.out.astype(np.int64), rec.rows.weight.astype(np.float64), rec.n_out)
-    out = bytearray(rec.n_out * row_bytes(rec.dims or HIDDEN, rec.encoding))
-    finish(vectors, rec.dims, rec.normalize, rec.encoding, memoryview(out))
+    out = bytearray(rec.n_out * row_bytes(rec.options.dims or HIDDEN, rec.options.encoding))
+    finish(vectors, rec.options.dims, rec.options.normalize, rec.options.encoding, memoryview(out))
     return bytes(out)
 
 
@@ -127,7 +129,7 @@ def test_every_kind_of_request_equals_finish_on_its_rows():
     assert len(spread) >= 2 and {1, 2} <= direct  # both paths and requests spread over batches ran
     for job in jobs:
         rec, got = job.rec, answers[job.rec.req_id]
-        assert (got.rows, got.dims, got.encoding) == (rec.n_out, rec.dims or HIDDEN, rec.encoding)
+        assert (got.rows, got.dims, got.encoding) == (rec.n_out, rec.options.dims or HIDDEN, rec.options.encoding)
         want = reference(job)
         if rec.req_id in direct:  # normalized on the "device": equal to float32 rounding
             np.testing.assert_allclose(np.frombuffer(got.body, "<f4"), np.frombuffer(want, "<f4"),

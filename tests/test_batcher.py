@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from pollen.common.request import LANES, Lane, RequestOptions
 from pollen.shared_mem import records
 from pollen.worker.batcher import Batcher, Job
 
 
 def job(req_id: int, lengths: list[int]) -> Job:
     seqs = [np.full(n, req_id, dtype=np.int32) for n in lengths]
-    return Job.of(records.decode_request(memoryview(records.encode_request(req_id, 0, seqs, 0, False, 0))))
+    return Job.of(records.decode_request(memoryview(records.encode_request(req_id, 0, seqs, RequestOptions()))))
 
 
 def test_batches_keep_order_and_budget():
@@ -59,8 +60,10 @@ def test_a_request_larger_than_the_budget_is_split():
 
 def test_records_round_trip():
     seqs = [np.array([101, 5, 102], np.int32), np.array([101, 102], np.int32)]
-    rec = records.decode_request(memoryview(records.encode_request(7, 123, seqs, 32, True, 2)))
-    assert (rec.req_id, rec.admit_ns, rec.dims, rec.normalize, rec.encoding) == (7, 123, 32, True, 2)
+    rec = records.decode_request(memoryview(records.encode_request(7, 123, seqs, RequestOptions(dims=32, normalize=True,
+                                                                                            encoding=2))))
+    o = rec.options
+    assert (rec.req_id, rec.admit_ns, o.dims, o.normalize, o.encoding) == (7, 123, 32, True, 2)
     assert rec.lengths.tolist() == [3, 2] and rec.ids.tolist() == [101, 5, 102, 101, 102]
 
 
@@ -92,7 +95,7 @@ def test_pack_lays_sequences_end_to_end_and_pools_spans():
 
 def lane_job(req_id: int, lengths: list[int], priority: int = 0, deadline_ns: int = 0) -> Job:
     seqs = [np.full(n, req_id, dtype=np.int32) for n in lengths]
-    record = records.encode_request(req_id, 0, seqs, 0, False, 0, priority=priority, deadline_ns=deadline_ns)
+    record = records.encode_request(req_id, 0, seqs, RequestOptions(lane=LANES[priority], deadline_ns=deadline_ns))
     return Job.of(records.decode_request(memoryview(record)))
 
 
@@ -169,9 +172,9 @@ def test_records_carry_rows_priority_and_deadline():
                            np.array([3, 5, 4], np.uint32), np.array([0, 1, 1], np.uint32),
                            np.array([1, 1, 2.5], np.float32))
     seqs = [np.arange(6, dtype=np.int32), np.arange(4, dtype=np.int32)]
-    rec = records.decode_request(memoryview(records.encode_request(9, 1, seqs, 0, False, 3, deadline_ns=77,
-                                                                   priority=1, rows=rows)))
-    assert (rec.deadline_ns, rec.priority, rec.n_out, rec.encoding) == (77, 1, 2, 3)
+    rec = records.decode_request(memoryview(records.encode_request(
+        9, 1, seqs, RequestOptions(encoding=3, lane=Lane.BULK, deadline_ns=77), rows)))
+    assert (rec.options.deadline_ns, rec.options.lane, rec.n_out, rec.options.encoding) == (77, 1, 2, 3)
     for name in ("seq", "start", "stop", "out", "weight"):
         np.testing.assert_array_equal(getattr(rec.rows, name), getattr(rows, name))
     assert rec.ids.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]
@@ -208,7 +211,7 @@ def test_a_lone_request_takes_the_same_batches_with_and_without_the_shortcut(mon
         b = Batcher(budget, bulk_cap, rows)
         seqs = [np.full(n, 3, dtype=np.int32) for n in lengths]
         rec = records.decode_request(memoryview(records.encode_request(
-            7, 0, seqs, 0, False, 0, priority=lane or 0, deadline_ns=deadline)))
+            7, 0, seqs, RequestOptions(lane=LANES[lane or 0], deadline_ns=deadline))))
         b.add(Job.of(rec))
         out = []
         while b:

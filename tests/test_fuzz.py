@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from pollen.common.model_spec import default_model_path, read_model_spec
+from pollen.common.request import Lane, RequestOptions, Task
 from pollen.server.admission import Admission
 from pollen.server.errors import RequestError
 from pollen.server.http_door import Rejected, to_embed_request
@@ -46,16 +47,15 @@ def row_plans(draw, lengths: list[int]) -> records.RowPlan | None:
 
 @FUZZ
 @given(data=st.data(), req_id=U64, admit_ns=U64, deadline_ns=U64, dims=U32, normalize=st.booleans(),
-       encoding=U32, priority=U32,
+       encoding=U32, priority=st.sampled_from(Lane), task=st.sampled_from(Task),
        seqs=st.lists(st.lists(st.integers(-2**31, 2**31 - 1), max_size=40), max_size=10))
-def test_request_records_round_trip(data, req_id, admit_ns, deadline_ns, dims, normalize, encoding, priority, seqs):
+def test_request_records_round_trip(data, req_id, admit_ns, deadline_ns, dims, normalize, encoding, priority, task,
+                                    seqs):
     arrays = [np.array(s, np.int32) for s in seqs]
     rows = data.draw(row_plans([len(s) for s in seqs]))
-    blob = records.encode_request(req_id, admit_ns, arrays, dims, normalize, encoding, deadline_ns=deadline_ns,
-                                  priority=priority, rows=rows)
-    got = records.decode_request(memoryview(blob))
-    assert (got.req_id, got.admit_ns, got.deadline_ns, got.dims, got.normalize, got.encoding, got.priority) == \
-        (req_id, admit_ns, deadline_ns, dims, normalize, encoding, priority)
+    options = RequestOptions(task, dims, normalize, encoding, priority, deadline_ns)
+    got = records.decode_request(memoryview(records.encode_request(req_id, admit_ns, arrays, options, rows)))
+    assert (got.req_id, got.admit_ns, got.options) == (req_id, admit_ns, options)
     assert got.lengths.tolist() == [len(s) for s in seqs]
     assert got.ids.tolist() == [i for s in seqs for i in s]
     if rows is None:
@@ -67,13 +67,13 @@ def test_request_records_round_trip(data, req_id, admit_ns, deadline_ns, dims, n
 
 
 @FUZZ
-@given(req_id=U64, admit_ns=U64, deadline_ns=U64, dims=U32, normalize=st.booleans(), encoding=U32, priority=U32,
-       ids=st.lists(st.integers(-2**31, 2**31 - 1), max_size=40))
+@given(req_id=U64, admit_ns=U64, deadline_ns=U64, dims=U32, normalize=st.booleans(), encoding=U32,
+       priority=st.sampled_from(Lane), ids=st.lists(st.integers(-2**31, 2**31 - 1), max_size=40))
 def test_a_query_s_record_is_the_general_record(req_id, admit_ns, deadline_ns, dims, normalize, encoding, priority, ids):
     """One int32 sequence takes encode_request's struct-only shortcut; an int64 one the general path."""
     def encode(dtype):
-        return records.encode_request(req_id, admit_ns, [np.array(ids, dtype)], dims, normalize, encoding,
-                                      deadline_ns=deadline_ns, priority=priority)
+        options = RequestOptions(Task.EMBED, dims, normalize, encoding, priority, deadline_ns)
+        return records.encode_request(req_id, admit_ns, [np.array(ids, dtype)], options)
     assert encode(np.int32) == encode(np.int64)
 
 

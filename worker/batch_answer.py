@@ -53,8 +53,8 @@ Progresses = dict[Job, Progress]  # the worker's one table of them; a request le
 def answered_by_raw_rows(job: Job, whole: bool, hidden: int) -> bool:
     """The common case: all its rows in this batch, one row per output, float32 at full size
     (so native int8, which needs ENCODING_INT8, never is)."""
-    rec = job.rec
-    return whole and rec.rows is None and rec.encoding == pb.ENCODING_FLOAT32 and rec.dims in (0, hidden)
+    options = job.rec.options
+    return whole and job.rec.rows is None and options.encoding == pb.ENCODING_FLOAT32 and options.dims in (0, hidden)
 
 
 class BatchAnswer:
@@ -91,10 +91,10 @@ class BatchAnswer:
         n = int(job.row_offsets[b] - job.row_offsets[a])
         slice_at, slice_len = self.raw_at + 4 * hidden * row, 4 * hidden * n
         if answered_by_raw_rows(job, a == 0, hidden):
-            self.normalize[row:row + n] = job.rec.normalize
+            self.normalize[row:row + n] = job.rec.options.normalize
             return Entry(job, True, slice_at, slice_len), end
         rec = job.rec
-        length = rec.n_out * row_bytes(rec.dims or hidden, rec.encoding)
+        length = rec.n_out * row_bytes(rec.options.dims or hidden, rec.options.encoding)
         if a == 0 and length <= slice_len:
             return Entry(job, False, slice_at, length), end  # over its own raw rows
         return Entry(job, False, end, length), end + records.align8(length)  # an area of its own
@@ -128,7 +128,7 @@ class BatchAnswer:
                 if message is None:
                     message = self.write_message(record, f"model failed on this batch: {error}"
                                                  if error is not None else EARLIER_FAILURE)
-                table[index] = (rec.req_id, records.INTERNAL, 0, 0, rec.encoding, 0, 0, *message)
+                table[index] = (rec.req_id, records.INTERNAL, 0, 0, rec.options.encoding, 0, 0, *message)
                 index += 1
                 continue
             rows = raw[row:row + int(job.row_offsets[b] - job.row_offsets[a])]
@@ -142,7 +142,7 @@ class BatchAnswer:
                 # A private copy first: an answer written over its own raw rows overwrites them.
                 self.encode(job, np.array(rows) if whole else progress.pooled, record, entry)
             first_start_ns = start_ns if whole else progress.first_start_ns
-            table[index] = (rec.req_id, records.OK, rec.n_out, rec.dims or self.hidden, rec.encoding,
+            table[index] = (rec.req_id, records.OK, rec.n_out, rec.options.dims or self.hidden, rec.options.encoding,
                             max(0, start_ns - rec.admit_ns) // 1000, (end_ns - first_start_ns) // 1000,
                             entry.body_at, entry.body_len)
             index += 1
@@ -160,8 +160,9 @@ class BatchAnswer:
         rec = job.rec
         if rec.rows is not None:
             vectors = combine(vectors, rec.rows.out.astype(np.int64), rec.rows.weight.astype(np.float64), rec.n_out)
-        finish(vectors, rec.dims, rec.normalize, rec.encoding, record[entry.body_at:entry.body_at + entry.body_len],
-               self.native_int8)
+        options = rec.options
+        finish(vectors, options.dims, options.normalize, options.encoding,
+               record[entry.body_at:entry.body_at + entry.body_len], self.native_int8)
 
     def write_message(self, record: memoryview, text: str) -> tuple[int, int]:
         """Put a failure message into the error room; (offset, length) for the entries."""

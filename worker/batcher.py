@@ -114,9 +114,9 @@ class Batcher:
     with_deadline: int = 0  # queued jobs that carry a deadline: expire() scans only when some do
 
     def add(self, job: Job) -> None:
-        self.lanes[BULK if job.rec.priority == BULK else INTERACTIVE].append(job)
+        self.lanes[BULK if job.rec.options.lane == BULK else INTERACTIVE].append(job)
         self.queued_tokens += job.tokens(0, job.n_seqs)
-        self.with_deadline += job.rec.deadline_ns != 0
+        self.with_deadline += job.rec.options.deadline_ns != 0
 
     def __bool__(self) -> bool:
         return bool(self.lanes[0] or self.lanes[1])
@@ -124,7 +124,7 @@ class Batcher:
     def _remove(self, lane: deque, job: Job, batched: int = 0) -> None:
         lane.remove(job)
         self.queued_tokens -= job.tokens(batched, job.n_seqs)
-        self.with_deadline -= job.rec.deadline_ns != 0
+        self.with_deadline -= job.rec.options.deadline_ns != 0
 
     def cancel(self, req_id: int, source: int = 0) -> Job | None:
         """Take out a request that has not reached the model; None if it has (or is unknown)."""
@@ -149,7 +149,7 @@ class Batcher:
         if not self.with_deadline:
             return []
         gone = [(lane, job) for lane in self.lanes for job in lane
-                if job.rec.deadline_ns and job.next_seq == 0 and job.rec.deadline_ns <= now_ns]
+                if job.next_seq == 0 and job.rec.options.expired(now_ns)]
         for lane, job in gone:
             self._remove(lane, job)
         return [job for _, job in gone]
@@ -249,10 +249,10 @@ class Batcher:
                 job.next_seq = stop
             finished += job.next_seq >= job.n_seqs
         if finished == len(lane):  # the lane is empty now (a lone query's case): no sorting out
-            self.with_deadline -= sum(job.rec.deadline_ns != 0 for job in lane)
+            self.with_deadline -= sum(job.rec.options.deadline_ns != 0 for job in lane)
             lane.clear()
         elif finished:
             keep = [job for job in lane if job.next_seq < job.n_seqs]
-            self.with_deadline -= sum(job.rec.deadline_ns != 0 for job in lane if job.next_seq >= job.n_seqs)
+            self.with_deadline -= sum(job.rec.options.deadline_ns != 0 for job in lane if job.next_seq >= job.n_seqs)
             lane.clear()
             lane.extend(keep)

@@ -288,7 +288,7 @@ class Worker:
             ring = link.requests
             while (item := ring.read()) is not None:
                 kind, view = item
-                if kind == records.EMBED:
+                if kind == records.REQUEST:
                     self.batcher.add(Job.of(records.decode_request(view), link.frontend))
                 elif kind == records.CANCEL:
                     job = self.batcher.cancel(records.decode_cancel(view), link.frontend)
@@ -375,7 +375,7 @@ class Worker:
         link = self.links.get(job.source)
         if link is None or link.gone:
             return  # its frontend is gone
-        head = records.result_header(job.rec.req_id, code, 0, 0, job.rec.encoding, 0, 0)
+        head = records.result_header(job.rec.req_id, code, 0, 0, job.rec.options.encoding, 0, 0)
         self.room(link, lambda: link.responses.write(records.RESULT, head, message.encode()[:4096], timeout=1.0,
                                                      notify=False))
 

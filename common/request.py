@@ -1,0 +1,44 @@
+"""What a request asks of the model, in the form both sides of the rings read: its task, its lane
+and its options (shared_mem/records.py carries them in the request record's header)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+from pollen.v1 import embedder_pb2 as pb
+
+
+class Task(IntEnum):
+    """What the worker computes for a request. Every task travels the same path: admission, the
+    request record, token-budget batches, the answer record."""
+
+    EMBED = 0  # pooled vectors, one per output
+
+
+class Lane(IntEnum):
+    """The batcher's and the engine's queues (docs/architecture.md, "Priority lanes"); the numbers
+    are the protobuf Priority values."""
+
+    INTERACTIVE = pb.PRIORITY_INTERACTIVE
+    BULK = pb.PRIORITY_BULK
+
+
+LANES = tuple(Lane)  # indexed by a Priority number: Lane(n) without the enum's lookup
+# Truncate's lower-case names (HTTP, --default-truncate, the bulk embedder) to proto values.
+TRUNCATE_BY_NAME = {"none": pb.TRUNCATE_NONE, "end": pb.TRUNCATE_END, "start": pb.TRUNCATE_START}
+
+
+@dataclass(slots=True)
+class RequestOptions:
+    """How the worker answers one request; resolved by the frontend's admission, read by the worker."""
+
+    task: Task = Task.EMBED
+    dims: int = 0                 # 0: the model's full size
+    normalize: bool = False
+    encoding: int = pb.ENCODING_FLOAT32
+    lane: Lane = Lane.INTERACTIVE
+    deadline_ns: int = 0          # CLOCK_MONOTONIC ns by which it must reach the model; 0: none
+
+    def expired(self, now_ns: int) -> bool:
+        """The deadline passed: the request is dropped wherever it waits (never once batched)."""
+        return 0 < self.deadline_ns <= now_ns
