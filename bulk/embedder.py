@@ -19,9 +19,10 @@ import numpy as np
 import torch
 
 from pollen.common.engine_options import EngineOptions
+from pollen.common.errors import RequestError
 from pollen.common.model_spec import default_model_path, read_model_spec
-from pollen.server.admission import Admission
-from pollen.server.errors import RequestError
+from pollen.common.request import TRUNCATE_BY_NAME
+from pollen.server.model_checks import ModelChecks
 from pollen.server.tokenizer import TextTokenizer
 from pollen.v1 import embedder_pb2 as pb
 from pollen.worker.engine import make_engine
@@ -29,7 +30,6 @@ from pollen.worker.models.loader import load_model
 from pollen.worker.packed import pack
 from pollen.worker.postprocess import finish
 
-TRUNCATES = {"none": pb.TRUNCATE_NONE, "end": pb.TRUNCATE_END, "start": pb.TRUNCATE_START}
 # Texts tokenized at a time: small enough that tokenizing overlaps the device's work on a batch.
 TOKENIZE_GROUP = 64
 
@@ -50,17 +50,17 @@ class BulkEmbedder:
                  pooling: str | None = None, attention: str | None = None):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {device!r}")
-        if truncate not in TRUNCATES:
-            raise ValueError(f"truncate must be one of {', '.join(TRUNCATES)}, got {truncate!r}")
+        if truncate not in TRUNCATE_BY_NAME:
+            raise ValueError(f"truncate must be one of {', '.join(TRUNCATE_BY_NAME)}, got {truncate!r}")
         self.spec = read_model_spec(model or default_model_path(), pooling=pooling, attention=attention)
         self.tokenizer = TextTokenizer(self.spec.path, self.spec.max_tokens)
-        checks = Admission(self.spec, self.tokenizer, None, 1)  # the server's checks of the options
+        checks = ModelChecks(self.spec, self.tokenizer)  # the server's checks of the options
         try:
             checks.check_dimensions(dimensions)
             self.prompt = checks.prompt(prompt_name, prompt, self.spec.max_tokens)
         except RequestError as exc:
             raise ValueError(exc.message) from None
-        self.truncate, self.dimensions, self.normalize = TRUNCATES[truncate], dimensions, normalize
+        self.truncate, self.dimensions, self.normalize = TRUNCATE_BY_NAME[truncate], dimensions, normalize
         self.max_batch_tokens = max_batch_tokens or max(16384 if device == "cuda" else 8192, self.spec.max_tokens)
         if self.max_batch_tokens < self.spec.max_tokens:
             raise ValueError(f"max_batch_tokens {self.max_batch_tokens} is below the model's limit of "

@@ -19,52 +19,35 @@ from __future__ import annotations
 import asyncio
 import functools
 from concurrent.futures import Executor
-from dataclasses import dataclass
 
 import numpy as np
 
-from pollen.common.model_spec import MIN_MATRYOSHKA_DIMS, ModelSpec
-from pollen.server.errors import echo, invalid
-from pollen.server.tokenizer import PROMPT_MAX_CHARS, TextTokenizer
+from pollen.common.errors import invalid
+from pollen.common.model_spec import ModelSpec
+from pollen.common.request import LANES, TRUNCATE_BY_NAME, RequestOptions, Task
+from pollen.server.model_checks import ModelChecks
+from pollen.server.request import Request
+from pollen.server.tokenizer import TextTokenizer
 from pollen.shared_mem.records import RowPlan
 from pollen.v1 import embedder_pb2 as pb
 
 _ENCODINGS = set(pb.Encoding.values())
 _TRUNCATES = set(pb.Truncate.values())
-# --default-truncate's names (server/config.py TRUNCATE_NAMES) and the HTTP door's, as proto values.
-TRUNCATE_BY_NAME = {"none": pb.TRUNCATE_NONE, "end": pb.TRUNCATE_END, "start": pb.TRUNCATE_START}
 _LONG_INPUTS = set(pb.LongInput.values())
 _PRIORITIES = set(pb.Priority.values())
-# Requests with at most this many characters are tokenized on the event loop itself: a short
-# query tokenizes in tens of microseconds, less than the hop to the pool and back (two thread
-# wake-ups and a loop wake-up), which sat on every query's latency. Longer ones go to the pool,
-# so that a big request never stalls the loop.
+# Requests with at most this many characters are tokenized on the event loop itself: a short query
+# tokenizes in less time than the hop to the pool and back (two thread wake-ups and a loop
+# wake-up). Longer ones go to the pool, so that a big request never stalls the loop.
 INLINE_CHARS = 2048
 
 
-@dataclass(slots=True)
-class Admitted:
-    seqs: list[np.ndarray]
-    dims: int          # 0 = full
-    normalize: bool
-    encoding: int
-    rows: RowPlan | None = None  # None: one output per sequence
-    priority: int = pb.PRIORITY_INTERACTIVE
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(s) for s in self.seqs)
-
-
-class Admission:
+class Admission(ModelChecks):
     def __init__(self, spec: ModelSpec, tokenizer: TextTokenizer, executor: Executor, max_texts: int,
                  default_truncate: str = "none"):
-        self.spec = spec
+        super().__init__(spec, tokenizer)
         self.default_truncate = TRUNCATE_BY_NAME[default_truncate]
-        self.tokenizer = tokenizer
         self.executor = executor
         self.max_texts = max_texts
-        self.prompts = dict(spec.prompts)
 
     def check_count(self, inputs: int) -> None:
         if inputs > self.max_texts:
@@ -77,53 +60,6 @@ class Admission:
         if request.truncate not in _TRUNCATES:
             raise invalid(f"truncate {request.truncate} is not a known Truncate value")
         return request.truncate
-
-    def allowed_dimensions(self) -> str:
-        if self.spec.matryoshka_dimensions:
-            return "one of " + ", ".join(map(str, self.spec.matryoshka_dimensions))
-        return f"from {MIN_MATRYOSHKA_DIMS} to {self.spec.hidden_size}"
-
-    def check_dimensions(self, dimensions: int) -> None:
-        if dimensions == 0 or dimensions == self.spec.hidden_size:
-            return
-        sizes = self.spec.matryoshka_dimensions
-        ok = dimensions in sizes if sizes else MIN_MATRYOSHKA_DIMS <= dimensions <= self.spec.hidden_size
-        if not ok:
-            raise invalid(f"dimensions {dimensions} is not offered by this model; allowed: 0 (full size) or "
-                          f"{self.allowed_dimensions()}")
-
-    def limit(self, max_tokens: int) -> int:
-        if max_tokens > self.spec.max_tokens:
-            raise invalid(f"max_tokens {max_tokens} is over the model's limit of {self.spec.max_tokens}")
-        if max_tokens and max_tokens <= self.tokenizer.special:
-            raise invalid(f"max_tokens {max_tokens} leaves no room for text beside the model's "
-                          f"{self.tokenizer.special} special tokens")
-        return max_tokens or self.spec.max_tokens
-
-    def prompt(self, prompt_name: str, prompt: str, limit: int) -> str:
-        """The prompt to prepend (named, literal or the model's default), checked to be at most
-        PROMPT_MAX_CHARS characters and to leave room for text under `limit`: it is tokenized
-        with every text (server/tokenizer.py), so its size multiplies by the request's texts."""
-        if prompt_name and prompt:
-            raise invalid("set either prompt_name or prompt, not both")
-        field = "prompt"
-        if not prompt:
-            named = prompt_name or self.spec.default_prompt_name
-            if not named:
-                return ""
-            if named not in self.prompts:
-                known = ", ".join(sorted(self.prompts)) if self.prompts else "none (the model defines no prompts)"
-                raise invalid(f"prompt_name {echo(named)} is not one of the model's prompts; known: {known}")
-            prompt = self.prompts[named]
-            field = f"prompt_name {echo(named)}" if prompt_name else f"the default prompt_name {echo(named)}"
-        if len(prompt) > PROMPT_MAX_CHARS:
-            raise invalid(f"{field} has {len(prompt)} characters, over the limit of {PROMPT_MAX_CHARS} "
-                          "(the prompt is tokenized with every text)")
-        tokens = self.tokenizer.prompt_tokens(prompt)
-        if tokens >= self.tokenizer.room(limit):
-            raise invalid(f"{field} has {tokens} tokens, which leave no room for text under "
-                          f"{self.tokenizer.limit_name(limit)} ({self.tokenizer.special} of it for special tokens)")
-        return prompt
 
     def check_options(self, request: pb.EmbedRequest) -> None:
         given = [name for name, n in (("texts", len(request.texts)), ("token_ids", len(request.token_ids)),
@@ -151,7 +87,9 @@ class Admission:
             raise invalid("long_input LONG_INPUT_CHUNK_MEAN applies to texts, not to chunks "
                           "(a contextual-chunk document must fit in one sequence)")
 
-    async def admit(self, request: pb.EmbedRequest) -> Admitted:
+    async def admit(self, request: pb.EmbedRequest, deadline_ns: int = 0) -> Request:
+        """The request as token-id sequences and resolved options; `deadline_ns` (CLOCK_MONOTONIC,
+        0: none) is when it must reach the model."""
         self.check_options(request)
         truncate = self.truncate(request)
         limit = self.limit(request.max_tokens)
@@ -175,7 +113,9 @@ class Admission:
                 seqs, rows = window_plan(windows)
             else:
                 seqs = await self.run(chars, self.tokenizer.encode, list(request.texts), truncate, limit, prompt)
-        return Admitted(seqs, request.dimensions, request.normalize, request.encoding, rows, request.priority)
+        options = RequestOptions(Task.EMBED, request.dimensions, request.normalize, request.encoding,
+                                 LANES[request.priority], deadline_ns)
+        return Request(seqs, options, rows, sum(map(len, seqs)))
 
     async def admit_tokenize(self, request: pb.TokenizeRequest) -> list[np.ndarray]:
         self.check_count(len(request.texts))

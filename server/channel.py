@@ -41,13 +41,13 @@ import json
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import grpc
 
 from pollen.common import status
+from pollen.common.errors import RequestError
 from pollen.server import metrics
-from pollen.server.errors import RequestError
+from pollen.server.request import Request
 from pollen.shared_mem import records
 from pollen.shared_mem.ring import Ring
 from pollen.shared_mem.server_state import ServerState
@@ -58,21 +58,6 @@ MAX_ATTEMPTS = 3
 IDLE_TICK = 0.05  # seconds between safety-net looks while nothing is outstanding
 
 _DROP_REASONS = {records.DEADLINE_EXCEEDED: "deadline", records.CANCELLED: "cancelled"}
-
-
-@dataclass(slots=True)
-class SentRequest:
-    """A request routed to this channel's worker and not yet answered."""
-
-    record: bytes  # the request record, kept for a resend
-    tokens: int
-    future: asyncio.Future
-    attempts: int = 0     # deaths of a worker that held it
-    ring_end: int = 0     # the request ring's write position after its record: held once read past
-    deadline_ns: int = 0  # CLOCK_MONOTONIC; 0: none
-    priority: int = 0     # the backlog lane: 0 interactive, 1 bulk
-    sent: bool = False    # in the ring (or the worker) rather than the backlog
-    drop_reason: str = ""  # set when the frontend asked the worker to forget it
 
 
 def dropped_error(reason: str) -> RequestError:
@@ -87,7 +72,7 @@ class WorkerChannel:
         self.frontend = frontend
         self.state = state
         self.loop = asyncio.get_running_loop()
-        self.inflight: dict[int, SentRequest] = {}
+        self.inflight: dict[int, Request] = {}
         # Request ids admitted but not yet in the ring, one FIFO lane per priority.
         self.backlog: tuple[deque[int], deque[int]] = (deque(), deque())
         self.queued_tokens = 0
@@ -135,29 +120,29 @@ class WorkerChannel:
     def requeue(self, read_to: int) -> None:
         """After a death: every unanswered request goes again, in the order it was first
         admitted, except those whose client left and those that reached MAX_ATTEMPTS."""
-        for req_id, sent in list(self.inflight.items()):
-            if sent.drop_reason:  # its client left: nobody wants it any more
-                self.drop(req_id, sent.drop_reason)
+        for req_id, request in list(self.inflight.items()):
+            if request.drop_reason:  # its client left: nobody wants it any more
+                self.drop(req_id, request.drop_reason)
                 continue
-            if sent.sent and sent.ring_end <= read_to:
-                sent.attempts += 1  # the worker had it: it may be what killed the worker
-            sent.sent = False
-            if sent.attempts >= MAX_ATTEMPTS:
+            if request.sent and request.ring_end <= read_to:
+                request.attempts += 1  # the worker had it: it may be what killed the worker
+            request.sent = False
+            if request.attempts >= MAX_ATTEMPTS:
                 self.fail(req_id, RequestError(grpc.StatusCode.INTERNAL,
-                                               f"the worker died {sent.attempts} times while holding this request"))
-        survivors = [(req_id, self.inflight.pop(req_id)) for req_id in sorted(self.inflight)]
+                                               f"the worker died {request.attempts} times while holding this request"))
+        survivors = [self.inflight.pop(req_id) for req_id in sorted(self.inflight)]
         self.backlog = (deque(), deque())
         self.queued_tokens = 0
         self.on_orphans(survivors)
         self.publish()
 
-    def adopt(self, survivors: list[tuple[int, SentRequest]]) -> None:
+    def adopt(self, survivors: list[Request]) -> None:
         """Take over unanswered requests of a dead worker (this one's or another's), in order."""
-        for req_id, sent in survivors:
-            sent.sent = False
-            self.inflight[req_id] = sent
-            self.queued_tokens += sent.tokens
-            self.backlog[sent.priority].append(req_id)
+        for request in survivors:
+            request.sent = False
+            self.inflight[request.req_id] = request
+            self.queued_tokens += request.tokens
+            self.backlog[request.options.lane].append(request.req_id)
         self.flush()
 
     def publish(self) -> None:
@@ -181,12 +166,15 @@ class WorkerChannel:
 
     # ---- requests ----
 
-    def submit(self, req_id: int, record: bytes, tokens: int, deadline_ns: int = 0,
-               priority: int = 0) -> asyncio.Future:
-        future = self.loop.create_future()
-        self.inflight[req_id] = SentRequest(record, tokens, future, deadline_ns=deadline_ns, priority=priority)
-        self.queued_tokens += tokens
-        self.backlog[priority].append(req_id)
+    def submit(self, request: Request) -> asyncio.Future:
+        """Send an encoded request (its record made, its req_id set); the future of its answer."""
+        request.future = future = self.loop.create_future()
+        self.inflight[request.req_id] = request
+        self.queued_tokens += request.tokens
+        if request.options.expired(time.monotonic_ns()):
+            self.drop(request.req_id, "deadline")
+            return future
+        self.backlog[request.options.lane].append(request.req_id)
         self.flush()
         if self.spin_ns:
             self.start_spin()
@@ -225,17 +213,16 @@ class WorkerChannel:
 
     def cancel(self, req_id: int, reason: str) -> None:
         """The client left (or its deadline passed): drop the request if it has not reached the model."""
-        sent = self.inflight.get(req_id)
-        if sent is None or sent.drop_reason:
+        request = self.inflight.get(req_id)
+        if request is None or request.drop_reason:
             return
-        if not sent.sent:
-            self.backlog[sent.priority].remove(req_id)
+        if not request.sent:
+            self.backlog[request.options.lane].remove(req_id)
             self.drop(req_id, reason)
-            self.publish()
             return
         # In the ring or the worker: the worker answers CANCELLED if it had not batched it yet,
         # else the answer comes as usual and is thrown away (the future is already done).
-        sent.drop_reason = reason
+        request.drop_reason = reason
         if self.requests is not None:
             self.requests.try_write(records.CANCEL, records.encode_cancel(req_id))
 
@@ -247,7 +234,7 @@ class WorkerChannel:
         """Drop backlogged requests whose deadline passed (the ring may be full for a while)."""
         now = time.monotonic_ns()
         for lane in self.backlog:
-            expired = [r for r in lane if r in self.inflight and 0 < self.inflight[r].deadline_ns <= now]
+            expired = [r for r in lane if r in self.inflight and self.inflight[r].options.expired(now)]
             for req_id in expired:
                 lane.remove(req_id)
                 self.drop(req_id, "deadline")
@@ -279,15 +266,15 @@ class WorkerChannel:
         now = time.monotonic_ns()
         for lane in self.backlog:
             while lane:
-                sent = self.inflight.get(lane[0])
-                if sent is not None:
-                    if 0 < sent.deadline_ns <= now:
+                request = self.inflight.get(lane[0])
+                if request is not None:
+                    if request.options.expired(now):
                         self.drop(lane.popleft(), "deadline")
                         continue
-                    if not ring.try_write(records.REQUEST, sent.record):
+                    if not ring.try_write(records.REQUEST, request.record):
                         return  # the ring is full; bulk must not pass interactive work
-                    sent.sent = True
-                    sent.ring_end = ring.write_pos
+                    request.sent = True
+                    request.ring_end = ring.write_pos
                 lane.popleft()
 
     # ---- answers ----
@@ -328,23 +315,23 @@ class WorkerChannel:
         metrics.DEFERRED.inc(metrics.SEQUENCES, report.seqs)
 
     def answer(self, result: records.ResultRecord) -> None:
-        sent = self.inflight.pop(result.req_id, None)
-        if sent is None:
+        request = self.inflight.pop(result.req_id, None)
+        if request is None:
             return
-        self.queued_tokens -= sent.tokens
+        self.queued_tokens -= request.tokens
         self.publish()
         reason = _DROP_REASONS.get(result.status)
         if reason:  # the worker dropped it before the model; count it once, here
-            metrics.DROPPED.labels(reason=sent.drop_reason or reason).inc()
+            metrics.DROPPED.labels(reason=request.drop_reason or reason).inc()
         elif result.status == records.OK:
             metrics.DEFERRED.observe(metrics.QUEUE_SECONDS, result.queue_us / 1e6)
             metrics.DEFERRED.observe(metrics.INFERENCE_SECONDS, result.inference_us / 1e6)
-        if not sent.future.done():
-            sent.future.set_result(result)
+        if not request.future.done():
+            request.future.set_result(result)
 
     def fail(self, req_id: int, error: Exception) -> None:
-        sent = self.inflight.pop(req_id)
-        self.queued_tokens -= sent.tokens
+        request = self.inflight.pop(req_id)
+        self.queued_tokens -= request.tokens
         self.publish()
-        if not sent.future.done():
-            sent.future.set_exception(error)
+        if not request.future.done():
+            request.future.set_exception(error)

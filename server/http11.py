@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import h11
 
-from pollen.server.errors import cut
+from pollen.common.errors import cut
 
 log = logging.getLogger("pollen.http")
 

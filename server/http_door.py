@@ -29,9 +29,9 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pollen.common import encodings
-from pollen.server.admission import TRUNCATE_BY_NAME
+from pollen.common.errors import ECHO_CHARS, RequestError, cut, echo
+from pollen.common.request import TRUNCATE_BY_NAME
 from pollen.server.auth import REALM
-from pollen.server.errors import ECHO_CHARS, RequestError, cut, echo
 from pollen.server.http11 import Request, Response
 from pollen.server.metrics import count_request
 from pollen.server.service import EmbedderService
@@ -187,7 +187,7 @@ class HttpDoor:
             count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name)
             return error_response(400, exc.message, code="invalid_request", param=exc.param)
         try:
-            answer = await self.service.counted_embed(message, DOOR, headers=request.headers)
+            answer = await self.service.embed(message, DOOR, headers=request.headers)
         except RequestError as exc:
             status = _HTTP_STATUS.get(exc.code, 500)
             if status >= 500 and exc.code != grpc.StatusCode.UNAVAILABLE:

@@ -33,7 +33,7 @@ from pollen.shared_mem.server_state import PHASES
 REGISTRY = CollectorRegistry(auto_describe=True)
 MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
-# Latency buckets from 100 µs (one graphed query on a GPU) to 30 s (a full queue).
+# Latency buckets from a tenth of a millisecond (a graphed query on a GPU) to 30 s (a full queue).
 _SECONDS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _TOKENS = tuple(2 ** i for i in range(4, 18))  # 16 .. 131072
 

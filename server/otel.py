@@ -2,7 +2,7 @@
 server/tracing.py).
 
 Every Embed call, EmbedStream message and POST /v1/embeddings passes through
-`EmbedderService.counted_embed`; with a tracer it runs inside `RequestTracer.trace`, which opens a
+`EmbedderService.embed`; with a tracer it runs inside `RequestTracer.trace`, which opens a
 SERVER span whose parent is the trace context the client sent (W3C `traceparent` in gRPC metadata
 or an HTTP header, read by the global propagator: tracecontext and baggage unless OTEL_PROPAGATORS
 says otherwise). The span's attributes:
@@ -31,7 +31,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from pollen.server.errors import RequestError, cut
+from pollen.common.errors import RequestError, cut
 from pollen.v1 import embedder_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Embedder"].full_name
@@ -127,7 +127,7 @@ class RequestTracer:
         return RequestSpan(span, started_ns)
 
     async def trace(self, counted, request: pb.EmbedRequest, door: str, headers: Headers, method: str, **kwargs):
-        """`counted(request, door, span=..., **kwargs)` (the service's counted_embed) inside a span."""
+        """`counted(request, door, span=..., **kwargs)` (the service's embed) inside a span."""
         span = self.start(request, door, headers, method)
         try:
             response = await counted(request, door, span=span, **kwargs)

@@ -1,10 +1,11 @@
-"""Admitted requests to workers: the queued-token limit, deadlines, and the least-loaded worker.
+"""Admitted requests to workers: the queued-token limit and the least-loaded worker.
 
-The router turns an admitted request into its request record (shared_mem/records.py), sends it
-through the channel of the ready worker with the fewest queued tokens (server/channel.py), and
-awaits the answer. `--max-queued-tokens` bounds the tokens admitted and not yet answered, over
-all workers and all frontends (the server state sums them: shared_mem/server_state.py); past it
-a request is refused RESOURCE_EXHAUSTED with the figures.
+The router encodes an admitted request as its request record (shared_mem/records.py), in parts
+when it is too big for one (server/request.py), sends it through the channel of the ready worker
+with the fewest queued tokens (server/channel.py), and awaits the answer. `--max-queued-tokens`
+bounds the tokens admitted and not yet answered, over all workers and all frontends (the server
+state sums them: shared_mem/server_state.py); past it a request is refused RESOURCE_EXHAUSTED with
+the figures.
 """
 from __future__ import annotations
 
@@ -14,11 +15,10 @@ import time
 
 import grpc
 
-from pollen.common.request import LANES, RequestOptions, Task
-from pollen.server import metrics, request_parts
-from pollen.server.channel import WorkerChannel, dropped_error
+from pollen.common.errors import RequestError
+from pollen.server.channel import WorkerChannel
 from pollen.server.config import ServeConfig
-from pollen.server.errors import RequestError
+from pollen.server.request import Request, join
 from pollen.shared_mem import records
 from pollen.shared_mem.ring import Ring
 from pollen.shared_mem.server_state import ServerState
@@ -39,7 +39,7 @@ class Router:
         for channel in channels:
             channel.on_orphans = lambda survivors, dead=channel: self.rehome(dead, survivors)
 
-    def rehome(self, dead: WorkerChannel, survivors: list) -> None:
+    def rehome(self, dead: WorkerChannel, survivors: list[Request]) -> None:
         """A worker died: its unanswered requests go to the least-loaded other ready worker
         rather than wait for its restart (model load and warm-up take seconds)."""
         others = [c for c in self.channels if c is not dead and c.ready.is_set()]
@@ -51,43 +51,40 @@ class Router:
         """Tokens admitted and not yet answered, over the whole server."""
         return self.state.queued_total()
 
-    async def embed(self, seqs, dims: int, normalize: bool, encoding: int, *, rows: records.RowPlan | None = None,
-                    priority: int = 0, deadline_ns: int = 0) -> records.ResultRecord:
-        tokens = sum(len(s) for s in seqs)
+    async def route(self, request: Request) -> records.ResultRecord:
+        """The worker's answer to an admitted request (its parts' answers joined)."""
         queued = self.queued_tokens
-        if queued + tokens > self.cfg.max_queued_tokens:
+        if queued + request.tokens > self.cfg.max_queued_tokens:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"the server holds {queued} queued tokens and this request adds "
-                               f"{tokens}, over --max-queued-tokens {self.cfg.max_queued_tokens}; retry later")
+                               f"{request.tokens}, over --max-queued-tokens {self.cfg.max_queued_tokens}; retry later")
         now = time.monotonic_ns()
-        if deadline_ns and deadline_ns <= now:
-            metrics.DROPPED.labels(reason="deadline").inc()
-            raise dropped_error("deadline")
-        options = RequestOptions(Task.EMBED, dims, normalize, encoding, LANES[priority], deadline_ns)
-        record = records.encode_request(next(self.ids), now, seqs, options, rows)
-        if len(record) <= self.max_record:
-            return await self.send(record, tokens, deadline_ns, priority)
+        request.req_id = next(self.ids)
+        request.record = records.encode_request(request.req_id, now, request.seqs, request.options, request.rows)
+        if len(request.record) <= self.max_record:
+            return await self.send(request)
         try:
-            parts = request_parts.split(seqs, rows, self.max_record)
+            parts = request.parts(self.max_record)
         except ValueError as exc:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{exc}; split it") from None
-        results = await asyncio.gather(*(
-            self.send(records.encode_request(next(self.ids), now, part.seqs, options, part.rows),
-                      sum(len(s) for s in part.seqs), deadline_ns, priority) for part in parts))
+        for part in parts:
+            part.req_id = next(self.ids)
+            part.record = records.encode_request(part.req_id, now, part.seqs, part.options, part.rows)
+        results = await asyncio.gather(*(self.send(part) for part in parts))
         failed = next((r for r in results if r.status != records.OK), None)
-        return failed or request_parts.join(results)
+        return failed or join(results)
 
-    async def send(self, record: bytes, tokens: int, deadline_ns: int, priority: int) -> records.ResultRecord:
+    async def send(self, request: Request) -> records.ResultRecord:
         """One request record to the ready worker with the fewest queued tokens; its answer."""
         channel = self.channels[0] if len(self.channels) == 1 else min(
             self.channels, key=lambda c: (not c.ready.is_set(), self.state.queued_on(c.index)))
-        req_id = records.request_id(record)
         try:
-            return await channel.submit(req_id, record, tokens, deadline_ns, priority)
+            return await channel.submit(request)
         except asyncio.CancelledError:
             # The client left (a unary call cancelled or past its gRPC deadline, a stream closed).
+            deadline_ns = request.options.deadline_ns
             late = deadline_ns and time.monotonic_ns() >= deadline_ns - DEADLINE_SLACK_NS
             # A worker's death may have moved it to another channel (rehome).
-            holder = next((c for c in self.channels if req_id in c.inflight), channel)
-            holder.cancel(req_id, "deadline" if late else "cancelled")
+            holder = next((c for c in self.channels if request.req_id in c.inflight), channel)
+            holder.cancel(request.req_id, "deadline" if late else "cancelled")
             raise

@@ -22,11 +22,11 @@ import grpc
 from google.protobuf import message_factory
 
 from pollen.common import encodings, status
+from pollen.common.errors import RequestError, cut, echo, invalid
 from pollen.common.model_spec import ModelSpec
 from pollen.server import auth, metrics
 from pollen.server.admission import Admission
 from pollen.server.config import ServeConfig
-from pollen.server.errors import RequestError, cut, echo, invalid
 from pollen.server.metrics import count_request
 from pollen.server.router import Router
 from pollen.v1 import embedder_pb2 as pb
@@ -165,22 +165,22 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         self.active = 0       # embedding calls in progress (both doors)
         self.last_call = 0.0  # time.monotonic() when the last one began
 
-    async def embed(self, request: pb.EmbedRequest, *, deadline_ns: int = 0, span=None) -> pb.EmbedResponse:
-        """deadline_ns: CLOCK_MONOTONIC ns by which the request must reach the model (0: none);
-        the request's own timeout_ms, counted from now, applies as well. span: the request's
-        server/otel.py RequestSpan when tracing, told when admission is done."""
+    async def respond(self, request: pb.EmbedRequest, deadline_ns: int, span) -> pb.EmbedResponse:
+        """Admit, route and answer one EmbedRequest (uncounted: `embed` counts). deadline_ns:
+        CLOCK_MONOTONIC ns by which the request must reach the model (0: none); the request's own
+        timeout_ms, counted from now, applies as well. span: the request's server/otel.py
+        RequestSpan when tracing, told when admission is done."""
         if request.timeout_ms:
             own = time.monotonic_ns() + request.timeout_ms * 1_000_000
             deadline_ns = min(deadline_ns, own) if deadline_ns else own
         try:
-            job = await self.admission.admit(request)
+            admitted = await self.admission.admit(request, deadline_ns)
         except asyncio.CancelledError:
             metrics.DROPPED.labels(reason="cancelled").inc()  # the client left while we tokenized
             raise
         if span is not None:
             span.admitted()
-        result = await self.router.embed(job.seqs, job.dims, job.normalize, job.encoding, rows=job.rows,
-                                       priority=job.priority, deadline_ns=deadline_ns)
+        result = await self.router.route(admitted)
         if result.status:
             raise RequestError(status.code_of(result.status, grpc.StatusCode.INTERNAL),
                                result.body.decode(errors="replace"))
@@ -190,25 +190,25 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             scales = scale_array.tolist()
         return pb.EmbedResponse(
             id=request.id, embeddings=body, rows=result.rows, dims=result.dims,
-            encoding=result.encoding, usage=pb.Usage(prompt_tokens=job.tokens),
+            encoding=result.encoding, usage=pb.Usage(prompt_tokens=admitted.tokens),
             timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us), scales=scales)
 
     def quiet_for(self, seconds: float) -> bool:
         """No call in progress, and none begun in the last `seconds` (a draining frontend's test)."""
         return self.active == 0 and time.monotonic() - self.last_call >= seconds
 
-    async def counted_embed(self, request: pb.EmbedRequest, door: str, *, headers=None, method: str = "Embed",
-                            span=None, **kwargs) -> pb.EmbedResponse:
-        """embed(), counted in the door's request, text and token metrics. With a tracer, the call
-        runs in a span (server/otel.py) whose parent is the trace context in `headers` (gRPC's
-        invocation_metadata method, or HTTP's header dict; `method` names the gRPC call); the
-        tracer calls back here with the `span`."""
+    async def embed(self, request: pb.EmbedRequest, door: str, *, headers=None, method: str = "Embed",
+                    span=None, deadline_ns: int = 0) -> pb.EmbedResponse:
+        """One embedding request through either door: respond(), counted in the door's request,
+        text and token metrics. With a tracer, the call runs in a span (server/otel.py) whose
+        parent is the trace context in `headers` (gRPC's invocation_metadata method, or HTTP's
+        header dict; `method` names the gRPC call); the tracer calls back here with the `span`."""
         if span is None and self.tracer is not None:
-            return await self.tracer.trace(self.counted_embed, request, door, headers, method, **kwargs)
+            return await self.tracer.trace(self.embed, request, door, headers, method, deadline_ns=deadline_ns)
         self.active += 1
         self.last_call = time.monotonic()
         try:
-            response = await self.embed(request, span=span, **kwargs)
+            response = await self.respond(request, deadline_ns, span)
         except RequestError as exc:
             count_request(door, exc.code.name)
             raise
@@ -227,8 +227,8 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         await refuse_unusable(context, request, "Embed", counted=True)
         remaining = context.time_remaining()
         deadline_ns = time.monotonic_ns() + int(remaining * 1e9) if remaining is not None else 0
-        return await unary(context, "Embed", self.counted_embed(request, "grpc", deadline_ns=deadline_ns,
-                                                                headers=context.invocation_metadata))
+        return await unary(context, "Embed", self.embed(request, "grpc", deadline_ns=deadline_ns,
+                                                        headers=context.invocation_metadata))
 
     async def EmbedStream(self, request_iterator, context):
         """Answer each message as soon as it is done; a bad message gets an error answer only.
@@ -374,7 +374,7 @@ class EmbedStreamCall:
 
     async def answer(self, request: pb.EmbedRequest) -> None:
         try:
-            response = await self.service.counted_embed(request, "grpc", headers=self.headers, method="EmbedStream")
+            response = await self.service.embed(request, "grpc", headers=self.headers, method="EmbedStream")
         except RequestError as exc:
             response = error_response(request.id, exc)
         except Exception as exc:  # a bug must still answer the message, and say so

@@ -34,8 +34,8 @@ import re
 import numpy as np
 from tokenizers import Tokenizer
 
+from pollen.common.errors import invalid
 from pollen.server.ascii_bpe import AsciiBpe
-from pollen.server.errors import invalid
 from pollen.v1 import embedder_pb2 as pb
 
 # CHUNK_MEAN: consecutive windows share this fraction of a window's text tokens.

@@ -7,7 +7,7 @@ import json
 import grpc
 import pytest
 
-from pollen.server.errors import ECHO_CHARS, cut, echo
+from pollen.common.errors import ECHO_CHARS, cut, echo
 from pollen.v1 import embedder_pb2 as pb
 from tests.test_http_door import post, raw_exchange
 

@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from pollen.common.errors import RequestError
 from pollen.common.model_spec import default_model_path, read_model_spec
 from pollen.common.request import Lane, RequestOptions, Task
 from pollen.server.admission import Admission
-from pollen.server.errors import RequestError
 from pollen.server.http_door import Rejected, to_embed_request
 from pollen.server.tokenizer import TextTokenizer
 from pollen.shared_mem import records
