@@ -1,7 +1,8 @@
-"""End-to-end benchmark: `pollen serve` over gRPC on loopback, beside sentence-transformers.
+"""The CPU benchmark: `pollen serve` on its defaults (all-MiniLM-L6-v2 on the CPU) over gRPC on
+loopback, beside sentence-transformers on the same texts.
 
-    python load/bench_grpc.py                 # starts its own server, prints a table,
-                                              # writes load/results/<device>-<date>.{json,md}
+    python load/bench_cpu.py                  # starts its own server, prints a table,
+                                              # writes load/results/cpu-cpu.md (load/results_file.py)
 
 Workloads (fixed seeds):
   queries  one short text at a time, sequentially: latency p50 / p99
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import os
 import pathlib
 import platform
@@ -26,7 +26,7 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from load.results_file import write_results  # noqa: E402
+from load.results_file import add_out_argument, write_result  # noqa: E402
 from pollen.v1 import embedder_pb2 as pb  # noqa: E402
 from pollen.v1 import embedder_pb2_grpc as pb_grpc  # noqa: E402
 from tests.conftest import ServerProcess  # noqa: E402
@@ -105,7 +105,7 @@ def main() -> int:
     parser.add_argument("--queries", type=int, default=300)
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--per-message", type=int, default=16)
-    parser.add_argument("--out", default=str(REPO / "load" / "results"))
+    add_out_argument(parser, "cpu")
     args = parser.parse_args()
 
     import sentence_transformers
@@ -123,7 +123,7 @@ def main() -> int:
     ref = reference_throughput(docs)
 
     result = {
-        "date": datetime.date.today().isoformat(), "device": machine(),
+        "date": time.strftime("%Y-%m-%d"), "device": machine(),
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "grpcio": grpc.__version__,
                      "sentence_transformers": sentence_transformers.__version__},
         "model": "all-MiniLM-L6-v2", "server": "pollen serve (defaults: 1 worker, --max-batch-tokens 8192)",
@@ -137,12 +137,11 @@ def main() -> int:
         ("sentence-transformers encode, batch 64, same docs", f"{ref['texts_per_s']} texts/s"),
     ]
     table = "\n".join(["| workload | result |", "| --- | --- |", *(f"| {a} | {b} |" for a, b in rows)])
-    header = (f"# pollen over gRPC, {result['date']}\n\n{result['device']}; python {result['versions']['python']}, "
-              f"torch {torch.__version__}, grpcio {grpc.__version__}, sentence-transformers "
-              f"{sentence_transformers.__version__}; model {result['model']}.\n"
-              f"Command: `python load/bench_grpc.py` (client, server and reference on the same machine).\n\n")
+    header = (f"{result['device']}; python {result['versions']['python']}, torch {torch.__version__}, grpcio "
+              f"{grpc.__version__}, sentence-transformers {sentence_transformers.__version__}; model "
+              f"{result['model']}; client, server and reference on the same machine, {result['date']}.\n\n")
     print(table)
-    write_results(args.out, f"cpu-{result['date']}", result, header, table)
+    write_result("cpu", "cpu", "pollen over gRPC on the CPU", header + table, result, args.out)
     return 0
 
 
