@@ -67,7 +67,7 @@ def _describe(folder: pathlib.Path) -> str | None:
     return out.stdout.strip() or None
 
 
-def commit() -> str:
+def measured_commit() -> str:
     """The commit of the pollen that runs (the checkout of the imported package), and of load/ when
     that is another checkout (an A/B run measures one commit with another's benchmarks)."""
     import pollen
@@ -79,12 +79,14 @@ def commit() -> str:
     return measured if here in (None, measured) else f"{measured} (load/ at {here})"
 
 
-def write_result(benchmark: str, kind: str, title: str, text: str, figures: dict,
-                 out: str | None = None) -> pathlib.Path:
-    """Write (replace) the result file: title, command, commit, the benchmark's text, the raw figures."""
+def write_result(benchmark: str, kind: str, title: str, text: str, figures: dict, out: str | None = None,
+                 command: str | None = None, commit: str | None = None) -> pathlib.Path:
+    """Write (replace) the result file: title, command, commit, the benchmark's text, the raw figures.
+    `command` and `commit` stand in for this process's own (load/ab_report.py records its caller's)."""
     path = pathlib.Path(out) if out else result_path(benchmark, kind)
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = (f"# {title}\n\nCommand: `{command_line()}`\n\nCommit: {commit()}\n\n{text.strip()}\n\n"
+    body = (f"# {title}\n\nCommand: `{command or command_line()}`\n\nCommit: {commit or measured_commit()}\n\n"
+            f"{text.strip()}\n\n"
             f"```json\n{json.dumps(figures, indent=1, default=float)}\n```\n")
     path.write_text(body)
     shown = path.resolve()
