@@ -37,7 +37,7 @@ step() {  # step NAME COMMAND...: runs it when STEPS names it
 }
 
 step tests "$py" -m pytest -q -m gpu tests
-step engine "$py" load/bench_engine.py --shapes qwen3-0.6b
+step engine "$py" load/bench_engine.py --shapes qwen3-0.6b,qwen3-4b,bert-base
 step e2e "$py" load/bench_e2e.py --shape qwen3-0.6b
 step concurrency "$py" load/bench_concurrency.py "${tok[@]}" --clients 1,128,512 --kinds "$kinds" --seconds 4 --skip-engine
 step mixed "$py" load/bench_mixed.py "${tok[@]}" --seconds 6 --interactive-clients 1
