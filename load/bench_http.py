@@ -1,23 +1,24 @@
 """Single-query latency over the HTTP door, beside gRPC unary on the same server.
 
-    python load/bench_http.py --label h11     # starts its own `pollen serve`, prints a table,
-                                              # adds the run to load/results/http-<machine>-<date>.{json,md}
+    python load/bench_http.py                 # `pollen serve` on its defaults (all-MiniLM-L6-v2, CPU)
+    python load/bench_http.py --device cuda --tokenizer TOKENIZER.json   # the Qwen3-0.6B shape on the GPU
 
+Starts its own server, prints a table and writes load/results/http-<kind>.md (load/results_file.py).
 One short text at a time, sequentially, after a warm-up: HTTP/1.1 POST /v1/embeddings on one
 keep-alive connection (a minimal client on a raw socket, so the figures are the server's) and
 gRPC unary Embed on one channel, taking turns query by query. p50 and p99 of each over `--queries`.
-Runs under different labels (say, two versions of the server) are kept side by side in one file.
+The texts: STS-B sentences on the CPU; on cuda load/bench_concurrency.py's queries, and the checkpoint
+load/gpu_models.py's (random weights in the real shape) beside the real Qwen3 tokenizer.json
+(--tokenizer, or POLLEN_QWEN3_TOKENIZER).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
 import platform
 import socket
-import subprocess
 import sys
 import time
 
@@ -27,8 +28,8 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from load.bench_grpc import machine, make_docs  # noqa: E402
-from load.results_file import write_results  # noqa: E402
+from load.bench_cpu import machine, make_docs  # noqa: E402
+from load.results_file import add_out_argument, device_kind, write_result  # noqa: E402
 from pollen.v1 import embedder_pb2 as pb  # noqa: E402
 from pollen.v1 import embedder_pb2_grpc as pb_grpc  # noqa: E402
 from tests.conftest import ServerProcess  # noqa: E402
@@ -96,67 +97,62 @@ def latencies(port: int, target: str, texts: list[str], warmup: int) -> tuple[di
     return percentiles(http_ms), percentiles(grpc_ms)
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def measure(label: str, commit_id: str, queries: int, warmup: int) -> dict:
+def measure(server_flags: list[str], texts: list[str], warmup: int) -> dict:
     import h11
 
-    texts = [d.split(".")[0] for d in make_docs(queries, seed=2)]
     load_before = os.getloadavg()[0]
-    srv = ServerProcess("--log-level", "WARNING").start(timeout=180)
+    srv = ServerProcess("--log-level", "WARNING", *server_flags).start(timeout=600)
     try:
         http, rpc = latencies(srv.http_port, srv.listen, texts, warmup)
     finally:
         srv.terminate()
     load = [round(load_before, 2), round(os.getloadavg()[0], 2)]  # 1-minute load average, before and after
-    return {"label": label, "commit": commit_id, "date": datetime.date.today().isoformat(), "device": machine(),
+    return {"date": time.strftime("%Y-%m-%d"), "device": machine(),
             "versions": {"python": platform.python_version(), "grpcio": grpc.__version__, "h11": h11.__version__},
-            "load_average": load, "http": http, "grpc": rpc}
+            "server_flags": server_flags, "load_average": load, "http": http, "grpc": rpc}
 
 
-def table(runs: list[dict]) -> str:
-    lines = ["| run | commit | load before, after | HTTP p50 | HTTP p99 | gRPC p50 | gRPC p99 | HTTP - gRPC (p50) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in runs:
-        h, g = r["http"], r["grpc"]
-        lines.append(f"| {r['label']} | {r['commit']} | {r['load_average'][0]}, {r['load_average'][1]} | "
-                     f"{h['p50_ms']} ms | {h['p99_ms']} ms | {g['p50_ms']} ms | "
-                     f"{g['p99_ms']} ms | {h['p50_ms'] - g['p50_ms']:+.3f} ms |")
-    return "\n".join(lines)
+def table(run: dict) -> str:
+    h, g = run["http"], run["grpc"]
+    return "\n".join(["| load before, after | HTTP p50 | HTTP p99 | gRPC p50 | gRPC p99 | HTTP - gRPC (p50) |",
+                      "| --- | --- | --- | --- | --- | --- |",
+                      f"| {run['load_average'][0]}, {run['load_average'][1]} | {h['p50_ms']} ms | {h['p99_ms']} ms | "
+                      f"{g['p50_ms']} ms | {g['p99_ms']} ms | {h['p50_ms'] - g['p50_ms']:+.3f} ms |"])
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--label", required=True, help="the name of this run in the results file")
-    parser.add_argument("--commit", default=None, help="the server's code as recorded (default: git describe "
-                        "--always --dirty of this checkout)")
+    parser.add_argument("--device", default="cpu", help="cpu: the server's defaults; cuda: the --shape checkpoint")
+    parser.add_argument("--shape", default="qwen3-0.6b", help="with --device cuda (load/gpu_models.py)")
+    parser.add_argument("--root", default="/tmp/pollen-ckpt")
+    parser.add_argument("--tokenizer", default=os.environ.get("POLLEN_QWEN3_TOKENIZER"),
+                        help="with --device cuda: the model's tokenizer.json (the real Qwen3 one)")
     parser.add_argument("--queries", type=int, default=1000)
     parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--out", default=str(REPO / "load" / "results"))
-    parser.add_argument("--name", default="http-cpu", help="the results file is <out>/<name>-<date>.{json,md}")
+    add_out_argument(parser, "http")
     args = parser.parse_args()
 
-    run = measure(args.label, args.commit or commit(), args.queries, args.warmup)
-    stem = f"{args.name}-{run['date']}"
-    path = pathlib.Path(args.out) / f"{stem}.json"
-    runs = [r for r in (json.loads(path.read_text())["runs"] if path.exists() else []) if r["label"] != args.label]
-    runs.append(run)
+    if args.device == "cpu":
+        flags, texts = [], [d.split(".")[0] for d in make_docs(args.queries, seed=2)]
+    else:
+        from load.bench_concurrency import query_texts
+        from load.gpu_models import make_checkpoint, with_tokenizer
+
+        if not args.tokenizer:
+            parser.error("--device cuda needs --tokenizer (or POLLEN_QWEN3_TOKENIZER)")
+        flags = ["--model", with_tokenizer(make_checkpoint(args.shape, args.root), args.tokenizer),
+                 "--device", args.device]
+        texts = query_texts()[:args.queries]
+    run = measure(flags, texts, args.warmup)
     settings = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("POLLEN_")) or "none"
-    header = (f"# One query at a time: HTTP keep-alive and gRPC unary, {run['date']}\n\n"
-              f"{run['device']}; python {run['versions']['python']}, grpcio {run['versions']['grpcio']}, "
-              f"h11 {run['versions']['h11']}; `pollen serve` defaults (all-MiniLM-L6-v2 on the CPU) but for "
-              f"the POLLEN_* settings in the environment: {settings}.\n"
-              f"Command: `python load/bench_http.py --label LABEL` ({args.queries} queries after {args.warmup} "
-              "of warm-up; HTTP and gRPC take turns query by query; client and server on the same "
-              "machine).\n\n")
-    print(table([run]))
-    write_results(args.out, stem, {"runs": runs}, header, table(runs))
+    model = f"the {args.shape} shape on {args.device}" if flags else "its defaults (all-MiniLM-L6-v2 on the CPU)"
+    header = (f"{run['device']}; python {run['versions']['python']}, grpcio {run['versions']['grpcio']}, "
+              f"h11 {run['versions']['h11']}, {run['date']}; `pollen serve` on {model}, POLLEN_* settings in the "
+              f"environment: {settings}. {args.queries} queries after {args.warmup} of warm-up; HTTP and gRPC "
+              "take turns query by query; client and server on the same machine.\n\n")
+    print(table(run))
+    write_result("http", device_kind(args.device), "One query at a time: HTTP keep-alive and gRPC unary",
+                 header + table(run), run, args.out)
     return 0
 
 

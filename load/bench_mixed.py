@@ -1,8 +1,9 @@
 """Interactive queries while bulk documents saturate the GPU, through `pollen serve` on its defaults.
 
-    python load/bench_mixed.py --shape qwen3-0.6b --tokenizer TOKENIZER.json --out load/results/STEM
+    python load/bench_mixed.py --tokenizer TOKENIZER.json [--shape qwen3-0.6b] [--interactive-clients 8]
 
-Same checkpoint and tokenizer as load/bench_concurrency.py; texts tokenized by the server.
+Same checkpoint and tokenizer as load/bench_concurrency.py; texts tokenized by the server. Writes
+load/results/mixed-<kind>.md (load/results_file.py).
 
   docs         documents (log-normal, median about 200 tokens, up to 2,048) as texts through
                EmbedStream, 4 streams keeping 32 messages of 8 documents in flight: tokens/s
@@ -28,9 +29,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from load import load_clients  # noqa: E402
-from load.bench_concurrency import query_texts, server_info, versions  # noqa: E402
+from load.bench_concurrency import add_model_args, query_texts, server_info, versions  # noqa: E402
 from load.corpus import _sentence  # noqa: E402
-from load.results_file import write_results_to  # noqa: E402
+from load.results_file import add_out_argument, device_kind, write_result  # noqa: E402
 
 STREAMS, WINDOW, PER_MESSAGE = 4, 32, 8
 
@@ -101,19 +102,16 @@ def main() -> None:
     from tests.conftest import ServerProcess
 
     p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="qwen3-0.6b")
-    p.add_argument("--root", default="/tmp/pollen-ckpt")
-    p.add_argument("--tokenizer", required=True)
-    p.add_argument("--device", default="cuda")
+    add_model_args(p)
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--interactive-clients", type=int, default=8)
     p.add_argument("--server-flags", default="")
-    p.add_argument("--out", required=True)
+    add_out_argument(p, "mixed")
     args = p.parse_args()
 
     path = with_tokenizer(make_checkpoint(args.shape, args.root), args.tokenizer)
     docs, texts = documents(20000), query_texts()
-    result = {"meta": versions(), "command": " ".join(shlex.quote(a) for a in sys.argv)}
+    result = {"meta": versions()}
     server = ServerProcess("--model", path, "--device", args.device, "--log-level", "WARNING",
                            *shlex.split(args.server_flags)).start(timeout=600)
     try:
@@ -139,8 +137,8 @@ def main() -> None:
         print("mixed", result["mixed"], result["mixed_bulk"], flush=True)
     finally:
         server.terminate()
-    write_results_to(args.out, result, header(result),
-                  table(result, args.interactive_clients))
+    write_result("mixed", device_kind(args.device), "Interactive queries under bulk load through `pollen serve`",
+                 header(result) + table(result, args.interactive_clients), result, args.out)
 
 
 def worker_seconds(http_target: str) -> dict[str, float]:
@@ -163,10 +161,8 @@ def ms(r: dict) -> str:
 
 def header(result: dict) -> str:
     m, s = result["meta"], result["server"]
-    return (f"# Interactive queries under bulk load through `pollen serve`, {m['date']}\n\n"
-            f"{m.get('gpu', 'CPU')}, {m['cores']} cores, torch {m['torch']}, grpcio {m['grpcio']}; "
-            f"{s['frontends']} frontends, {s['workers']} worker(s), server defaults. Command: "
-            f"`{result['command']}`.\n\n")
+    return (f"{m.get('gpu', 'CPU')}, {m['cores']} cores, torch {m['torch']}, grpcio {m['grpcio']}, {m['date']}; "
+            f"{s['frontends']} frontends, {s['workers']} worker(s), server defaults.\n\n")
 
 
 def table(result: dict, interactive_clients: int) -> str:

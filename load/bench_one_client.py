@@ -1,7 +1,7 @@
 """One client, one query at a time: where a lone query's time goes, by frontend count and client API.
 
-    python load/bench_one_client.py --shape qwen3-0.6b --tokenizer TOKENIZER.json --out load/results/STEM
-           [--frontends 0,1,7] [--calls 2000] [--device cuda] [--server-flags "--worker-spin-us 0" ...]
+    python load/bench_one_client.py --tokenizer TOKENIZER.json [--shape qwen3-0.6b] [--frontends 0,1,7]
+           [--calls 2000] [--device cuda] [--server-flags "--worker-spin-us 0" ...]
 
 For each --frontends value (0: the server's default) a fresh `pollen serve` (defaults otherwise)
 is started and answers --calls queries sent one after the other (after a warm-up), from three
@@ -15,13 +15,13 @@ Each row gives the wall time's p50 and p99 and, for the stubs, the server's own 
 answer's Timing (queue_us + inference_us: admission to the last batch's end, each given too), so
 `rest` is everything outside the worker: both clients' and the frontend's gRPC, tokenization, the
 rings and the wake-ups. The queries are those of load/bench_concurrency.py (12-13 Qwen3 tokens).
+Writes load/results/one_client-<kind>.md (load/results_file.py).
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import os
-import shlex
 import sys
 import time
 
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from load.bench_concurrency import add_model_args, query_texts, server_flags, server_info, versions  # noqa: E402
 from load.gpu_models import make_checkpoint, with_tokenizer  # noqa: E402
-from load.results_file import write_results_to  # noqa: E402
+from load.results_file import add_out_argument, device_kind, write_result  # noqa: E402
 from tests.conftest import ServerProcess  # noqa: E402
 
 WARM_CALLS = 200
@@ -118,14 +118,13 @@ def main() -> None:
     p.add_argument("--server-flags", action="append",
                    help="extra `pollen serve` flags, after any NAME=VALUE for its environment (`GRPC_EXPERIMENTS=`); "
                         "given several times, a server for each, in turn")
-    p.add_argument("--out", required=True)
+    add_out_argument(p, "one_client")
     args = p.parse_args()
 
     path = with_tokenizer(make_checkpoint(args.shape, args.root), args.tokenizer)
     texts = query_texts()
-    # The clients' own gRPC settings (they run in this process): load/bench_grpc_latency.py measures them.
-    result = {"meta": versions(), "command": " ".join(shlex.quote(a) for a in sys.argv), "rows": [],
-              "client_grpc_experiments": os.environ.get("GRPC_EXPERIMENTS")}
+    # The clients' own gRPC settings (they run in this process).
+    result = {"meta": versions(), "rows": [], "client_grpc_experiments": os.environ.get("GRPC_EXPERIMENTS")}
     for frontends, flags in itertools.product(map(int, args.frontends.split(",")), args.server_flags or [""]):
         env, extra = server_flags(flags)
         server = ServerProcess("--model", path, "--device", args.device, "--frontends", str(frontends),
@@ -139,14 +138,14 @@ def main() -> None:
                 print(row, flush=True)
         finally:
             server.terminate()
-    write_results_to(args.out, result, header(result), table(result["rows"]))
+    write_result("one_client", device_kind(args.device), "One client, one query at a time",
+                 header(result) + table(result["rows"]), result, args.out)
 
 
 def header(result: dict) -> str:
     m = result["meta"]
-    return (f"# One client, one query at a time, {m['date']}\n\n{m.get('gpu', 'CPU')}, {m['cores']} cores, "
-            f"torch {m['torch']}, grpcio {m['grpcio']}, Python {m['python']}. Command: `{result['command']}`. "
-            "`server` is the answer's queue_us + inference_us (the worker's share); `rest` is the wall time "
+    return (f"{m.get('gpu', 'CPU')}, {m['cores']} cores, torch {m['torch']}, grpcio {m['grpcio']}, Python "
+            f"{m['python']}, {m['date']}. `server` is the answer's queue_us + inference_us (the worker's share); `rest` is the wall time "
             "less that, per call. The clients' GRPC_EXPERIMENTS: "
             f"{result.get('client_grpc_experiments') or 'unset (gRPC defaults)'}.\n\n")
 

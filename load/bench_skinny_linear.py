@@ -1,27 +1,31 @@
-"""Microbenchmark: the skinny kernels (worker/kernels/skinny.py) against the kernels they replace,
-at query sizes, timed inside CUDA graphs with distinct weights per layer (as in the model).
+"""A kernel tuning tool, not a serving benchmark: the skinny kernels (worker/kernels/skinny.py)
+against the kernels they replace, at query sizes, timed inside CUDA graphs with distinct weights per
+layer (as in the model); it picks the best tile configuration of each product on this GPU.
 
-    python load/bench_skinny_linear.py --out load/results/gpu-skinny-DATE
+    python load/bench_skinny_linear.py [--configs TABLE.json]
 
 For the products of a Qwen3 layer (0.6B and 4B shapes) it times
-  separate  what the engine ran before: add+RMSNorm, cuBLAS product (and SiLU-gate)
+  separate  the unfused kernels: add+RMSNorm, cuBLAS product (and SiLU-gate)
   skinny    our one kernel, at each tile configuration (the best is kept)
 and then a whole layer without its attention: the 7 separate kernels against the 4 skinny ones.
-It writes PREFIX.json (with the best configuration per product, as CONFIGS wants it) and PREFIX.md.
+It writes load/results/skinny_linear-<kind>.md (load/results_file.py) and, with --configs, the best
+configuration per product as a JSON table that EngineOptions.skinny_configs takes (for a GPU other
+than the one worker/kernels/skinny_configs.py was measured on).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
+import json
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from load.results_file import write_results_to  # noqa: E402
+from load.results_file import add_out_argument, device_kind, write_result  # noqa: E402
 from pollen.worker.kernels import activations, norms  # noqa: E402
 from pollen.worker.kernels import skinny as sk  # noqa: E402
 
@@ -105,7 +109,8 @@ def layer_chain(m, shape, layers):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True, help="path prefix: writes PREFIX.json and PREFIX.md")
+    add_out_argument(p, "skinny_linear")
+    p.add_argument("--configs", default=None, help="also write the tile table here, for EngineOptions.skinny_configs")
     p.add_argument("--shapes", default="qwen3-0.6b,qwen3-4b")
     p.add_argument("--rows", default="16,32,64", help="row counts (the graph buckets of one query)")
     args = p.parse_args()
@@ -137,7 +142,7 @@ def main():
         torch.cuda.empty_cache()
     import triton
 
-    meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "triton": triton.__version__}
     lines = ["| product | rows | separate kernels (µs) | skinny (µs) | config (BN, BK, warps, stages, split K) |",
              "| --- | ---: | ---: | ---: | --- |"]
@@ -149,10 +154,14 @@ def main():
     for key, r in chains.items():
         name, m = key.rsplit(" m=", 1)
         lines.append(f"| {name} | {m} | {r['separate_us']:.2f} | {r['skinny_us']:.2f} |")
-    header = (f"# Skinny products at query sizes, {meta['date']}\n\n{meta['gpu']}, torch {meta['torch']}, "
-              f"triton {meta['triton']}. Mean µs inside a CUDA graph over {LAYERS} layers with distinct "
-              f"weights. Command: `python load/bench_skinny_linear.py --out {args.out}`.\n\n")
-    write_results_to(args.out, {"meta": meta, "results": results, "layer": chains, "configs": configs}, header, "\n".join(lines))
+    header = (f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}. Mean µs inside a "
+              f"CUDA graph over {LAYERS} layers with distinct weights.\n\n")
+    figures = {"meta": meta, "results": results, "layer": chains, "configs": configs}
+    if args.configs:
+        with open(args.configs, "w") as f:
+            json.dump({"meta": meta, "configs": configs}, f, indent=1)
+    write_result("skinny_linear", device_kind(), "Skinny products at query sizes", header + "\n".join(lines),
+                 figures, args.out)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """One GPU against two, in the same run on a machine with two or more: `pollen serve --devices 0`
 then `--devices 0,1`, and one GPU's worker killed under load.
 
-    python load/bench_two_gpus.py --tokenizer TOKENIZER.json --out load/results/STEM [--seconds 5]
+    python load/bench_two_gpus.py --tokenizer TOKENIZER.json [--seconds 5]
 
 docs      the bench_e2e docs workload (token ids, 16 texts a message, 4 streams of 32 messages in
           flight) through EmbedStream: tokens/s on one GPU and on two
@@ -11,14 +11,13 @@ kill      on the two-GPU server, 128 unary clients for --kill-seconds; 2 s in, `
           come back on GPU 1 (nvidia-smi's compute apps), and the server report SERVING after
 
 Server flags: defaults, plus the request limits bench_e2e uses for its large docs messages.
-Results: STEM.json and STEM.md (date, GPUs, versions, command).
+Writes load/results/two_gpus-<kind>.md (load/results_file.py).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -28,11 +27,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from load import load_clients  # noqa: E402
-from load.bench_concurrency import query_texts, server_processes, versions  # noqa: E402
+from load.bench_concurrency import add_model_args, query_texts, server_processes, versions  # noqa: E402
 from load.bench_e2e import stream_docs  # noqa: E402
 from load.bench_engine import DOCS, docs  # noqa: E402
 from load.gpu_models import SHAPES, make_checkpoint, with_tokenizer  # noqa: E402
-from load.results_file import write_results_to  # noqa: E402
+from load.results_file import add_out_argument, device_kind, write_result  # noqa: E402
 from tests.conftest import ServerProcess  # noqa: E402
 
 DEVICE = "cuda"  # --device; cpu only to check this script on a machine without GPUs
@@ -122,32 +121,28 @@ def one_server(devices: str, path: str, d, texts, args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="qwen3-0.6b")
-    p.add_argument("--root", default="/tmp/pollen-ckpt")
-    p.add_argument("--tokenizer", required=True)
+    add_model_args(p)
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--kill-seconds", type=float, default=12.0)
     p.add_argument("--docs-scale", type=float, default=1.0)
     p.add_argument("--client-processes", type=int, default=8)
-    p.add_argument("--device", default="cuda", help="cpu: --workers 1 against 2, to check this script")
-    p.add_argument("--out", required=True)
+    add_out_argument(p, "two_gpus")
     args = p.parse_args()
     global DEVICE
     DEVICE = args.device
     path = with_tokenizer(make_checkpoint(args.shape, args.root), args.tokenizer)
     d = docs(int(DOCS.get(args.shape, 20000) * args.docs_scale), SHAPES[args.shape]["vocab_size"], 2048)
     texts = query_texts()
-    result = {"meta": versions(), "command": " ".join(shlex.quote(a) for a in sys.argv),
-              "one_gpu": one_server("0", path, d, texts, args), "two_gpus": one_server("0,1", path, d, texts, args)}
-    write_results_to(args.out, result, header(result), table(result))
+    result = {"meta": versions(), "one_gpu": one_server("0", path, d, texts, args), "two_gpus": one_server("0,1", path, d, texts, args)}
+    write_result("two_gpus", device_kind(args.device), "One GPU against two through `pollen serve`",
+                 header(result) + table(result), result, args.out)
 
 
 def header(result: dict) -> str:
     m = result["meta"]
-    return (f"# One GPU against two through `pollen serve`, {m['date']}\n\n"
-            f"{m.get('gpu', 'CPU')} x2, {m['cores']} cores, torch {m['torch']}, grpcio {m['grpcio']}, Python "
-            f"{m['python']}; server defaults (frontends by core count) plus bench_e2e's request limits; "
-            f"clients on the same machine. Command: `{result['command']}`.\n\n")
+    return (f"{m.get('gpu', 'CPU')} x2, {m['cores']} cores, torch {m['torch']}, grpcio {m['grpcio']}, Python "
+            f"{m['python']}, {m['date']}; server defaults (frontends by core count) plus bench_e2e's request "
+            "limits; clients on the same machine.\n\n")
 
 
 def ratio(a: float, b: float) -> str:

@@ -1,0 +1,122 @@
+"""load/'s result files, A/B table and GPU run scripts, on this machine (no GPU, no server): the
+result convention's names and round trip, the A/B verdicts, tables of partial runs, and every flag
+load/run_gpu.sh and load/ab_commits.sh pass being one the benchmark takes."""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from load import ab_report, results_file  # noqa: E402
+
+
+@pytest.mark.parametrize("name, kind", [("NVIDIA H200", "gpu-h200"), ("NVIDIA H100 80GB HBM3", "gpu-h100-80gb-hbm3"),
+                                        ("NVIDIA GeForce RTX 4090", "gpu-geforce-rtx-4090"), ("", "gpu-unknown")])
+def test_a_gpu_kind_is_a_slug_of_its_name(name, kind):
+    assert results_file.gpu_kind(name) == kind
+    assert results_file.NAME.match(f"engine-{kind}.md")
+
+
+def test_a_cpu_run_is_of_kind_cpu():
+    assert results_file.device_kind("cpu") == "cpu"
+    assert results_file.result_path("http", "cpu") == REPO / "load" / "results" / "http-cpu.md"
+
+
+def test_a_result_file_holds_title_command_commit_text_and_figures(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [str(REPO / "load" / "bench_engine.py"), "--shapes", "qwen3-0.6b", "--x", "a b"])
+    path = results_file.write_result("engine", "gpu-h200", "Title", "| a |\n| --- |\n| 1 |\n",
+                                     {"docs": {"tokens_per_s": 4.5e5}, "n": [1, 2]}, str(tmp_path / "r.md"))
+    text = path.read_text()
+    assert text.startswith("# Title\n\nCommand: `python load/bench_engine.py --shapes qwen3-0.6b --x 'a b'`\n\nCommit: ")
+    assert "| a |\n| --- |\n| 1 |\n" in text
+    assert results_file.read_figures(path) == {"docs": {"tokens_per_s": 4.5e5}, "n": [1, 2]}
+    assert "wrote" in capsys.readouterr().out
+    again = results_file.write_result("engine", "gpu-h200", "Again", "t", {"n": 3}, str(path), command="bash x.sh",
+                                      commit="old a, new b")
+    assert again.read_text().startswith("# Again\n\nCommand: `bash x.sh`\n\nCommit: old a, new b\n")  # replaced
+
+
+def test_the_measured_commit_is_that_of_the_imported_pollen():
+    commit = results_file.measured_commit()
+    assert commit == "unknown" or re.match(r"^[0-9a-f]{7,}", commit)
+
+
+def write_figures(folder: pathlib.Path, name: str, side: str, round_: int, figures: dict) -> None:
+    results_file.write_result(name, "cpu", name, "", figures, str(folder / f"{name}-{side}-{round_}.md"))
+
+
+def figures_of(name: str, value: float) -> dict:
+    return {"engine": {"shapes": [{"ours_graphs": {"docs": {"tokens_per_s": value}}}]},
+            "e2e": {"docs": {"tokens_per_s": value}},
+            "unary": {"levels": {"unary-128": {"queries_per_s": value}}},
+            "one": {"rows": [{"client": "sync", "p50_ms": value}]}}[name]
+
+
+def test_the_ab_table_compares_medians_within_three_percent(tmp_path):
+    rounds = {"engine": ([450e3, 452e3], [446e3, 440e3]),  # 0.98: kept
+              "e2e": ([440e3, 444e3], [420e3, 425e3]),     # 0.96: lost
+              "unary": ([20e3, 21e3], [21e3, 22e3]),       # faster
+              "one": ([1.60, 1.62], [1.70, 1.69])}         # 1.06 slower: lost
+    for name, (old, new) in rounds.items():
+        for r, (o, n) in enumerate(zip(old, new), 1):
+            write_figures(tmp_path, name, "old", r, figures_of(name, o))
+            write_figures(tmp_path, name, "new", r, figures_of(name, n))
+    values = ab_report.collect(tmp_path)
+    assert values["engine"] == {"old": [450e3, 452e3], "new": [446e3, 440e3]}
+    text = ab_report.table(values, "aaa", "bbb")
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert rows["engine docs (bench_engine --docs-only)"].endswith("| 451,000 | 443,000 | 0.982 | yes |")
+    assert rows["docs through EmbedStream (bench_e2e --docs-only)"].endswith("| NO |")
+    assert rows["unary queries at 128 clients (bench_concurrency)"].endswith("| yes |")
+    assert rows["one client p50, blocking stub (bench_one_client)"].endswith("| 1.610 | 1.695 | 1.053 | NO |")
+
+
+def test_an_ab_figure_missing_on_one_side_is_not_measured(tmp_path):
+    write_figures(tmp_path, "unary", "old", 1, figures_of("unary", 20e3))
+    write_figures(tmp_path, "unary", "new", 1, {"levels": {}})  # that run answered nothing
+    text = ab_report.table(ab_report.collect(tmp_path), "a", "b")
+    assert "| unary queries at 128 clients (bench_concurrency) | queries/s | 20,000 | - | | | | not measured |" in text
+
+
+def test_tables_of_partial_runs():
+    from load import bench_e2e, bench_engine
+
+    meta = {"gpu": "NVIDIA H200", "driver": "1", "torch": "2", "cuda": "13", "transformers": "5", "python": "3.12",
+            "date": "d"}
+    shapes = [{"shape": "qwen3-0.6b", "ours_graphs": {"docs": {"tokens_per_s": 450e3, "mfu": 0.5}}}]
+    assert "| qwen3-0.6b | docs tokens/s (MFU) | - | - | 450,000 (50%) |  |" in bench_engine.markdown(meta, 8e14, shapes)
+    res = {"meta": meta, "docs": {"tokens_per_s": 440e3}}
+    assert "| qwen3-0.6b | - | 440,000 | - | - |" in bench_e2e.markdown(res, argparse.Namespace(shape="qwen3-0.6b"))
+
+
+def invocations(script: pathlib.Path) -> dict[str, set[str]]:
+    """load/bench_<name>.py -> the flags a shell script passes it (continued lines joined)."""
+    text = script.read_text().replace("\\\n", " ")
+    out: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        for match in re.finditer(r"(load/bench_\w+\.py)([^;|&]*)", line):
+            out.setdefault(match[1], set()).update(re.findall(r"(?<![\w-])--[a-z][a-z-]*", match[2]))
+    return out
+
+
+@pytest.mark.parametrize("script", ["run_gpu.sh", "ab_commits.sh"])
+def test_the_gpu_scripts_pass_only_flags_the_benchmarks_take(script):
+    path = REPO / "load" / script
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    calls = invocations(path)
+    assert calls
+    for bench, flags in calls.items():
+        helped = subprocess.run([sys.executable, str(REPO / bench), "--help"], capture_output=True, text=True,
+                                timeout=300)
+        assert helped.returncode == 0, helped.stderr
+        unknown = {f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}\b", helped.stdout)}
+        assert not unknown, f"{script} passes {bench} {sorted(unknown)}"
