@@ -283,9 +283,7 @@ def default_frontends(device: str, workers: int) -> int:
     three for every four cores left after each GPU worker's two (its loop and the driver's
     threads). A saturated frontend keeps one core busy with its event loop and part of another
     with gRPC's poller thread; a quarter of the spare cores is left for those threads and the
-    kernel's network work. On a 16-core H200 host (14 spare) 11 frontends answered 12.4-13.4k
-    unary calls/s at 128 clients against 10.6-11.1k for 7, and 14 did worse at 128 clients
-    (load/results/gpu-frontend-count-2026-12-01.md)."""
+    kernel's network work."""
     if device != "cuda":
         return 1
     spare = usable_cores() - 2 * workers

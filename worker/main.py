@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
 
     worker = Worker(cfg, *load(cfg))
     try:
-        # One inference mode around the whole loop: an engine entering it for each batch paid 3.6 µs
-        # in a tight loop and 34 µs on a core that had idled (load/results/gpu-engine-copies-*.md).
+        # One inference mode around the whole loop: entering it for each batch costs every batch
+        # time, the more on a core that had idled.
         with torch.inference_mode():
             worker.run()
     finally:
