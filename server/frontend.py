@@ -17,7 +17,6 @@ itself.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
 import json
 import logging
@@ -33,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pollen.common import control
+from pollen.common.process import bootstrap, config_from_argv
 from pollen.server import metrics, tracing
 from pollen.server.admission import Admission
 from pollen.server.channel import WorkerChannel
@@ -212,20 +212,10 @@ class Frontend:
             self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL us when the supervisor goes."""
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-
-
 async def serve(fcfg: FrontendConfig) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, lambda: None)  # Ctrl-C reaches the supervisor, which says when
     frontend = Frontend.build(fcfg)
     try:
         await frontend.run(stop)
@@ -237,23 +227,11 @@ async def serve(fcfg: FrontendConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m pollen.server.frontend '<FrontendConfig as JSON>' (the server starts frontends)",
-              file=sys.stderr)
-        return 2
-    fcfg = FrontendConfig(**json.loads(argv[0]))
-    die_with_parent()
+    fcfg = config_from_argv(FrontendConfig, argv, "pollen.server.frontend")
+    # Ctrl-C reaches the supervisor, which says when to stop; SIGTERM is the supervisor's word.
+    bootstrap(f"pollen-frontend[{fcfg.index}]", fcfg.cpu_cores, ignore=(signal.SIGINT,))
     logging.basicConfig(level=fcfg.serve.get("log_level", "INFO").upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s pollen-frontend[{fcfg.index}] %(name)s: %(message)s")
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(f"pollen-frontend[{fcfg.index}]")
-    except ImportError:
-        pass
-    if fcfg.cpu_cores:
-        os.sched_setaffinity(0, fcfg.cpu_cores)
     import uvloop
 
     try:
