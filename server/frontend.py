@@ -43,7 +43,7 @@ from pollen.server.router import Router
 from pollen.server.served_model import served_spec
 from pollen.server.service import GRPC_LIMIT_FACTOR, EmbedderService, add_to_server
 from pollen.server.tokenizer import TextTokenizer
-from pollen.shared_mem.ring import Ring
+from pollen.shared_mem.ring_pair import RingPair
 from pollen.shared_mem.server_state import ServerState
 from pollen.v1 import embedder_pb2 as pb
 
@@ -158,8 +158,7 @@ class Frontend:
                 if body["kind"] == "worker_up":
                     channel = self.channels[body["worker"]]
                     channel.detach(requeue=True)
-                    channel.attach(Ring.attach(body["requests"], fds[0], fds[1]),
-                                   Ring.attach(body["responses"], fds[2], fds[3]))
+                    channel.attach(*RingPair.received(body, fds).attach())
                 elif body["kind"] == "worker_down":
                     self.channels[body["worker"]].detach(requeue=True)
                     self.update_health()

@@ -38,7 +38,7 @@ from pollen.server.frontend import FrontendConfig
 from pollen.server.grpc_core import GRPC_CORE_ENV
 from pollen.server.tokenizer import FRONTEND_ENV
 from pollen.shared_mem.ring import Ring
-from pollen.shared_mem.segment import unlink_segment
+from pollen.shared_mem.ring_pair import RingPair
 from pollen.shared_mem.server_state import ServerState
 
 log = logging.getLogger("pollen.supervisor")
@@ -128,7 +128,7 @@ class Supervisor:
         self.claims: list[Claim] = []
         self.workers: list[Child | None] = [None] * cfg.workers
         self.frontends: list[Child | None] = [None] * cfg.frontends
-        self.pairs: dict[tuple[int, int], tuple[str, str]] = {}  # (frontend, worker) -> ring names
+        self.pairs: dict[tuple[int, int], RingPair] = {}  # (frontend, worker) -> their rings
         self.listening: set[int] = set()
         self.failure: str | None = None  # why the start failed
         self.started = False
@@ -213,19 +213,17 @@ class Supervisor:
 
     def connect(self, f: int, w: int) -> None:
         """A fresh ring pair between frontend f and worker w, handed to both."""
-        requests = Ring.create(self.cfg.request_ring_bytes)
-        responses = Ring.create(self.cfg.response_ring_bytes)
-        fds = (requests.data_fd, requests.space_fd, responses.data_fd, responses.space_fd)
-        names = {"requests": requests.name, "responses": responses.name}
-        self.pairs[f, w] = (requests.name, responses.name)
-        self.workers[w].send({"kind": "add_link", "frontend": f, **names}, fds)
-        self.frontends[f].send({"kind": "worker_up", "worker": w, **names}, fds)
-        for ring in (requests, responses):
+        rings = Ring.create(self.cfg.request_ring_bytes), Ring.create(self.cfg.response_ring_bytes)
+        self.pairs[f, w] = pair = RingPair.of(*rings)
+        self.workers[w].send({"kind": "add_link", "frontend": f, **pair.names()}, pair.fds)
+        self.frontends[f].send({"kind": "worker_up", "worker": w, **pair.names()}, pair.fds)
+        for ring in rings:
             ring.close()  # both peers hold their own fds and mappings now
 
     def disconnect(self, f: int, w: int) -> None:
-        for name in self.pairs.pop((f, w), ()):
-            unlink_segment(name)
+        pair = self.pairs.pop((f, w), None)
+        if pair is not None:
+            pair.unlink()
 
     def on_frontend_message(self, f: int, child: Child) -> None:
         try:

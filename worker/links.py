@@ -6,6 +6,7 @@ from __future__ import annotations
 import select
 
 from pollen.shared_mem.ring import Ring
+from pollen.shared_mem.ring_pair import RingPair
 
 # An idle worker sleeps in long slices: a frontend re-signals a lost wake-up every few ms while
 # it has requests out (server/channel.py, tick), so a laptop stays quiet.
@@ -17,8 +18,7 @@ class Link:
 
     def __init__(self, frontend: int, requests: str, responses: str, fds: list[int]):
         self.frontend = frontend
-        self.requests = Ring.attach(requests, fds[0], fds[1], wait_slice=IDLE_SLICE)
-        self.responses = Ring.attach(responses, fds[2], fds[3])
+        self.requests, self.responses = RingPair(requests, responses, tuple(fds)).attach(wait_slice=IDLE_SLICE)
         self.gone = False  # the supervisor said its frontend died; drop_link follows
 
     def close(self) -> None:
