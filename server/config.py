@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import resource
 
 from pollen.common.engine_options import EngineOptions, parse_switch
 from pollen.common.model_spec import DEFAULT_MODEL_NAME, default_model_path
 from pollen.server import tracing
+from pollen.server.grpc_core import GRPC_CORE_ENV
 
 # --default-truncate's values: the proto's Truncate names in lower case, as the HTTP door takes them.
 TRUNCATE_NAMES = ("none", "end", "start")
@@ -260,6 +262,40 @@ class ServeConfig:
         parser = argparse.ArgumentParser(prog="pollen serve", description="Serve embeddings over gRPC.")
         add_flags(parser, environ if environ is not None else os.environ)
         return cls(**vars(parser.parse_args(argv)))
+
+
+# A frontend's environment, unless the user's sets the same variable: the tokenizers library
+# encodes on the calling thread, not on a pool of its own that would compete with the frontends
+# (they spread tokenization over their loops and --tokenizer-threads), and gRPC core's settings.
+FRONTEND_ENV = {"TOKENIZERS_PARALLELISM": "false", **GRPC_CORE_ENV}
+
+
+@dataclasses.dataclass(slots=True)
+class FrontendConfig:
+    """A frontend process's config: the server's, and this frontend's place in it."""
+    index: int
+    serve: ServeConfig
+    listen: str          # the gRPC address to bind ("" for none: a unix path is one frontend's)
+    http_listen: str     # the HTTP address to bind ("" for none)
+    control_fd: int      # this frontend's end of its control socket, inherited
+    state: str           # the server state segment
+    cpu_cores: list = dataclasses.field(default_factory=list)  # affinity; empty: leave as is
+
+    def __post_init__(self) -> None:
+        if isinstance(self.serve, dict):  # as to_json wrote it
+            self.serve = ServeConfig(**self.serve)
+
+    @classmethod
+    def of(cls, serve: ServeConfig, index: int, *, listen: str, http_listen: str, control_fd: int, state: str,
+           cpu_cores: list[int]) -> FrontendConfig:
+        """Frontend `index`'s config; `listen` and `http_listen` are the claimed addresses."""
+        listen = listen if index == 0 or not listen.startswith("unix:") else ""
+        return cls(index, serve, listen, http_listen, control_fd, state, cpu_cores)
+
+    def to_json(self) -> str:
+        """For the frontend's command line: the server's config without its secrets (ServeConfig.to_dict)."""
+        return json.dumps({**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+                           "serve": self.serve.to_dict()})
 
 
 def open_files_limit() -> int:

@@ -17,8 +17,6 @@ itself.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import logging
 import os
 import signal
@@ -36,7 +34,7 @@ from pollen.common.process import bootstrap, config_from_argv
 from pollen.server import metrics, tracing
 from pollen.server.admission import Admission
 from pollen.server.channel import WorkerChannel
-from pollen.server.config import ServeConfig
+from pollen.server.config import FrontendConfig, ServeConfig
 from pollen.server.http11 import HttpServer
 from pollen.server.http_door import HttpDoor, error_response
 from pollen.server.router import Router
@@ -52,21 +50,6 @@ log = logging.getLogger("pollen.frontend")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Embedder"].full_name
 SERVICES = ("", SERVICE_NAME)  # the names the health service answers for
 QUIET_S = 0.2  # a draining frontend stops once no call has arrived for this long
-
-
-@dataclasses.dataclass(slots=True)
-class FrontendConfig:
-    index: int
-    serve: dict          # the ServeConfig's fields, resolved by the supervisor
-    listen: str          # the gRPC address to bind ("" for none: a unix path is one frontend's)
-    http_listen: str     # the HTTP address to bind ("" for none)
-    control_fd: int      # this frontend's end of its control link, inherited
-    state: str           # the server state segment
-    parent_pid: int
-    cpu_cores: list = dataclasses.field(default_factory=list)  # affinity; empty: leave as is
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
 
 
 def grpc_options(cfg: ServeConfig) -> list[tuple]:
@@ -120,7 +103,7 @@ class Frontend:
     @classmethod
     def build(cls, fcfg: FrontendConfig) -> Frontend:
         """Wire the parts; nothing listens yet."""
-        cfg = ServeConfig(**fcfg.serve)
+        cfg = fcfg.serve
         spec = served_spec(cfg)  # with --default-prompt-name and --served-model-name (server/served_model.py)
         state = ServerState.attach(fcfg.state)
         executor = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="pollen-tokenize")
@@ -229,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     fcfg = config_from_argv(FrontendConfig, argv, "pollen.server.frontend")
     # Ctrl-C reaches the supervisor, which says when to stop; SIGTERM is the supervisor's word.
     bootstrap(f"pollen-frontend[{fcfg.index}]", fcfg.cpu_cores, ignore=(signal.SIGINT,))
-    logging.basicConfig(level=fcfg.serve.get("log_level", "INFO").upper(), stream=sys.stderr,
+    logging.basicConfig(level=fcfg.serve.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s pollen-frontend[{fcfg.index}] %(name)s: %(message)s")
     import uvloop
 

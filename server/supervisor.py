@@ -33,10 +33,7 @@ from pollen.common import control
 from pollen.common.worker_config import WorkerConfig
 from pollen.server import auth, metrics
 from pollen.server.address import Claim, claim
-from pollen.server.config import ServeConfig
-from pollen.server.frontend import FrontendConfig
-from pollen.server.grpc_core import GRPC_CORE_ENV
-from pollen.server.tokenizer import FRONTEND_ENV
+from pollen.server.config import FRONTEND_ENV, FrontendConfig, ServeConfig
 from pollen.shared_mem.ring import Ring
 from pollen.shared_mem.ring_pair import RingPair
 from pollen.shared_mem.server_state import ServerState
@@ -174,18 +171,9 @@ class Supervisor:
     # ---- children ----
 
     def spawn_worker(self, w: int) -> None:
-        cfg = self.cfg
         ours, theirs = control.pair()
-        wcfg = WorkerConfig(
-            index=w, model=cfg.model, device=cfg.device, threads=cfg.worker_threads,
-            max_batch_tokens=cfg.max_batch_tokens, bulk_batch_tokens=cfg.bulk_batch_tokens, parent_pid=os.getpid(),
-            control_fd=theirs.fileno(), state=self.state.name, response_ring_bytes=cfg.response_ring_bytes,
-            gpu=cfg.gpu_list()[w] if cfg.device == "cuda" else -1,
-            cuda_device=cfg.cuda_device(w) if cfg.device == "cuda" else "",
-            cpu_cores=worker_cores(cfg, w), dtype=cfg.worker_dtype(), cuda_graphs=cfg.cuda_graphs == "on",
-            graph_max_tokens=cfg.graph_max_tokens, pooling=cfg.pooling, attention=cfg.attention,
-            bulk_sms=cfg.bulk_sms, spin_us=cfg.worker_spin_us, warmup_s=cfg.warmup_seconds,
-            engine_options=cfg.engine_options())
+        wcfg = WorkerConfig.of(self.cfg, w, control_fd=theirs.fileno(), state=self.state.name,
+                               cpu_cores=worker_cores(self.cfg, w))
         argv = [sys.executable, "-m", "pollen.worker", wcfg.to_json()]
         self.workers[w] = child = Child(f"worker {w}", argv, theirs, ours, lambda c, code: self.on_worker_exit(w, code),
                                         env=auth.without_keys(os.environ))
@@ -196,14 +184,12 @@ class Supervisor:
 
     def spawn_frontend(self, f: int) -> None:
         ours, theirs = control.pair()
-        listen = self.listen if f == 0 or not self.listen.startswith("unix:") else ""
-        fcfg = FrontendConfig(index=f, serve=self.cfg.to_dict(), listen=listen, http_listen=self.http_listen,
-                              control_fd=theirs.fileno(), state=self.state.name, parent_pid=os.getpid(),
-                              cpu_cores=frontend_cores(self.cfg))
+        fcfg = FrontendConfig.of(self.cfg, f, listen=self.listen, http_listen=self.http_listen,
+                                 control_fd=theirs.fileno(), state=self.state.name, cpu_cores=frontend_cores(self.cfg))
         argv = [sys.executable, "-m", "pollen.server.frontend", fcfg.to_json()]
         self.frontends[f] = child = Child(f"frontend {f}", argv, theirs, ours,
                                           lambda c, code: self.on_frontend_exit(f, c, code),
-                                          env={**FRONTEND_ENV, **GRPC_CORE_ENV, **os.environ})
+                                          env={**FRONTEND_ENV, **os.environ})
         self.loop.add_reader(child.control.fileno(), self.on_frontend_message, f, child)
         if self.started:  # a frontend restarted after the start
             child.send({"kind": "started"})

@@ -31,7 +31,7 @@ def load(cfg: WorkerConfig):
                          graph_max_tokens=cfg.graph_max_tokens or None, defer_capture=True,
                          bulk_sms=cfg.bulk_sms)
     # First-call costs, and on CUDA the likely query graphs, before READY rather than on a client.
-    engine.warm_up(cfg.warmup_s)
+    engine.warm_up(cfg.warmup_seconds)
     return engine, model.spec
 
 
