@@ -1,6 +1,5 @@
 """How a child process of the server starts: `python -m <module> '<its config as JSON>'`, then
-`bootstrap` dies with the supervisor, takes its cores, leaves the signals the supervisor answers to
-it, and names itself in the process list."""
+`bootstrap` ties it to the supervisor, to its cores and to its name."""
 from __future__ import annotations
 
 import ctypes
@@ -8,6 +7,8 @@ import json
 import os
 import signal
 import sys
+
+import setproctitle
 
 PR_SET_PDEATHSIG = 1
 
@@ -22,9 +23,9 @@ def config_from_argv(cls, argv: list[str] | None, module: str):
 
 
 def bootstrap(title: str, cpu_cores: list[int], ignore: tuple[int, ...]) -> None:
-    """Ask Linux to SIGKILL us when the supervisor goes (no orphan holds a port or a device),
-    ignore the signals in `ignore` (the supervisor says when to stop), run on `cpu_cores` (empty:
-    as inherited) and show `title` in the process list."""
+    """Have Linux SIGKILL us when the supervisor goes (no orphan holds a port or a device), ignore
+    the signals in `ignore` (the supervisor says when to stop), run on `cpu_cores` (empty: as
+    inherited) and show `title` in the process list."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
@@ -33,9 +34,4 @@ def bootstrap(title: str, cpu_cores: list[int], ignore: tuple[int, ...]) -> None
         signal.signal(sig, signal.SIG_IGN)
     if cpu_cores:
         os.sched_setaffinity(0, cpu_cores)
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(title)
-    except ImportError:
-        pass
+    setproctitle.setproctitle(title)

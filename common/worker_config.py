@@ -50,11 +50,11 @@ class WorkerConfig:
         its worker settings, and this worker's GPU, cores, control socket and server state."""
         same = {f.name: getattr(serve, f.name) for f in dataclasses.fields(serve) if f.name in cls.__dataclass_fields__}
         cuda = serve.device == "cuda"
-        return cls(**{**same, "index": index, "threads": serve.worker_threads, "parent_pid": os.getpid(),
-                      "control_fd": control_fd, "state": state, "gpu": serve.gpu_list()[index] if cuda else -1,
-                      "cuda_device": serve.cuda_device(index) if cuda else "", "cpu_cores": cpu_cores,
-                      "dtype": serve.worker_dtype(), "cuda_graphs": serve.cuda_graphs == "on",
-                      "spin_us": serve.worker_spin_us, "engine_options": serve.engine_options()})
+        return cls(**{**same, "dtype": serve.worker_dtype(), "cuda_graphs": serve.cuda_graphs == "on"},
+                   index=index, threads=serve.worker_threads, parent_pid=os.getpid(), control_fd=control_fd,
+                   state=state, gpu=serve.gpu_list()[index] if cuda else -1, cpu_cores=cpu_cores,
+                   cuda_device=serve.cuda_device(index) if cuda else "", spin_us=serve.worker_spin_us,
+                   engine_options=serve.engine_options())
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

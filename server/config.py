@@ -1,4 +1,5 @@
-"""The frontend's one config object, built from flags that each fall back to a POLLEN_* variable."""
+"""The server's one validated config (ServeConfig), built from flags that each fall back to a POLLEN_*
+variable, and a frontend's config derived from it (FrontendConfig; a worker's: common/worker_config.py)."""
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,7 @@ FD_RESERVE = 256
 
 DESCRIPTION = ("Serve the text embeddings of one model over gRPC (pollen.v1.Embedder, with health and reflection) "
                "and HTTP (OpenAI-compatible /v1/embeddings), in the foreground until SIGTERM or Ctrl-C. Every flag "
-               "is also a variable (--max-batch-tokens 4096 is POLLEN_MAX_BATCH_TOKENS=4096); a flag wins.")
+               "is also a variable: POLLEN_ and its name in capitals (POLLEN_MAX_BATCH_TOKENS); a flag given wins.")
 MODEL, NETWORK, PROCESSES, LIMITS, GPU, OBSERVABILITY, ENGINE = (
     "model", "network", "processes", "limits", "GPU (--device cuda)", "observability", "engine switches")
 ENGINE_TEXT = ("the engine's kernel switches (EngineOptions, common/engine_options.py) are flags and variables "
@@ -160,10 +161,8 @@ class ServeConfig:
             self.model = default_model_path()
             self.served_model_name = self.served_model_name or DEFAULT_MODEL_NAME
         self.check_values()
-        # An empty variable (POLLEN_REVISION=) means unset, as for the other optional names.
-        self.revision = self.revision or None
-        self.served_model_name = self.served_model_name or None
-        self.default_prompt_name = self.default_prompt_name or None
+        for name in ("revision", "served_model_name", "default_prompt_name"):  # an empty variable means unset
+            setattr(self, name, getattr(self, name) or None)
         cuda = self.device == "cuda"
         if cuda:
             # Resolved once, here: asking nvidia-smi again at each worker (re)start would be waste.
@@ -259,9 +258,8 @@ class ServeConfig:
         return cls(**vars(parser.parse_args(argv)))
 
 
-# A frontend's environment, unless the user's sets the same variable: the tokenizers library
-# encodes on the calling thread, not on a pool of its own that would compete with the frontends
-# (they spread tokenization over their loops and --tokenizer-threads), and gRPC core's settings.
+# A frontend's environment, unless the user's sets the same variable: gRPC core's settings, and the
+# tokenizers library on the calling thread, not on a pool of its own that competes with the frontends.
 FRONTEND_ENV = {"TOKENIZERS_PARALLELISM": "false", **GRPC_CORE_ENV}
 
 
@@ -312,11 +310,10 @@ def visible_device(gpu: int, inherited: str | None) -> str:
 
 
 def default_frontends(device: str, workers: int) -> int:
-    """One frontend on the CPU (the workers need the cores); with GPUs, enough to keep them fed:
-    three for every four cores left after each GPU worker's two (its loop and the driver's
-    threads). A saturated frontend keeps one core busy with its event loop and part of another
-    with gRPC's poller thread; a quarter of the spare cores is left for those threads and the
-    kernel's network work."""
+    """One frontend on the CPU (the workers need the cores); with GPUs, three for every four cores
+    left after each GPU worker's two (its loop and the driver's threads): a saturated frontend
+    keeps one core busy and part of another (gRPC's poller thread), and the kernel's network work
+    needs some too."""
     if device != "cuda":
         return 1
     spare = usable_cores() - 2 * workers
@@ -389,13 +386,10 @@ def _either(items) -> str:
 
 
 class _Help(argparse.HelpFormatter):
-    """Each flag on a line of its own with its help below; no word broken at a hyphen."""
+    """Each flag on a line of its own with its help below; no flag broken at a hyphen."""
 
     def __init__(self, prog: str):
         super().__init__(prog, max_help_position=6)
 
     def _split_lines(self, text: str, width: int) -> list[str]:
         return textwrap.wrap(text, width, break_on_hyphens=False)
-
-    def _fill_text(self, text: str, width: int, indent: str) -> str:
-        return textwrap.fill(text, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False)

@@ -2,9 +2,9 @@
 
 The supervisor (server/supervisor.py) starts --frontends of these. Each serves gRPC and HTTP on
 the shared addresses (the kernel spreads connections over them: SO_REUSEPORT), tokenizes and
-admits requests, and sends them to every worker through its own ring pairs, one channel per
-worker (server/channel.py). The control link (common/control.py) brings each worker's rings
-(worker_up) and takes them away when the worker dies (worker_down).
+admits requests, and sends them to every worker through its own ring pair with it, the frontend's
+end of which is a WorkerChannel (server/channel.py). The control socket (common/control.py)
+brings each worker's ring pair (worker_up) and takes it away when the worker dies (worker_down).
 
 Three steps: `build` wires the parts (nothing listens yet); `run` opens both doors, says
 `listening` to the supervisor and SERVING on health once the supervisor says the server has
@@ -93,9 +93,8 @@ class Frontend:
         self.control = socket.socket(fileno=fcfg.control_fd)
         self.control.setblocking(False)
         self.started = False   # every worker was ready once: SERVING from then on while one is
-        # The supervisor said the server has started (every frontend listening, every worker
-        # ready): before that a frontend's or a worker's death still aborts the whole start, so
-        # health must not say SERVING yet.
+        # The supervisor said the server has started (every frontend listening, every worker ready);
+        # until then a child's death aborts the whole start, so health must not say SERVING.
         self.server_started = False
         self.draining = False
         self.serving: bool | None = None
@@ -133,8 +132,7 @@ class Frontend:
         await stop.wait()
 
     def on_control(self, stop: asyncio.Event) -> None:
-        """A message from the supervisor: a worker's rings to use, a worker gone, or the server
-        started."""
+        """A message from the supervisor: a worker's ring pair, a worker gone, or the server started."""
         try:
             while (message := control.receive(self.control)) is not None:
                 body, fds = message

@@ -3,19 +3,17 @@
 The supervisor holds no client connection and runs no model. It claims the listening addresses
 (server/address.py), creates the server state (shared_mem/server_state.py) and one ring pair per
 (frontend, worker), starts --frontends frontend processes (server/frontend.py) and one worker per
-device (worker/), hands each side its rings over the control links (common/control.py), and then
+device (worker/), hands each side its rings over the control sockets (common/control.py), and then
 watches: a child that dies is started again; a worker whose heartbeat stops for
 --worker-hang-timeout is killed first. When a worker dies every frontend is told (worker_down):
 it reads what the worker finished and sends the rest again to the next worker; when a frontend
 dies every worker forgets its requests (drop_link) — its clients' connections died with it.
 
-Restarts: a worker dead before READY waits 0.5 s doubling (at most 30 s) before the next try; one
-that was serving is restarted at once. A frontend is restarted after 0.5 s.
-
-SIGTERM or SIGINT: every frontend drains and answers what it received (server/frontend.py), then
-each worker is told to finish what it holds and exit, and the shared memory is removed.
-
-Everything here runs on one asyncio loop; children are watched through pidfds.
+Restarts: a worker dead before READY waits 0.5 s doubling (at most MAX_BACKOFF_S) before the next
+try; one that was serving is restarted at once; a frontend after FRONTEND_RESTART_S. SIGTERM or
+SIGINT: every frontend drains and answers what it received (server/frontend.py), then each worker
+is told to finish what it holds and exit, and the shared memory is removed. Everything here runs
+on one asyncio loop; children are watched through pidfds.
 """
 from __future__ import annotations
 
@@ -78,7 +76,7 @@ def frontend_cores(cfg: ServeConfig, cores: list[int] | None = None) -> list[int
 
 
 class Child:
-    """A frontend or worker process: its control link and its pidfd."""
+    """A frontend or worker process: its control socket and its pidfd."""
 
     def __init__(self, name: str, argv: list[str], theirs: socket.socket, ours: socket.socket, on_exit,
                  env: dict[str, str] | None = None):

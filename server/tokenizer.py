@@ -137,7 +137,7 @@ class TextTokenizer:
         if len(texts) == 1 and len(prompt) + len(texts[0]) <= SHORT_CHARS:
             # One short text (a query): one call of the tokenizer, special tokens and all; only a
             # text that turns out too long takes the path below, which cuts it exactly. The fast
-            # batch call skips the offsets we never read: a third less CPU than encode().
+            # batch call skips the offsets, which we never read.
             text = prompt + texts[0]
             fast = self.ascii_bpe.ids(text) if self.ascii_bpe is not None else None
             if fast is not None:

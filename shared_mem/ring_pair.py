@@ -1,6 +1,6 @@
-"""A ring pair: the request ring from one frontend to one worker and the response ring back. The
-supervisor creates it and hands it to both over their control sockets (common/control.py): the
-rings' names in the message, their four eventfds beside it, in the order of `RingPair.fds`."""
+"""A ring pair: the request ring from one frontend to one worker and the response ring back, as
+the supervisor hands it to both over their control sockets (common/control.py): the rings' names
+in the message, their four eventfds beside it, in the order of `RingPair.fds`."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,11 +22,9 @@ class RingPair:
 
     @classmethod
     def received(cls, body: dict, fds: list[int]) -> RingPair:
-        """The pair a control message names, with the fds that came beside it."""
         return cls(body["requests"], body["responses"], tuple(fds))
 
-    def names(self) -> dict[str, str]:
-        """The rings' names as a control message carries them."""
+    def names(self) -> dict[str, str]:  # as a control message carries them
         return {"requests": self.requests, "responses": self.responses}
 
     def attach(self, wait_slice: float = DEFAULT_WAIT_SLICE) -> tuple[Ring, Ring]:

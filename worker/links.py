@@ -1,6 +1,5 @@
-"""The worker's side of its frontends: one `Link` (a request ring in, a response ring out) per
-frontend process, added and dropped by the supervisor over the control link (common/control.py).
-"""
+"""The worker's side of its frontends: a `Link` is its end of one frontend's ring pair (a request
+ring in, a response ring out), added and dropped by the supervisor over the control socket."""
 from __future__ import annotations
 
 import select
@@ -27,7 +26,7 @@ class Link:
 
 
 def wait_for_work(links: list[Link], control_fd: int, timeout: float) -> None:
-    """Sleep until a request ring has data, the control link has a message, or `timeout` s pass.
+    """Sleep until a request ring has data, the control socket has a message, or `timeout` s pass.
 
     Each request ring's consumer_sleeping flag is set before the rings are checked again, so a
     frontend that commits after the check writes the eventfd (the ring's sleep protocol).

@@ -3,7 +3,7 @@
 One worker per device. It sees and allocates on its one GPU (CUDA_VISIBLE_DEVICES narrowed before
 torch starts), runs on its share of the cores, names itself in its process title, dies with its
 parent, loads the model and pays its first-call costs, then runs the loop (worker/loop.py) over
-the links its frontends get (the control link brings them).
+its end of each frontend's ring pair (the control socket brings them).
 """
 from __future__ import annotations
 
