@@ -1,9 +1,9 @@
-"""The control link between the supervisor and each frontend or worker process.
+"""The control socket between the supervisor and each frontend or worker process.
 
 One SOCK_SEQPACKET socket pair per child: the supervisor keeps one end, the child inherits the
 other. A message is one packet: a small JSON object, with file descriptors beside it when it hands
-over a ring pair (SCM_RIGHTS; the receiver owns its copies). The data never travels here: the
-rings carry requests and answers; this link only says which rings to use and when to stop.
+over a ring pair (shared_mem/ring_pair.py; SCM_RIGHTS, the receiver owns its copies). Requests
+and answers travel in the rings; this socket only says which rings to use and when to stop.
 
 Supervisor to frontend:  {"kind": "worker_up", "worker": w, "requests": name, "responses": name}
                           + fds (request data, request space, response data, response space);
@@ -47,7 +47,7 @@ def receive(sock: socket.socket) -> tuple[dict, list[int]] | None:
     except (BlockingIOError, InterruptedError):
         return None
     if not data:
-        raise EOFError("the control link's peer closed it")
+        raise EOFError("the control socket's peer closed it")
     return json.loads(data), fds
 
 

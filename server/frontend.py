@@ -2,9 +2,9 @@
 
 The supervisor (server/supervisor.py) starts --frontends of these. Each serves gRPC and HTTP on
 the shared addresses (the kernel spreads connections over them: SO_REUSEPORT), tokenizes and
-admits requests, and sends them to every worker through its own ring pairs, one channel per
-worker (server/channel.py). The control link (common/control.py) brings each worker's rings
-(worker_up) and takes them away when the worker dies (worker_down).
+admits requests, and sends them to every worker through its own ring pair with it, the frontend's
+end of which is a WorkerChannel (server/channel.py). The control socket (common/control.py)
+brings each worker's ring pair (worker_up) and takes it away when the worker dies (worker_down).
 
 Three steps: `build` wires the parts (nothing listens yet); `run` opens both doors, says
 `listening` to the supervisor and SERVING on health once the supervisor says the server has
@@ -17,9 +17,6 @@ itself.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import dataclasses
-import json
 import logging
 import os
 import signal
@@ -33,17 +30,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pollen.common import control
+from pollen.common.process import bootstrap, config_from_argv
 from pollen.server import metrics, tracing
 from pollen.server.admission import Admission
 from pollen.server.channel import WorkerChannel
-from pollen.server.config import ServeConfig
+from pollen.server.config import FrontendConfig, ServeConfig
 from pollen.server.http11 import HttpServer
 from pollen.server.http_door import HttpDoor, error_response
 from pollen.server.router import Router
 from pollen.server.served_model import served_spec
 from pollen.server.service import GRPC_LIMIT_FACTOR, EmbedderService, add_to_server
 from pollen.server.tokenizer import TextTokenizer
-from pollen.shared_mem.ring import Ring
+from pollen.shared_mem.ring_pair import RingPair
 from pollen.shared_mem.server_state import ServerState
 from pollen.v1 import embedder_pb2 as pb
 
@@ -52,21 +50,6 @@ log = logging.getLogger("pollen.frontend")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Embedder"].full_name
 SERVICES = ("", SERVICE_NAME)  # the names the health service answers for
 QUIET_S = 0.2  # a draining frontend stops once no call has arrived for this long
-
-
-@dataclasses.dataclass(slots=True)
-class FrontendConfig:
-    index: int
-    serve: dict          # the ServeConfig's fields, resolved by the supervisor
-    listen: str          # the gRPC address to bind ("" for none: a unix path is one frontend's)
-    http_listen: str     # the HTTP address to bind ("" for none)
-    control_fd: int      # this frontend's end of its control link, inherited
-    state: str           # the server state segment
-    parent_pid: int
-    cpu_cores: list = dataclasses.field(default_factory=list)  # affinity; empty: leave as is
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
 
 
 def grpc_options(cfg: ServeConfig) -> list[tuple]:
@@ -81,10 +64,7 @@ def grpc_options(cfg: ServeConfig) -> list[tuple]:
         # with a reason), so let the core hold many more.
         ("grpc.server.max_pending_requests", 1 << 16),
         ("grpc.server.max_pending_requests_hard_limit", 1 << 17),
-        # Channelz keeps per-call statistics for its debug service, which pollen does not serve:
-        # nobody could read them. In a one-off A/B of the bare gRPC row of
-        # load/bench_frontend_floor.py on the 2-core machine (two runs each, not kept as a
-        # result): 220 against 224-233 µs of CPU a call.
+        # Channelz keeps per-call statistics for its debug service, which pollen does not serve.
         ("grpc.enable_channelz", 0),
     ]
 
@@ -113,9 +93,8 @@ class Frontend:
         self.control = socket.socket(fileno=fcfg.control_fd)
         self.control.setblocking(False)
         self.started = False   # every worker was ready once: SERVING from then on while one is
-        # The supervisor said the server has started (every frontend listening, every worker
-        # ready): before that a frontend's or a worker's death still aborts the whole start, so
-        # health must not say SERVING yet.
+        # The supervisor said the server has started (every frontend listening, every worker ready);
+        # until then a child's death aborts the whole start, so health must not say SERVING.
         self.server_started = False
         self.draining = False
         self.serving: bool | None = None
@@ -123,7 +102,7 @@ class Frontend:
     @classmethod
     def build(cls, fcfg: FrontendConfig) -> Frontend:
         """Wire the parts; nothing listens yet."""
-        cfg = ServeConfig(**fcfg.serve)
+        cfg = fcfg.serve
         spec = served_spec(cfg)  # with --default-prompt-name and --served-model-name (server/served_model.py)
         state = ServerState.attach(fcfg.state)
         executor = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="pollen-tokenize")
@@ -153,16 +132,14 @@ class Frontend:
         await stop.wait()
 
     def on_control(self, stop: asyncio.Event) -> None:
-        """A message from the supervisor: a worker's rings to use, a worker gone, or the server
-        started."""
+        """A message from the supervisor: a worker's ring pair, a worker gone, or the server started."""
         try:
             while (message := control.receive(self.control)) is not None:
                 body, fds = message
                 if body["kind"] == "worker_up":
                     channel = self.channels[body["worker"]]
                     channel.detach(requeue=True)
-                    channel.attach(Ring.attach(body["requests"], fds[0], fds[1]),
-                                   Ring.attach(body["responses"], fds[2], fds[3]))
+                    channel.attach(*RingPair.received(body, fds).attach())
                 elif body["kind"] == "worker_down":
                     self.channels[body["worker"]].detach(requeue=True)
                     self.update_health()
@@ -215,20 +192,10 @@ class Frontend:
             self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL us when the supervisor goes."""
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-
-
 async def serve(fcfg: FrontendConfig) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, lambda: None)  # Ctrl-C reaches the supervisor, which says when
     frontend = Frontend.build(fcfg)
     try:
         await frontend.run(stop)
@@ -240,23 +207,11 @@ async def serve(fcfg: FrontendConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m pollen.server.frontend '<FrontendConfig as JSON>' (the server starts frontends)",
-              file=sys.stderr)
-        return 2
-    fcfg = FrontendConfig(**json.loads(argv[0]))
-    die_with_parent()
-    logging.basicConfig(level=fcfg.serve.get("log_level", "INFO").upper(), stream=sys.stderr,
+    fcfg = config_from_argv(FrontendConfig, argv, "pollen.server.frontend")
+    # Ctrl-C reaches the supervisor, which says when to stop; SIGTERM is the supervisor's word.
+    bootstrap(f"pollen-frontend[{fcfg.index}]", fcfg.cpu_cores, ignore=(signal.SIGINT,))
+    logging.basicConfig(level=fcfg.serve.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s pollen-frontend[{fcfg.index}] %(name)s: %(message)s")
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(f"pollen-frontend[{fcfg.index}]")
-    except ImportError:
-        pass
-    if fcfg.cpu_cores:
-        os.sched_setaffinity(0, fcfg.cpu_cores)
     import uvloop
 
     try:

@@ -2,20 +2,13 @@
 when it starts), unless the user's environment sets the same variable (an empty value gives gRPC's
 own defaults back).
 
-GRPC_EXPERIMENTS: in the grpcio releases pollen takes (1.84 on), gRPC reads and writes its sockets,
-and accepts connections, on EventEngine threads, which then wake the thread that waits on the
-completion queue (a grpc.aio server's poller thread, which in turn wakes the event loop). With
-these experiments off, gRPC takes its older iomgr path: the thread that waits on the completion
-queue polls the sockets itself, so a call's bytes reach the handler with one cross-thread wake-up
-less each way. A lone query feels each wake-up, and a frontend under load pays for each in CPU. On
-the 2-core machine, grpc.aio answering a fixed vector to grpc's blocking stub (`python
-load/bench_grpc_latency.py`): p50 0.31 against 0.37 ms a call with only the server's side changed
-(0.22 with both ends); under 32 clients (`load/bench_frontend_floor.py`) 108 against 126 µs of the
-server's CPU a call, and a real frontend 190 against 207. On the H200
-(load/results/gpu-grpc-latency-2026-12-02.md) 0.38 against 0.47 ms (0.16 with both ends), and one
-client of a full server about 0.1 ms faster (docs/architecture.md, "gRPC core's own threads"). A
-grpcio that no longer knows one of these experiments logs "Unknown experiment" and carries on with
-its defaults; tests/test_frontend_grpc_core.py then fails.
+GRPC_EXPERIMENTS turns off the experiments that read and write sockets, and accept connections, on
+EventEngine threads, which then wake the thread that waits on the completion queue (a grpc.aio
+server's poller thread, which wakes the event loop). On gRPC's older iomgr path that thread polls
+the sockets itself: one cross-thread wake-up less each way per call, which a lone query feels in
+its latency and a loaded frontend pays for in CPU. A grpcio that no longer knows one of these
+experiments logs "Unknown experiment" and keeps its defaults; tests/test_frontend_grpc_core.py
+then fails.
 """
 from __future__ import annotations
 

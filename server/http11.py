@@ -303,7 +303,8 @@ class _Connection(asyncio.Protocol):
         # A cancelled handler (the client left, or the stop's grace ran out) ends here, unanswered.
         self.task = None
         try:
-            self.outgoing.extend(self._encode(response, close=self.server.stopping or self.server.draining))
+            self.outgoing.extend(_encode(self.conn, response, self.server.stopping or self.server.draining,
+                                         self.head_only))
             self._pump()
         except Exception:  # a bug in this file: log it, drop the connection, keep the server
             log.exception("HTTP connection failed")
@@ -326,20 +327,6 @@ class _Connection(asyncio.Protocol):
             self.transport.writelines(batch)  # one system call for the head and a small body
         if not self.outgoing and not self.transport.is_closing():
             self._after_response()
-
-    def _encode(self, response: Response, close: bool) -> list[bytes]:
-        """The response as bytes, through h11: it says `Connection: close` whenever it will close
-        (asked to, or the request said so, or it was HTTP/1.0); a HEAD answer has no body."""
-        headers = [(b"Content-Type", response.content_type.encode("latin-1")),
-                   (b"Content-Length", b"%d" % len(response.body)),
-                   (b"Connection", b"close" if close else b"keep-alive")]
-        headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items()]
-        reason = _REASONS.get(response.status, "Unknown").encode("latin-1")
-        parts = [self.conn.send(h11.Response(status_code=response.status, headers=headers, reason=reason))]
-        if response.body and not self.head_only:
-            parts += self.conn.send_with_data_passthrough(h11.Data(data=response.body))
-        parts.append(self.conn.send(h11.EndOfMessage()))
-        return parts
 
     def _after_response(self) -> None:
         if self.client_done or self.conn.our_state is not h11.DONE or self.conn.their_state is not h11.DONE:
@@ -374,7 +361,7 @@ class _Connection(asyncio.Protocol):
         self.lingering = True
         response = self.server.error_response(exc.status, exc.message)
         try:
-            self.transport.writelines(self._encode(response, close=True))
+            self.transport.writelines(_encode(self.conn, response, True, self.head_only))
         except h11.LocalProtocolError:  # h11 cannot answer in this state: close without a word
             self.transport.close()
             return
@@ -411,15 +398,25 @@ def _refusal_of(exc: h11.RemoteProtocolError) -> ProtocolError:
     return ProtocolError(exc.error_status_hint, f"malformed request: {cut(message)}")
 
 
+def _encode(conn: h11.Connection, response: Response, close: bool, head_only: bool = False) -> list[bytes]:
+    """The response as bytes, through h11: it says `Connection: close` whenever it will close
+    (asked to, or the request said so, or it was HTTP/1.0); a HEAD answer has no body."""
+    headers = [(b"Content-Type", response.content_type.encode("latin-1")),
+               (b"Content-Length", b"%d" % len(response.body)),
+               (b"Connection", b"close" if close else b"keep-alive")]
+    headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items()]
+    reason = _REASONS.get(response.status, "Unknown").encode("latin-1")
+    parts = [conn.send(h11.Response(status_code=response.status, headers=headers, reason=reason))]
+    if response.body and not head_only:
+        parts += conn.send_with_data_passthrough(h11.Data(data=response.body))
+    parts.append(conn.send(h11.EndOfMessage()))
+    return parts
+
+
 def _standalone(response: Response) -> bytes:
     """`response` as bytes for a connection whose request will not be read (refused at accept):
     h11 serializes a response only as the answer to a request, so it answers a stand-in one."""
     conn = h11.Connection(h11.SERVER)
     conn.receive_data(b"GET / HTTP/1.1\r\nHost: pollen\r\n\r\n")
     conn.next_event()
-    headers = [(b"Content-Type", response.content_type.encode("latin-1")),
-               (b"Content-Length", b"%d" % len(response.body)), (b"Connection", b"close")]
-    headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items()]
-    return b"".join((conn.send(h11.Response(status_code=response.status, headers=headers,
-                                            reason=_REASONS[response.status].encode("latin-1"))),
-                     conn.send(h11.Data(data=response.body)), conn.send(h11.EndOfMessage())))
+    return b"".join(_encode(conn, response, close=True))

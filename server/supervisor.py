@@ -3,19 +3,17 @@
 The supervisor holds no client connection and runs no model. It claims the listening addresses
 (server/address.py), creates the server state (shared_mem/server_state.py) and one ring pair per
 (frontend, worker), starts --frontends frontend processes (server/frontend.py) and one worker per
-device (worker/), hands each side its rings over the control links (common/control.py), and then
+device (worker/), hands each side its rings over the control sockets (common/control.py), and then
 watches: a child that dies is started again; a worker whose heartbeat stops for
 --worker-hang-timeout is killed first. When a worker dies every frontend is told (worker_down):
 it reads what the worker finished and sends the rest again to the next worker; when a frontend
 dies every worker forgets its requests (drop_link) — its clients' connections died with it.
 
-Restarts: a worker dead before READY waits 0.5 s doubling (at most 30 s) before the next try; one
-that was serving is restarted at once. A frontend is restarted after 0.5 s.
-
-SIGTERM or SIGINT: every frontend drains and answers what it received (server/frontend.py), then
-each worker is told to finish what it holds and exit, and the shared memory is removed.
-
-Everything here runs on one asyncio loop; children are watched through pidfds.
+Restarts: a worker dead before READY waits 0.5 s doubling (at most MAX_BACKOFF_S) before the next
+try; one that was serving is restarted at once; a frontend after FRONTEND_RESTART_S. SIGTERM or
+SIGINT: every frontend drains and answers what it received (server/frontend.py), then each worker
+is told to finish what it holds and exit, and the shared memory is removed. Everything here runs
+on one asyncio loop; children are watched through pidfds.
 """
 from __future__ import annotations
 
@@ -33,12 +31,9 @@ from pollen.common import control
 from pollen.common.worker_config import WorkerConfig
 from pollen.server import auth, metrics
 from pollen.server.address import Claim, claim
-from pollen.server.config import ServeConfig
-from pollen.server.frontend import FrontendConfig
-from pollen.server.grpc_core import GRPC_CORE_ENV
-from pollen.server.tokenizer import FRONTEND_ENV
+from pollen.server.config import FRONTEND_ENV, FrontendConfig, ServeConfig
 from pollen.shared_mem.ring import Ring
-from pollen.shared_mem.segment import unlink_segment
+from pollen.shared_mem.ring_pair import RingPair
 from pollen.shared_mem.server_state import ServerState
 
 log = logging.getLogger("pollen.supervisor")
@@ -81,7 +76,7 @@ def frontend_cores(cfg: ServeConfig, cores: list[int] | None = None) -> list[int
 
 
 class Child:
-    """A frontend or worker process: its control link and its pidfd."""
+    """A frontend or worker process: its control socket and its pidfd."""
 
     def __init__(self, name: str, argv: list[str], theirs: socket.socket, ours: socket.socket, on_exit,
                  env: dict[str, str] | None = None):
@@ -128,7 +123,7 @@ class Supervisor:
         self.claims: list[Claim] = []
         self.workers: list[Child | None] = [None] * cfg.workers
         self.frontends: list[Child | None] = [None] * cfg.frontends
-        self.pairs: dict[tuple[int, int], tuple[str, str]] = {}  # (frontend, worker) -> ring names
+        self.pairs: dict[tuple[int, int], RingPair] = {}  # (frontend, worker) -> their rings
         self.listening: set[int] = set()
         self.failure: str | None = None  # why the start failed
         self.started = False
@@ -174,18 +169,9 @@ class Supervisor:
     # ---- children ----
 
     def spawn_worker(self, w: int) -> None:
-        cfg = self.cfg
         ours, theirs = control.pair()
-        wcfg = WorkerConfig(
-            index=w, model=cfg.model, device=cfg.device, threads=cfg.worker_threads,
-            max_batch_tokens=cfg.max_batch_tokens, bulk_batch_tokens=cfg.bulk_batch_tokens, parent_pid=os.getpid(),
-            control_fd=theirs.fileno(), state=self.state.name, response_ring_bytes=cfg.response_ring_bytes,
-            gpu=cfg.gpu_list()[w] if cfg.device == "cuda" else -1,
-            cuda_device=cfg.cuda_device(w) if cfg.device == "cuda" else "",
-            cpu_cores=worker_cores(cfg, w), dtype=cfg.worker_dtype(), cuda_graphs=cfg.cuda_graphs == "on",
-            graph_max_tokens=cfg.graph_max_tokens, pooling=cfg.pooling, attention=cfg.attention,
-            bulk_sms=cfg.bulk_sms, spin_us=cfg.worker_spin_us, warmup_s=cfg.warmup_seconds,
-            engine_options=cfg.engine_options())
+        wcfg = WorkerConfig.of(self.cfg, w, control_fd=theirs.fileno(), state=self.state.name,
+                               cpu_cores=worker_cores(self.cfg, w))
         argv = [sys.executable, "-m", "pollen.worker", wcfg.to_json()]
         self.workers[w] = child = Child(f"worker {w}", argv, theirs, ours, lambda c, code: self.on_worker_exit(w, code),
                                         env=auth.without_keys(os.environ))
@@ -196,14 +182,12 @@ class Supervisor:
 
     def spawn_frontend(self, f: int) -> None:
         ours, theirs = control.pair()
-        listen = self.listen if f == 0 or not self.listen.startswith("unix:") else ""
-        fcfg = FrontendConfig(index=f, serve=self.cfg.to_dict(), listen=listen, http_listen=self.http_listen,
-                              control_fd=theirs.fileno(), state=self.state.name, parent_pid=os.getpid(),
-                              cpu_cores=frontend_cores(self.cfg))
+        fcfg = FrontendConfig.of(self.cfg, f, listen=self.listen, http_listen=self.http_listen,
+                                 control_fd=theirs.fileno(), state=self.state.name, cpu_cores=frontend_cores(self.cfg))
         argv = [sys.executable, "-m", "pollen.server.frontend", fcfg.to_json()]
         self.frontends[f] = child = Child(f"frontend {f}", argv, theirs, ours,
                                           lambda c, code: self.on_frontend_exit(f, c, code),
-                                          env={**FRONTEND_ENV, **GRPC_CORE_ENV, **os.environ})
+                                          env={**FRONTEND_ENV, **os.environ})
         self.loop.add_reader(child.control.fileno(), self.on_frontend_message, f, child)
         if self.started:  # a frontend restarted after the start
             child.send({"kind": "started"})
@@ -213,19 +197,17 @@ class Supervisor:
 
     def connect(self, f: int, w: int) -> None:
         """A fresh ring pair between frontend f and worker w, handed to both."""
-        requests = Ring.create(self.cfg.request_ring_bytes)
-        responses = Ring.create(self.cfg.response_ring_bytes)
-        fds = (requests.data_fd, requests.space_fd, responses.data_fd, responses.space_fd)
-        names = {"requests": requests.name, "responses": responses.name}
-        self.pairs[f, w] = (requests.name, responses.name)
-        self.workers[w].send({"kind": "add_link", "frontend": f, **names}, fds)
-        self.frontends[f].send({"kind": "worker_up", "worker": w, **names}, fds)
-        for ring in (requests, responses):
+        rings = Ring.create(self.cfg.request_ring_bytes), Ring.create(self.cfg.response_ring_bytes)
+        self.pairs[f, w] = pair = RingPair.of(*rings)
+        self.workers[w].send({"kind": "add_link", "frontend": f, **pair.names()}, pair.fds)
+        self.frontends[f].send({"kind": "worker_up", "worker": w, **pair.names()}, pair.fds)
+        for ring in rings:
             ring.close()  # both peers hold their own fds and mappings now
 
     def disconnect(self, f: int, w: int) -> None:
-        for name in self.pairs.pop((f, w), ()):
-            unlink_segment(name)
+        pair = self.pairs.pop((f, w), None)
+        if pair is not None:
+            pair.unlink()
 
     def on_frontend_message(self, f: int, child: Child) -> None:
         try:

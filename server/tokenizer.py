@@ -50,16 +50,6 @@ PROMPT_MAX_CHARS = 4096
 # A lone text (with its prompt) of at most this many characters is tokenized in one call with its
 # special tokens (a query's path); the tokenizer's cost for it is bounded by its length.
 SHORT_CHARS = 2048
-# The environment a frontend runs with unless the user's says otherwise. Off, the library encodes
-# on the calling thread. On (its default), every batch call, even a query's one text, is handed
-# to a Rust thread pool of one thread per core and waited for: a cross-thread hop per request,
-# and in every frontend a pool that competes with the frontends' own cores. The frontend already
-# spreads tokenization over its event loop and the tokenizer threads (--tokenizer-threads), and
-# several frontends over the cores. On the 2-core machine, off: 1,534-1,800 requests/s and
-# 491-568 µs of frontend CPU per request against 1,465-1,495 and 564-602 on
-# (load/results/request-cpu-tokenizer-pool-2026-12-01.md).
-FRONTEND_ENV = {"TOKENIZERS_PARALLELISM": "false"}
-
 # BERT splits words before and after whitespace, ASCII punctuation and CJK ideographs (its
 # BertPreTokenizer, and BertNormalizer's handle_chinese_chars), and its normalizer leaves these
 # characters as they are. Unicode punctuation outside ASCII is left out: its category may differ
@@ -147,7 +137,7 @@ class TextTokenizer:
         if len(texts) == 1 and len(prompt) + len(texts[0]) <= SHORT_CHARS:
             # One short text (a query): one call of the tokenizer, special tokens and all; only a
             # text that turns out too long takes the path below, which cuts it exactly. The fast
-            # batch call skips the offsets we never read: a third less CPU than encode().
+            # batch call skips the offsets, which we never read.
             text = prompt + texts[0]
             fast = self.ascii_bpe.ids(text) if self.ascii_bpe is not None else None
             if fast is not None:

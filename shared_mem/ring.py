@@ -222,10 +222,8 @@ class Ring:
         magic, version, capacity = _STATIC.unpack_from(mm)
         if magic != _MAGIC or version != _VERSION or cls.HEADER_BYTES + capacity != size:
             mm.close()
-            raise ValueError(
-                f"{name} is not a pollen ring v{_VERSION}: magic={magic:#x} version={version} "
-                f"capacity={capacity} size={size}"
-            )
+            raise ValueError(f"{name} is not a pollen ring v{_VERSION}: magic={magic:#x} version={version} "
+                             f"capacity={capacity} size={size}")
         return cls(name, mm, data_fd, space_fd, own_fds=own_fds, wait_slice=wait_slice)
 
     # --- producer side ---

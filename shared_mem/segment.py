@@ -68,10 +68,8 @@ def unlink_segment(name: str) -> None:
 
 def cleanup_stale_segments(prefix: str = "pollen") -> list[str]:
     """Remove ``/dev/shm/{prefix}-{pid}-*`` segments (and metrics folders) whose creator pid is
-    gone; return their names.
-
-    A reused pid keeps its stale segment until that process dies too; that is only a leak.
-    """
+    gone; return their names. A reused pid keeps its stale segment until that process dies too:
+    only a leak."""
     pattern = re.compile(re.escape(prefix) + r"-(\d+)-[0-9a-f]+")
     removed = []
     for name in sorted(os.listdir(SHM_DIR)):

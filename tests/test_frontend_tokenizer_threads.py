@@ -1,5 +1,5 @@
 """A frontend tokenizes on its event loop and its --tokenizer-threads, never on the tokenizers
-library's own thread pool (server/tokenizer.py FRONTEND_ENV), unless the user's environment
+library's own thread pool (server/config.py FRONTEND_ENV), unless the user's environment
 turns that pool on: counted as the threads a real frontend gains while it serves."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The worker's end of the control link: a closed link (the supervisor gone) stops the worker
+"""The worker's end of the control socket: a closed socket (the supervisor gone) stops the worker
 with exit status 0 instead of a traceback, after the messages sent before the close."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_a_closed_control_link_stops_the_worker_quietly():
         control.send(supervisor, {"kind": "stop"})
         worker.poll_control()
         assert [body["kind"] for body, _ in worker.control_queue] == ["stop"]
-        worker.poll_control()  # nothing waiting, link open: returns
+        worker.poll_control()  # nothing waiting, socket open: returns
         supervisor.close()
         with pytest.raises(SystemExit) as stopped:
             worker.poll_control()

@@ -1,11 +1,11 @@
-"""The worker's side of its frontends: one `Link` (a request ring in, a response ring out) per
-frontend process, added and dropped by the supervisor over the control link (common/control.py).
-"""
+"""The worker's side of its frontends: a `Link` is its end of one frontend's ring pair (a request
+ring in, a response ring out), added and dropped by the supervisor over the control socket."""
 from __future__ import annotations
 
 import select
 
 from pollen.shared_mem.ring import Ring
+from pollen.shared_mem.ring_pair import RingPair
 
 # An idle worker sleeps in long slices: a frontend re-signals a lost wake-up every few ms while
 # it has requests out (server/channel.py, tick), so a laptop stays quiet.
@@ -17,8 +17,7 @@ class Link:
 
     def __init__(self, frontend: int, requests: str, responses: str, fds: list[int]):
         self.frontend = frontend
-        self.requests = Ring.attach(requests, fds[0], fds[1], wait_slice=IDLE_SLICE)
-        self.responses = Ring.attach(responses, fds[2], fds[3])
+        self.requests, self.responses = RingPair(requests, responses, tuple(fds)).attach(wait_slice=IDLE_SLICE)
         self.gone = False  # the supervisor said its frontend died; drop_link follows
 
     def close(self) -> None:
@@ -27,7 +26,7 @@ class Link:
 
 
 def wait_for_work(links: list[Link], control_fd: int, timeout: float) -> None:
-    """Sleep until a request ring has data, the control link has a message, or `timeout` s pass.
+    """Sleep until a request ring has data, the control socket has a message, or `timeout` s pass.
 
     Each request ring's consumer_sleeping flag is set before the rings are checked again, so a
     frontend that commits after the check writes the eventfd (the ring's sleep protocol).

@@ -3,26 +3,16 @@
 One worker per device. It sees and allocates on its one GPU (CUDA_VISIBLE_DEVICES narrowed before
 torch starts), runs on its share of the cores, names itself in its process title, dies with its
 parent, loads the model and pays its first-call costs, then runs the loop (worker/loop.py) over
-the links its frontends get (the control link brings them).
+its end of each frontend's ring pair (the control socket brings them).
 """
 from __future__ import annotations
 
-import ctypes
-import json
 import os
 import signal
 import sys
 
+from pollen.common.process import bootstrap, config_from_argv
 from pollen.common.worker_config import WorkerConfig
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL us when the supervisor goes, so no orphan holds a device."""
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # not Linux: the parent-pid check in the loop still ends us
 
 
 def load(cfg: WorkerConfig):
@@ -41,42 +31,28 @@ def load(cfg: WorkerConfig):
                          graph_max_tokens=cfg.graph_max_tokens or None, defer_capture=True,
                          bulk_sms=cfg.bulk_sms)
     # First-call costs, and on CUDA the likely query graphs, before READY rather than on a client.
-    engine.warm_up(cfg.warmup_s)
+    engine.warm_up(cfg.warmup_seconds)
     return engine, model.spec
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m pollen.worker '<WorkerConfig as JSON>' (the server starts workers; see "
-              "pollen.common.worker_config)", file=sys.stderr)
-        return 2
-    cfg = WorkerConfig(**json.loads(argv[0]))
-    die_with_parent()
+    cfg = config_from_argv(WorkerConfig, argv, "pollen.worker")
     if cfg.gpu >= 0:
         # Before torch initializes CUDA: this process sees, allocates on and names one GPU.
         os.environ["CUDA_VISIBLE_DEVICES"] = cfg.cuda_device
-    if cfg.cpu_cores:
-        os.sched_setaffinity(0, cfg.cpu_cores)  # our share of the cores, next to our GPU's feeders
-    # SIGTERM/SIGINT go to the supervisor, which stops us over the control link once the
+    where = f"cuda:{cfg.gpu}" if cfg.gpu >= 0 else "cpu"
+    # SIGTERM and SIGINT are the supervisor's: it stops us over the control socket once the
     # frontends have finished their calls.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        import setproctitle
-
-        where = f"cuda:{cfg.gpu}" if cfg.gpu >= 0 else "cpu"
-        setproctitle.setproctitle(f"pollen-worker[{cfg.index}] {where} {os.path.basename(cfg.model)}")
-    except ImportError:
-        pass
+    bootstrap(f"pollen-worker[{cfg.index}] {where} {os.path.basename(cfg.model)}", cfg.cpu_cores,
+              ignore=(signal.SIGINT, signal.SIGTERM))
     import torch
 
     from pollen.worker.loop import Worker
 
     worker = Worker(cfg, *load(cfg))
     try:
-        # One inference mode around the whole loop: an engine entering it for each batch paid 3.6 µs
-        # in a tight loop and 34 µs on a core that had idled (load/results/gpu-engine-copies-*.md).
+        # One inference mode around the whole loop: entering it for each batch costs every batch
+        # time, the more on a core that had idled.
         with torch.inference_mode():
             worker.run()
     finally:
