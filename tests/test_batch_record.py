@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pollen.common.encodings import row_bytes
-from pollen.common.request import LANES, RequestOptions, Task
+from pollen.common.request import LANES, Lane, RequestOptions, Task
 from pollen.shared_mem import records
 from pollen.shared_mem.ring import Ring
 from pollen.v1 import embedder_pb2 as pb
@@ -359,15 +359,13 @@ def test_side_by_side_a_bulk_batch_holds_no_record_and_never_delays_an_interacti
     """The interactive lane's record is held at launch and published when its batch is done,
     even while a bulk batch launched before it still runs: that one takes its record only when
     done (a held record would keep every later record in the ring unpublished)."""
-    from pollen.worker.batcher import BULK, INTERACTIVE
-
     engine = worker.engine = LaterEngine()
     worker.side_by_side = True
     ring = worker.links[0].responses
     bulk, query = make_job(1, [4] * 6, priority=1), make_job(2, [3])
-    worker.submit([(bulk, 0, 6)], BULK)
+    worker.submit([(bulk, 0, 6)], Lane.BULK)
     assert ring.free_bytes() == ring.capacity  # nothing held for the bulk batch
-    worker.submit([(query, 0, 1)], INTERACTIVE)
+    worker.submit([(query, 0, 1)], Lane.INTERACTIVE)
     assert ring.free_bytes() < ring.capacity
     engine.pending[1].finished = True
     assert worker.collect()

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from collections import deque
 
+from pollen.common.request import Lane
 from pollen.worker import loop
-from pollen.worker.batcher import BULK, INTERACTIVE, Batcher
+from pollen.worker.batcher import Batcher
 from pollen.worker.loop import CAPTURE_UNDER_LOAD_EVERY_NS, CAPTURE_UNDER_LOAD_HITS, Worker
 from tests.test_batch_record import make_job
 
@@ -55,23 +56,23 @@ def test_under_load_a_rarely_met_bucket_waits_for_the_lane_to_idle():
     w.batcher.add(make_job(1, [5]))
     w.capture(0)
     assert not w.capture_pending and w.engine.captures == []
-    assert w.launch() and w.launched == [INTERACTIVE]
+    assert w.launch() and w.launched == [Lane.INTERACTIVE]
 
 
 def test_under_load_an_often_met_bucket_is_captured_once_the_lane_s_batches_are_done(monkeypatch):
     w = worker(CountingGraphEngine(hits=CAPTURE_UNDER_LOAD_HITS))
-    w.open[INTERACTIVE].append(object())  # an interactive batch in flight
+    w.open[Lane.INTERACTIVE].append(object())  # an interactive batch in flight
     w.batcher.add(make_job(1, [5]))
-    w.batcher.add(make_job(2, [5], priority=BULK))
+    w.batcher.add(make_job(2, [5], priority=Lane.BULK))
     w.capture(0)
     assert w.capture_pending and w.engine.captures == []  # not while a batch is in flight
-    assert w.launch() and w.launched == [BULK]  # the interactive lane waits; bulk goes on
-    w.open[INTERACTIVE].clear()  # that batch is done and answered
+    assert w.launch() and w.launched == [Lane.BULK]  # the interactive lane waits; bulk goes on
+    w.open[Lane.INTERACTIVE].clear()  # that batch is done and answered
     monkeypatch.setattr(loop.time, "monotonic_ns", lambda: 5)
     assert w.capture(1)
     assert w.engine.captures == [CAPTURE_UNDER_LOAD_HITS] and not w.capture_pending
     assert w.next_load_capture_ns == 5 + CAPTURE_UNDER_LOAD_EVERY_NS
-    assert w.launch() and w.launched == [BULK, INTERACTIVE]  # interactive batches launch again
+    assert w.launch() and w.launched == [Lane.BULK, Lane.INTERACTIVE]  # interactive batches launch again
 
 
 def test_under_load_captures_are_at_most_one_per_interval():

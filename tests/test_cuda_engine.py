@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")]
 
 from pollen.common.engine_options import EngineOptions  # noqa: E402
+from pollen.common.request import Lane  # noqa: E402
 from pollen.worker.engine import EagerEngine  # noqa: E402
 from pollen.worker.models import ops  # noqa: E402
 from pollen.worker.models.loader import load_model  # noqa: E402
@@ -285,7 +286,7 @@ def test_small_batches_on_both_lanes_at_once(tmp_path):
     """Small batches on both lanes at once (the query kernels, split K included, on two streams
     of different priority) all equal the CPU reference: each stream keeps its own split-K arrival
     counters (shared ones let one lane's launch finish another's column block)."""
-    from pollen.worker.cuda_engine import BULK, INTERACTIVE, CudaEngine
+    from pollen.worker.cuda_engine import CudaEngine
     from tests.test_model_qwen3 import make_tiny_qwen3
 
     # Qwen3-0.6B's widths, so the products take their real tile configurations (split K for o and down).
@@ -298,12 +299,12 @@ def test_small_batches_on_both_lanes_at_once(tmp_path):
     queries = [pack(seqs([n], seed=30 + n)) for n in (4, 9, 16, 27)]
     want = {id(b): cpu.submit(b).result() for b in small + queries}
     for b in small:
-        engine.submit(b, lane=BULK).result()
+        engine.submit(b, lane=Lane.BULK).result()
     for b in queries:
-        engine.submit(b, lane=INTERACTIVE).result()
+        engine.submit(b, lane=Lane.INTERACTIVE).result()
     for _ in range(20):
-        pending = [(b, engine.submit(b, lane=BULK)) for b in small]
-        pending += [(b, engine.submit(b, lane=INTERACTIVE)) for b in queries]
+        pending = [(b, engine.submit(b, lane=Lane.BULK)) for b in small]
+        pending += [(b, engine.submit(b, lane=Lane.INTERACTIVE)) for b in queries]
         for b, p in pending:
             assert cos(p.result(), want[id(b)]) >= 0.999, b.tokens
 
@@ -312,7 +313,7 @@ def test_lanes_run_side_by_side_and_equal_the_reference(tmp_path):
     """A bulk batch on the low-priority lane and interactive batches launched behind it on the
     high-priority lane: every result equals the CPU reference, and the interactive ones can be
     done before the bulk one (they do not queue behind it)."""
-    from pollen.worker.cuda_engine import BULK, INTERACTIVE, CudaEngine
+    from pollen.worker.cuda_engine import CudaEngine
 
     path = tiny(tmp_path, "causal")
     cpu = EagerEngine(load_model(path))
@@ -322,11 +323,11 @@ def test_lanes_run_side_by_side_and_equal_the_reference(tmp_path):
     queries = [pack(seqs([n], seed=8 + n)) for n in (5, 9, 17, 30)]
     want_bulk = cpu.submit(bulk).result()
     for q in queries:
-        engine.submit(q, lane=INTERACTIVE).result()  # capture their graphs first
-    pending_bulk = engine.submit(bulk, lane=BULK)
-    pending = [engine.submit(q, lane=INTERACTIVE) for q in queries[:2]]
+        engine.submit(q, lane=Lane.INTERACTIVE).result()  # capture their graphs first
+    pending_bulk = engine.submit(bulk, lane=Lane.BULK)
+    pending = [engine.submit(q, lane=Lane.INTERACTIVE) for q in queries[:2]]
     got = [p.result().copy() for p in pending]
-    pending += [engine.submit(q, lane=INTERACTIVE) for q in queries[2:]]
+    pending += [engine.submit(q, lane=Lane.INTERACTIVE) for q in queries[2:]]
     got += [p.result().copy() for p in pending[2:]]
     for q, rows in zip(queries, got):
         assert cos(rows, cpu.submit(q).result()) >= 0.999
@@ -417,7 +418,7 @@ def test_bulk_lane_in_a_green_context_equals_the_reference(tmp_path):
     """--bulk-sms: the bulk lane's streams come from a green context of that many SMs; its eager
     and graphed batches (the graph captured on that stream) equal the CPU reference, and the
     default leaves an eighth of the SMs (at least 8) to the interactive lane."""
-    from pollen.worker.cuda_engine import BULK, INTERACTIVE, CudaEngine
+    from pollen.worker.cuda_engine import CudaEngine
     from pollen.worker.sm_partition import green_contexts_supported
 
     if not green_contexts_supported():
@@ -426,21 +427,21 @@ def test_bulk_lane_in_a_green_context_equals_the_reference(tmp_path):
     path = tiny(tmp_path, "causal")
     cpu = EagerEngine(load_model(path))
     engine = CudaEngine(load_model(path, "cuda", torch.bfloat16), "cuda", max_batch_tokens=2048, bulk_sms=64)
-    assert engine.bulk_sms == 64 and engine.lanes[BULK].partition is not None
-    assert engine.lanes[INTERACTIVE].partition is None
+    assert engine.bulk_sms == 64 and engine.lanes[Lane.BULK].partition is not None
+    assert engine.lanes[Lane.INTERACTIVE].partition is None
     engine.warm_up()
     batch = pack(seqs([40, 64, 7, 50], seed=12))
     want = cpu.submit(batch).result()
-    first = engine.submit(batch, lane=BULK).result().copy()  # captures its bucket on the green stream
-    assert engine.bucket(batch) in engine.lanes[BULK].graphs
-    pending = engine.submit(batch, lane=BULK)  # the graph replayed beside an interactive batch
-    query = engine.submit(pack(seqs([9], seed=13)), lane=INTERACTIVE)
+    first = engine.submit(batch, lane=Lane.BULK).result().copy()  # captures its bucket on the green stream
+    assert engine.bucket(batch) in engine.lanes[Lane.BULK].graphs
+    pending = engine.submit(batch, lane=Lane.BULK)  # the graph replayed beside an interactive batch
+    query = engine.submit(pack(seqs([9], seed=13)), lane=Lane.INTERACTIVE)
     assert cos(first, want) >= 0.999 and cos(pending.result(), want) >= 0.999
     assert cos(query.result(), cpu.submit(pack(seqs([9], seed=13))).result()) >= 0.999
     # A bulk launch that raises (rows for a buffer of the wrong size) leaves the interactive
     # lane's stream current, never the green context's.
     with pytest.raises(RuntimeError):
-        engine.submit(batch, out=np.empty((1, engine.hidden + 1), np.float32), lane=BULK)
-    assert torch.cuda.current_stream() == engine.lanes[INTERACTIVE].stream
+        engine.submit(batch, out=np.empty((1, engine.hidden + 1), np.float32), lane=Lane.BULK)
+    assert torch.cuda.current_stream() == engine.lanes[Lane.INTERACTIVE].stream
     default = CudaEngine(load_model(path, "cuda", torch.bfloat16), "cuda", max_batch_tokens=512, bulk_sms=-1)
     assert default.bulk_sms == total - max(8, total // 8)

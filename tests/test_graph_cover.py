@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from pollen.worker.cuda_engine import CudaEngine, Lane, token_buckets
+from pollen.worker.cuda_engine import CudaEngine, DeviceLane, token_buckets
 from pollen.worker.packed import pack
 
 
-def lane_with(*shapes, wanted=(), padded=()) -> Lane:
-    lane = object.__new__(Lane)
+def lane_with(*shapes, wanted=(), padded=()) -> DeviceLane:
+    lane = object.__new__(DeviceLane)
     lane.graphs = {shape: None for shape in shapes}
     lane.wanted = {shape: 1 for shape in wanted}
     lane.padded = {shape: 1 for shape in padded}

@@ -38,9 +38,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pollen.common.request import LANES, Lane
 from pollen.shared_mem.records import RequestRecord
 
-INTERACTIVE, BULK = 0, 1
+INTERACTIVE, BULK = LANES  # Lane's members, bound once: each Lane.X costs an enum lookup per batch
 QUANTUM_DIVISOR = 4  # a request's first-pass share of a batch: a quarter of its budget
 _ONE_ROW = np.arange(2, dtype=np.int64)  # row_offsets of a one-sequence, one-row request (read only)
 
@@ -114,12 +115,12 @@ class Batcher:
     with_deadline: int = 0  # queued jobs that carry a deadline: expire() scans only when some do
 
     def add(self, job: Job) -> None:
-        self.lanes[BULK if job.rec.options.lane == BULK else INTERACTIVE].append(job)
+        self.lanes[job.rec.options.lane].append(job)
         self.queued_tokens += job.tokens(0, job.n_seqs)
         self.with_deadline += job.rec.options.deadline_ns != 0
 
     def __bool__(self) -> bool:
-        return bool(self.lanes[0] or self.lanes[1])
+        return bool(self.lanes[INTERACTIVE] or self.lanes[BULK])
 
     def _remove(self, lane: deque, job: Job, batched: int = 0) -> None:
         lane.remove(job)
@@ -154,7 +155,7 @@ class Batcher:
             self._remove(lane, job)
         return [job for _, job in gone]
 
-    def next_batch(self, lane: int | None = None) -> list[tuple[Job, int, int]]:
+    def next_batch(self, lane: Lane | None = None) -> list[tuple[Job, int, int]]:
         """The next batch: of one lane (INTERACTIVE, or BULK up to bulk_batch_tokens), for an
         engine that runs the lanes side by side; or, with `lane` None, of both (the mixed rule in
         the module docstring), for an engine that runs one batch at a time.

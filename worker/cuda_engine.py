@@ -49,8 +49,8 @@ import time
 import numpy as np
 import torch
 
+from pollen.common.request import LANES, Lane
 from pollen.worker import cudart
-from pollen.worker.engine import BULK, INTERACTIVE
 from pollen.worker.lazy import LazyTensor
 from pollen.worker.models.base import EmbeddingModel
 from pollen.worker.models.pooling import normalize_rows, pool_rows
@@ -82,7 +82,7 @@ def pow2_at_least(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, n - 1).bit_length())
 
 
-class Lane:
+class DeviceLane:
     """One lane's stream (of its priority, or from the lane's SM partition), double-buffered
     pinned slots, staging and inputs."""
 
@@ -155,7 +155,7 @@ class CudaEngine:
                 print(f"pollen: no CUDA green context of {self.bulk_sms} SMs ({exc}); the bulk lane uses every SM",
                       file=sys.stderr, flush=True)
                 self.bulk_sms = 0
-        self.lanes = (Lane(self.device, cap, high), Lane(self.device, cap, low, partition))
+        self.lanes = (DeviceLane(self.device, cap, high), DeviceLane(self.device, cap, low, partition))
         # The interactive lane's small copies skip torch's copy_ (worker/cudart.py); None: copy_ throughout.
         self.runtime = cudart.find()
         self.registered: list[int] = []  # host addresses we page-locked (register_host_memory)
@@ -173,17 +173,17 @@ class CudaEngine:
     @property
     def graphs(self) -> dict:
         """The interactive lane's graphs, by bucket."""
-        return self.lanes[INTERACTIVE].graphs
+        return self.lanes[Lane.INTERACTIVE].graphs
 
     @property
     def wanted(self) -> dict:
         """Buckets the interactive lane met under load and ran eagerly, to capture when idle."""
-        return self.lanes[INTERACTIVE].wanted
+        return self.lanes[Lane.INTERACTIVE].wanted
 
     @property
     def padded(self) -> dict:
         """Buckets the interactive lane met under load and ran padded in a larger graph, to capture when idle."""
-        return self.lanes[INTERACTIVE].padded
+        return self.lanes[Lane.INTERACTIVE].padded
 
     # ---------------------------------------------------------------- layout
 
@@ -281,7 +281,7 @@ class CudaEngine:
         hidden = self.model.hidden_states(ids, pos, cu, longest)
         return normalize_rows(pool_rows(hidden, index, first, last, count, self.pooling), norm)
 
-    def capture(self, shape, lane_index: int = INTERACTIVE) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def capture(self, shape, lane_index: Lane = Lane.INTERACTIVE) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture a lane's graph for `shape`, on its stream. Its inputs are the lane's static
         inputs laid out as `shape`; they hold a valid padded batch (see fill) before the warm-up
         run, so no index in them points out of bounds."""
@@ -310,7 +310,7 @@ class CudaEngine:
         return graph, out
 
     def submit(self, batch: PackedBatch, out=None, normalize: np.ndarray | None = None,
-               lane: int = INTERACTIVE) -> LazyTensor:
+               lane: Lane = Lane.INTERACTIVE) -> LazyTensor:
         """Start a batch on a lane (INTERACTIVE: high priority; BULK: low priority)."""
         if torch.is_inference_mode_enabled():  # the worker runs its whole loop in it: entering costs 3-30 µs
             return self._submit(batch, out, normalize, lane)
@@ -343,13 +343,13 @@ class CudaEngine:
                 # Never leave a green context's stream current, not even when the launch raised:
                 # memory freed at exit asks the current stream whether it is capturing, and that
                 # stream's context may be gone by then.
-                torch.cuda.set_stream(self.lanes[INTERACTIVE].stream)
+                torch.cuda.set_stream(self.lanes[Lane.INTERACTIVE].stream)
         done = lane.done[slot]  # reusable: this slot's previous result was read before we got here
         done.record(lane.stream)
         return LazyTensor(result, done)
 
     @staticmethod
-    def covering(lane: Lane, shape: tuple[int, int, int], batch: PackedBatch) -> tuple[int, int, int] | None:
+    def covering(lane: DeviceLane, shape: tuple[int, int, int], batch: PackedBatch) -> tuple[int, int, int] | None:
         """The smallest of the lane's captured graphs that can run `batch` (of bucket `shape`, not
         captured) padded, with at most twice the bucket's tokens; None if there is none. It needs as
         many sequences as the batch plus its padding sequence (and rows), and as long a longest
@@ -369,7 +369,7 @@ class CudaEngine:
         """(eager_batches, padded_batches, graphs held on both lanes): server_state.GRAPH_COUNTS."""
         return self.eager_batches, self.padded_batches, sum(len(lane.graphs) for lane in self.lanes)
 
-    def run_on_lane(self, lane: Lane, slot: int, used: int, batch: PackedBatch, graph, out):
+    def run_on_lane(self, lane: DeviceLane, slot: int, used: int, batch: PackedBatch, graph, out):
         """Upload, run (replay the graph, or eagerly) and start the copy of the rows out, on the
         lane's stream (the current one); the result tensor or buffers the rows land in."""
         self.upload(lane, slot, used)
@@ -398,12 +398,12 @@ class CudaEngine:
             at += len(part)
         return out
 
-    def direct(self, lane: Lane) -> bool:
+    def direct(self, lane: DeviceLane) -> bool:
         """Whether this lane's small copies go straight to the runtime: the interactive lane's,
         where a query waits on them. A green context's streams keep torch's copy_."""
         return self.runtime is not None and lane.partition is None
 
-    def upload(self, lane: Lane, slot: int, used: int) -> None:
+    def upload(self, lane: DeviceLane, slot: int, used: int) -> None:
         """The pinned slot's inputs into the lane's static inputs, on the lane's stream."""
         if used > self.COPY_STREAM_MIN:
             # A sizeable input goes up on the copy stream, beside whatever the GPU still runs; the
@@ -425,7 +425,7 @@ class CudaEngine:
     def most_wanted(self, min_hits: int):
         """The interactive lane's bucket that the most batches ran eagerly in, if at least
         `min_hits` did; else None."""
-        wanted = self.lanes[INTERACTIVE].wanted
+        wanted = self.lanes[Lane.INTERACTIVE].wanted
         shape = max(wanted, key=wanted.get, default=None)
         return shape if shape is not None and wanted[shape] >= min_hits else None
 
@@ -438,7 +438,7 @@ class CudaEngine:
         (a bulk batch may run: the capture waits for the bulk lane's stream). With `min_hits`,
         only the interactive lane's most met bucket, if met at least that often (under load)."""
         if min_hits:
-            shape, lane_index = self.most_wanted(min_hits), INTERACTIVE
+            shape, lane_index = self.most_wanted(min_hits), Lane.INTERACTIVE
         else:  # buckets that ran eagerly first, then those that ran padded; the interactive lane's first
             missed = [(lane.wanted, i) for i, lane in enumerate(self.lanes)]
             missed += [(lane.padded, i) for i, lane in enumerate(self.lanes)]
@@ -478,15 +478,15 @@ class CudaEngine:
         capture the likely query buckets, most likely first, for up to `budget_s` seconds."""
         graphs, self.graphs_on = self.graphs_on, False
         try:
-            for lane in (INTERACTIVE, BULK):
+            for lane in LANES:
                 self.submit(warm_up_batch(), lane=lane).result()
         finally:
             self.graphs_on = graphs
         if not self.graphs_on or budget_s <= 0:
             return
         deadline = time.perf_counter() + budget_s
-        likely = [(shape, INTERACTIVE) for shape in self.query_buckets()]
-        likely += [(shape, BULK) for shape in self.document_buckets()]
+        likely = [(shape, Lane.INTERACTIVE) for shape in self.query_buckets()]
+        likely += [(shape, Lane.BULK) for shape in self.document_buckets()]
         with torch.inference_mode():
             for shape, lane in likely:
                 if time.perf_counter() > deadline:

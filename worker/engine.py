@@ -3,7 +3,7 @@
 The worker loop only knows this interface:
 
     engine.register_host_memory(address, nbytes)   # each response ring's segment, once
-    pending = engine.submit(batch, out=[rows_view, ...], normalize=flags, lane=INTERACTIVE)
+    pending = engine.submit(batch, out=[rows_view, ...], normalize=flags, lane=Lane.INTERACTIVE)
                                      # starts the work; may return before it is done
     pending.done()                   # True once out holds the rows (never blocks)
     pending.result()                 # waits until out holds the rows; returns out
@@ -35,11 +35,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from pollen.common.request import Lane
 from pollen.worker.models.base import EmbeddingModel
 from pollen.worker.models.pooling import normalize_rows, pool_rows
 from pollen.worker.packed import PackedBatch, warm_up_batch
-
-INTERACTIVE, BULK = 0, 1
 
 
 class PendingRows(Protocol):
@@ -76,7 +75,7 @@ class EagerEngine:
         self.pooling = model.spec.pooling
 
     def submit(self, batch: PackedBatch, out=None, normalize: np.ndarray | None = None,
-               lane: int = INTERACTIVE) -> ReadyRows:
+               lane: Lane = Lane.INTERACTIVE) -> ReadyRows:
         t = torch.from_numpy
         with torch.inference_mode():
             hidden = self.model.hidden_states(t(batch.ids), t(batch.positions), t(batch.cu_seqlens),

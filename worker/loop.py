@@ -29,15 +29,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from pollen.common import control, status
+from pollen.common.request import LANES, Lane
 from pollen.common.worker_config import WorkerConfig
 from pollen.shared_mem import records
 from pollen.shared_mem.ring import CommitFirst, Reservation, Ring
 from pollen.shared_mem.server_state import ServerState
 from pollen.worker.batch_answer import BatchAnswer, Progresses
-from pollen.worker.batcher import BULK, INTERACTIVE, Batcher, Job
+from pollen.worker.batcher import Batcher, Job
 from pollen.worker.links import Link, wait_for_work
 from pollen.worker.packed import pack
 
+INTERACTIVE, BULK = LANES  # Lane's members, bound once: each Lane.X costs an enum lookup per turn
 CONTROL_EVERY_NS = 5_000_000  # how often a busy loop looks at the control link
 # A bucket first met under load runs eagerly and is captured once the interactive lane is idle
 # (worker/cuda_engine.py). Under steady interactive load that lane is never idle, and every batch
@@ -65,7 +67,7 @@ class Part:
 class InFlight:
     """A submitted batch: its lane, its parts, the engine's pending result (or the error submit raised)."""
 
-    lane: int
+    lane: Lane
     parts: list[Part]
     pending: object
     error: Exception | None
@@ -183,7 +185,7 @@ class Worker:
                 return True
             return False
         launched = False
-        for lane in (INTERACTIVE, BULK):
+        for lane in LANES:
             if lane == INTERACTIVE and self.capture_pending:
                 continue  # its batches in flight finish first; then the capture (see capture)
             if self.batcher.lanes[lane] and len(self.open[lane]) < 2:
@@ -307,7 +309,7 @@ class Worker:
 
     # ---- batches ----
 
-    def submit(self, spans: list[tuple[Job, int, int]], lane: int) -> InFlight:
+    def submit(self, spans: list[tuple[Job, int, int]], lane: Lane) -> InFlight:
         """Plan each link's part of the batch and launch it. Its records are held now and the
         engine copies the rows straight into them, except for a bulk batch beside interactive
         ones: its records are taken when it is done (a held record would hold back the
