@@ -353,7 +353,7 @@ def test_deferred_capture_runs_eagerly_then_captures_when_idle(tmp_path):
 
 def test_a_bucket_met_often_under_load_is_captured_on_demand(tmp_path):
     """The eager batches of a missed bucket are counted; capture_one(n) captures the interactive
-    lane's most met bucket only once n batches ran in it (worker/loop.py captures under load so),
+    lane's most met bucket only once n batches ran in it (between_batches captures under load so),
     and the graph then answers what the eager runs did."""
     from pollen.worker.cuda_engine import CudaEngine
 
@@ -363,7 +363,7 @@ def test_a_bucket_met_often_under_load_is_captured_on_demand(tmp_path):
     batch = pack(seqs([9, 14, 5, 21], seed=13))
     eager = [engine.submit(batch).result().copy() for _ in range(3)]
     assert list(engine.wanted.values()) == [3] and not engine.graphs
-    assert engine.wants_capture(3) and not engine.wants_capture(4)
+    assert engine.most_wanted(3) is not None and engine.most_wanted(4) is None
     assert not engine.capture_one(4) and not engine.graphs
     assert engine.capture_one(3) and len(engine.graphs) == 1 and not engine.wanted
     assert cos(engine.submit(batch).result(), eager[0]) >= 0.9999
@@ -384,18 +384,18 @@ def test_a_batch_without_its_own_graph_runs_padded_in_a_larger_one(tmp_path, kin
     assert engine.bucket(small) < engine.bucket(large)
     eager_small = engine.submit(small).result().copy()
     eager_large = engine.submit(large).result().copy()
-    assert engine.graph_counts() == (2, 0, 0) and len(engine.wanted) == 2
+    assert engine.counts.tolist() == [2, 0, 0] and len(engine.wanted) == 2
     with torch.inference_mode():
         engine.capture(engine.bucket(large))
     engine.wanted.clear()
     for _ in range(2):  # again: the padding is rewritten each time
         got = engine.submit(small).result().copy()
         assert got.shape == eager_small.shape and cos(got, eager_small) >= 0.9999
-    assert engine.graph_counts() == (2, 2, 1) and list(engine.padded.values()) == [2]
+    assert engine.counts.tolist() == [2, 2, 1] and list(engine.padded.values()) == [2]
     assert cos(engine.submit(large).result(), eager_large) >= 0.9999
     too_large = pack(seqs([60, 61, 62], seed=23))  # more than the graph's tokens: eager
     engine.submit(too_large).result()
-    assert engine.graph_counts() == (3, 2, 1)
+    assert engine.counts.tolist() == [3, 2, 1]
     assert engine.capture_one() and engine.capture_one() and not engine.capture_one()  # eager first, then padded
     assert not engine.padded and len(engine.graphs) == 3
     assert cos(engine.submit(small).result(), eager_small) >= 0.9999

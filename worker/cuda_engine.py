@@ -33,11 +33,15 @@ budget, before the worker says READY), and for a bucket first met under load eit
 (`defer_capture=False`: the batch waits for its capture) or later: the batch runs now in the
 smallest captured graph of the lane that holds it with at most twice its tokens (`covering`:
 padding costs GPU time, an eager forward costs the worker's one thread milliseconds of launches),
-or eagerly if there is none, and `capture_one` captures the bucket when the worker has no
-interactive work, so no client waits for a capture. Under steady interactive load that never
-comes, so a bucket that ran eagerly often is captured then too (worker/loop.py,
-CAPTURE_UNDER_LOAD_HITS): a bounded pause of the interactive lane, once per bucket, instead of
-eager batches for as long as the load lasts. `graph_counts` says how batches ran.
+or eagerly if there is none, and the bucket is captured between batches (`between_batches`):
+- while no interactive work waits or runs, any bucket a batch missed (so a steady bulk stream,
+  which never leaves the worker idle, gets its graphs too) and no client waits for a capture;
+- under interactive load, which may never pause, a bucket that ran eagerly
+  CAPTURE_UNDER_LOAD_HITS times: interactive launches wait while that lane's batches in flight
+  finish, the capture runs, launches go on. At most one such capture per
+  CAPTURE_UNDER_LOAD_EVERY_NS and each bucket once (the set is finite): a bounded pause of the
+  interactive lane instead of eager batches for as long as the load lasts.
+`counts` says how batches ran (shared_mem/server_state.py, GRAPH_COUNTS).
 """
 from __future__ import annotations
 
@@ -56,6 +60,9 @@ from pollen.worker.models.base import EmbeddingModel
 from pollen.worker.models.pooling import normalize_rows, pool_rows
 from pollen.worker.packed import ONE_TEXT_SHARED_MAX, PackedBatch, warm_up_batch
 from pollen.worker.sm_partition import BulkPartition, bulk_sm_count, green_contexts_supported
+
+CAPTURE_UNDER_LOAD_HITS = 8  # eager batches of a bucket that earn it a capture under load
+CAPTURE_UNDER_LOAD_EVERY_NS = 1_000_000_000  # at most one capture under load per this long
 
 
 def token_buckets(limit: int) -> list[int]:
@@ -109,12 +116,6 @@ class DeviceLane:
         self.wanted: dict[tuple[int, int, int], int] = {}
         self.padded: dict[tuple[int, int, int], int] = {}
 
-    def keep(self, shape: tuple[int, int, int], graph: tuple[torch.cuda.CUDAGraph, torch.Tensor]) -> None:
-        """A graph captured for `shape`: its batches stop running eagerly or padded."""
-        self.graphs[shape] = graph
-        self.wanted.pop(shape, None)
-        self.padded.pop(shape, None)
-
     def next_slot(self) -> int:
         slot = self.slot
         self.slot = (slot + 1) % self.SLOTS
@@ -161,8 +162,11 @@ class CudaEngine:
         self.registered: list[int] = []  # host addresses we page-locked (register_host_memory)
         self.defer_capture = defer_capture
         self.capture_seconds = 0.0
-        self.eager_batches = 0  # batches of a graph-sized bucket that ran eagerly: no graph held them
-        self.padded_batches = 0  # batches run in a larger captured graph than their own bucket's
+        # GRAPH_COUNTS: batches of a graph-sized bucket that ran eagerly (no graph held them), batches
+        # run padded in a larger graph than their own bucket's, and graphs held on both lanes.
+        self.counts = np.zeros(3, dtype=np.uint64)
+        self.capture_pending = False  # interactive launches wait for a capture under load
+        self.next_load_capture_ns = 0
         # A lone query's bucket and its pinned layout less its ids and normalize flag, by its length
         # and bucket (see fill_one_text). Bounded: ONE_TEXT_SHARED_MAX lengths, each with its own
         # bucket, and a layout for each bucket it runs in (its own, or a larger captured graph that
@@ -305,7 +309,7 @@ class CudaEngine:
                 out = self.forward(inputs, shape[2])
             finally:
                 graph.capture_end()
-        lane.keep(shape, (graph, out))
+        self.keep(lane_index, shape, (graph, out))
         self.capture_seconds += time.perf_counter() - start
         return graph, out
 
@@ -326,11 +330,11 @@ class CudaEngine:
                 graph = self.capture(shape, lane_index)
             elif (cover := self.covering(lane, shape, batch)) is not None:
                 lane.padded[shape] = lane.padded.get(shape, 0) + 1  # captured when the lane idles
-                self.padded_batches += 1
+                self.counts[1] += 1
                 shape, graph = cover, lane.graphs[cover]
             else:
-                lane.wanted[shape] = lane.wanted.get(shape, 0) + 1  # captured later (capture_one)
-                self.eager_batches += 1
+                lane.wanted[shape] = lane.wanted.get(shape, 0) + 1  # captured later (between_batches)
+                self.counts[0] += 1
                 shape = None
         slot = lane.next_slot()
         lane.staged[slot].synchronize()  # the copy that last read this pinned slot is done
@@ -365,9 +369,17 @@ class CudaEngine:
                 best = key
         return best
 
-    def graph_counts(self) -> tuple[int, int, int]:
-        """(eager_batches, padded_batches, graphs held on both lanes): server_state.GRAPH_COUNTS."""
-        return self.eager_batches, self.padded_batches, sum(len(lane.graphs) for lane in self.lanes)
+    def keep(self, lane_index: Lane, shape: tuple[int, int, int], graph) -> None:
+        """A graph captured for `shape` on a lane: its batches stop running eagerly or padded."""
+        lane = self.lanes[lane_index]
+        lane.graphs[shape] = graph
+        lane.wanted.pop(shape, None)
+        lane.padded.pop(shape, None)
+        self.counts[2] = sum(len(each.graphs) for each in self.lanes)
+
+    def keep_counts_in(self, counts: np.ndarray) -> None:
+        counts[:] = self.counts
+        self.counts = counts
 
     def run_on_lane(self, lane: DeviceLane, slot: int, used: int, batch: PackedBatch, graph, out):
         """Upload, run (replay the graph, or eagerly) and start the copy of the rows out, on the
@@ -429,14 +441,27 @@ class CudaEngine:
         shape = max(wanted, key=wanted.get, default=None)
         return shape if shape is not None and wanted[shape] >= min_hits else None
 
-    def wants_capture(self, min_hits: int) -> bool:
-        return self.most_wanted(min_hits) is not None
+    def between_batches(self, interactive_waiting: bool, interactive_in_flight: bool, now_ns: int) -> bool:
+        """Capture a bucket a batch missed, as the module docstring says; True while interactive
+        launches wait for a capture under load."""
+        if not interactive_waiting and not interactive_in_flight:
+            self.capture_pending = False
+            self.capture_one()
+            return False
+        if not self.capture_pending:
+            self.capture_pending = (now_ns >= self.next_load_capture_ns
+                                    and self.most_wanted(CAPTURE_UNDER_LOAD_HITS) is not None)
+        if self.capture_pending and not interactive_in_flight:
+            self.capture_one(CAPTURE_UNDER_LOAD_HITS)
+            self.capture_pending = False
+            self.next_load_capture_ns = time.monotonic_ns() + CAPTURE_UNDER_LOAD_EVERY_NS
+        return self.capture_pending
 
     def capture_one(self, min_hits: int = 0) -> bool:
         """Capture one bucket a batch met under load (it ran eagerly or padded), the interactive
-        lane's first; False if none waits. The worker calls this when no interactive batch is in flight
-        (a bulk batch may run: the capture waits for the bulk lane's stream). With `min_hits`,
-        only the interactive lane's most met bucket, if met at least that often (under load)."""
+        lane's first; False if none waits. Called when no interactive batch is in flight (a bulk
+        batch may run: the capture waits for the bulk lane's stream). With `min_hits`, only the
+        interactive lane's most met bucket, if met at least that often (under load)."""
         if min_hits:
             shape, lane_index = self.most_wanted(min_hits), Lane.INTERACTIVE
         else:  # buckets that ran eagerly first, then those that ran padded; the interactive lane's first

@@ -36,21 +36,12 @@ from pollen.shared_mem.ring import CommitFirst, Reservation, Ring
 from pollen.shared_mem.server_state import ServerState
 from pollen.worker.batch_answer import BatchAnswer, Progresses
 from pollen.worker.batcher import Batcher, Job
+from pollen.worker.engine import Engine, PendingRows
 from pollen.worker.links import Link, wait_for_work
 from pollen.worker.packed import pack
 
 INTERACTIVE, BULK = LANES  # Lane's members, bound once: each Lane.X costs an enum lookup per turn
 CONTROL_EVERY_NS = 5_000_000  # how often a busy loop looks at the control link
-# A bucket first met under load runs eagerly and is captured once the interactive lane is idle
-# (worker/cuda_engine.py). Under steady interactive load that lane is never idle, and every batch
-# of such a bucket kept running eagerly: milliseconds of kernel launches each, which halved a
-# 512-client run's throughput for its whole length on the H200. So a bucket that has run eagerly
-# CAPTURE_UNDER_LOAD_HITS times is captured under load too: the worker stops launching
-# interactive batches, lets those in flight finish, captures (tens to a couple of hundred ms for
-# the largest query buckets), and goes on; at most one such capture every
-# CAPTURE_UNDER_LOAD_EVERY_NS, and each bucket once (the set is finite).
-CAPTURE_UNDER_LOAD_HITS = 8
-CAPTURE_UNDER_LOAD_EVERY_NS = 1_000_000_000
 
 
 @dataclass(slots=True)
@@ -69,7 +60,7 @@ class InFlight:
 
     lane: Lane
     parts: list[Part]
-    pending: object
+    pending: PendingRows | None
     error: Exception | None
     start_ns: int
 
@@ -80,14 +71,14 @@ class InFlight:
 
 
 class Worker:
-    def __init__(self, cfg: WorkerConfig, engine, spec):
+    def __init__(self, cfg: WorkerConfig, engine: Engine, spec):
         self.cfg = cfg
         self.engine = engine
         self.hidden = spec.hidden_size
         self.native_int8 = spec.native_int8
         self.ready_info = json.dumps({"pid": os.getpid(), "index": cfg.index, "device": cfg.device, "gpu": cfg.gpu,
                                       "dtype": cfg.dtype, "threads": cfg.threads, "model": spec.name,
-                                      "bulk_sms": getattr(engine, "bulk_sms", 0)}).encode()
+                                      "bulk_sms": engine.bulk_sms}).encode()
         self.control = socket.socket(fileno=cfg.control_fd)
         self.control.setblocking(False)
         self.control_queue: deque[tuple[dict, list[int]]] = deque()  # read, not yet acted on
@@ -105,8 +96,6 @@ class Worker:
         self.side_by_side = engine.side_by_side
         self.batches = 0
         self.stopping = False
-        self.capture_pending = False  # interactive launches wait for a capture under load
-        self.next_load_capture_ns = 0
 
     # ---- the loop ----
 
@@ -114,7 +103,7 @@ class Worker:
         """The loop. Each turn adds the time of its phases to the server state (PHASES)."""
         self.state.set_ready(self.cfg.index, True)
         phase = self.state.phase_view(self.cfg.index)  # requests, launch, answer, wait (ns)
-        counts = self.state.counts_view(self.cfg.index)  # eager and padded batches, graphs (CUDA)
+        self.engine.keep_counts_in(self.state.counts_view(self.cfg.index))
         now = time.monotonic_ns
         control_at = 0
         while True:
@@ -126,11 +115,10 @@ class Worker:
             self.drain_requests()
             self.drop_expired()
             t1 = now()
-            captured = self.capture(t1)
+            # The engine's own work (CUDA: graph captures, worker/cuda_engine.py) may hold interactive launches.
+            hold = self.engine.between_batches(bool(self.batcher.lanes[INTERACTIVE]), bool(self.open[INTERACTIVE]), t1)
             # Launch before collecting: batch N+1 is packed and launched while N still runs.
-            launched = self.launch()
-            if launched or captured:
-                counts[:] = self.engine.graph_counts()
+            launched = self.launch(hold)
             t2 = now()
             answered = self.collect()
             t3 = now()
@@ -143,25 +131,6 @@ class Worker:
                 return
             self.idle()
             phase[3] += now() - t3
-
-    def capture(self, now_ns: int) -> bool:
-        """Capture a graph a batch missed (it ran eagerly, or padded in a larger graph): while no
-        interactive work waits, any (a steady bulk stream, which never leaves the worker idle,
-        gets its graphs too); under interactive load, one that ran eagerly
-        CAPTURE_UNDER_LOAD_HITS times, once the lane's batches in flight are done (see
-        CAPTURE_UNDER_LOAD_HITS). True if it captured one."""
-        if not self.open[INTERACTIVE] and not self.batcher.lanes[INTERACTIVE]:
-            self.capture_pending = False
-            return self.engine.capture_one()
-        if not self.capture_pending:
-            self.capture_pending = (now_ns >= self.next_load_capture_ns
-                                    and self.engine.wants_capture(CAPTURE_UNDER_LOAD_HITS))
-        if self.capture_pending and not self.open[INTERACTIVE]:
-            captured = self.engine.capture_one(CAPTURE_UNDER_LOAD_HITS)
-            self.capture_pending = False
-            self.next_load_capture_ns = time.monotonic_ns() + CAPTURE_UNDER_LOAD_EVERY_NS
-            return captured
-        return False
 
     def idle(self) -> None:
         """Nothing to launch or answer this turn: wait for a running batch, or spin, then sleep,
@@ -176,9 +145,10 @@ class Worker:
         if os.getppid() != self.cfg.parent_pid:
             raise SystemExit(0)  # the server is gone; nobody will read our answers
 
-    def launch(self) -> bool:
-        """Submit what the lanes take: side by side, each lane up to two batches in flight;
-        otherwise one mixed batch (interactive first, one bulk sequence beside it)."""
+    def launch(self, hold_interactive: bool) -> bool:
+        """Submit what the lanes take: side by side, each lane up to two batches in flight (none
+        of the interactive lane's while the engine holds them); otherwise one mixed batch
+        (interactive first, one bulk sequence beside it)."""
         if not self.side_by_side:
             if self.batcher and not self.open[INTERACTIVE]:
                 self.submit(self.batcher.next_batch(), INTERACTIVE)
@@ -186,8 +156,8 @@ class Worker:
             return False
         launched = False
         for lane in LANES:
-            if lane == INTERACTIVE and self.capture_pending:
-                continue  # its batches in flight finish first; then the capture (see capture)
+            if hold_interactive and lane == INTERACTIVE:
+                continue  # its batches in flight finish first, then the engine's work
             if self.batcher.lanes[lane] and len(self.open[lane]) < 2:
                 self.submit(self.batcher.next_batch(lane), lane)
                 launched = True
