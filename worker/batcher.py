@@ -48,14 +48,18 @@ _ONE_ROW = np.arange(2, dtype=np.int64)  # row_offsets of a one-sequence, one-ro
 
 @dataclass(slots=True, eq=False)  # compared (and hashed) by identity: one object per request
 class Job:
-    """One request waiting in the batcher: its record and how far batches have taken it. What its
-    answer has gathered so far belongs to worker/batch_answer.py (`Progress`)."""
+    """One request in the worker: its record, how far batches have taken it, and what its answer
+    has gathered when its sequences run in several batches."""
 
     rec: RequestRecord
     offsets: np.ndarray      # start of each sequence in rec.ids, plus the end: [n_seqs + 1]
     row_offsets: np.ndarray  # first row of each sequence, plus the end: [n_seqs + 1]
     source: int = 0          # the frontend it came from (the link its answer goes back on)
     next_seq: int = 0        # first sequence not yet handed to a batch
+    # Set by the first of its batches only when it spans several (worker/batch_answer.py, fill):
+    first_start_ns: int = field(init=False, repr=False)
+    pooled: np.ndarray | None = field(init=False, repr=False)  # [n_rows, hidden] float32, batch by batch
+    failed: bool = field(init=False, repr=False)  # a batch holding some of it failed: answered INTERNAL
 
     @classmethod
     def of(cls, rec: RequestRecord, source: int = 0) -> Job:
