@@ -51,7 +51,7 @@ class BatchAnswer:
         self.hidden = hidden
         self.native_int8 = native_int8
         self.tokens = sum(job.tokens(a, b) for job, a, b in spans)
-        # The whole batch's tokens when this is its first part (or the whole of it); 0 otherwise.
+        # The whole batch's tokens when this is its first share (or the whole of it); 0 otherwise.
         self.batch_tokens = self.tokens if batch_tokens is None else batch_tokens
         self.seqs = sum(b - a for _, a, b in spans)
         self.first_row: list[int] = []           # per span: its first row in the raw area

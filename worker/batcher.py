@@ -198,13 +198,8 @@ class Batcher:
     def _take(self, lane: deque, budget: int, rows_left: int, spans: list,
               at_least_one: bool = False) -> tuple[int, int]:
         """Move sequences of `lane` into `spans` while they fit `budget` tokens and `rows_left`
-        rows, in two passes. First every queued request gets up to a quantum (a quarter of the
-        budget, and at least its next sequence if that fits), the least served first: requests
-        not yet begun in arrival order, then those begun, by the tokens they have had. Then what
-        is left goes first come, first served. So a short request goes into the next batch even
-        behind a huge one (whose windows fill the rest), and equal small requests keep their
-        arrival order. Returns what is left of both (negative when a first sequence that had to
-        go in was larger)."""
+        rows, in the two passes of fair share (module docstring). Returns what is left of both
+        (negative when a first sequence that had to go in was larger)."""
         if not lane:
             return budget, rows_left
         if len(lane) == 1 and (left := self._take_lone_request(lane, budget, rows_left, spans)) is not None:
@@ -234,7 +229,7 @@ class Batcher:
 
     def _take_lone_request(self, lane: deque, budget: int, rows_left: int, spans: list) -> tuple[int, int] | None:
         """The lane's only request, whole, when it is not begun and all of it fits: what the two
-        passes give then, without them (a lone query's case, where they cost 5-8 µs); returns what
+        passes give then, without their cost (a lone query's case); returns what
         is left of both, as _take does. None, and nothing taken, otherwise."""
         job = lane[0]
         tokens = job.tokens(0, job.n_seqs)

@@ -12,7 +12,7 @@ One batch's life (batch N+1 is submitted before batch N's result is awaited):
           into the caller's `out` (the batch's records in the response rings, memory the worker
           registered with CUDA, so the copy is a true asynchronous DMA), records an event. On the
           interactive lane the small copies (inputs up, rows down) call the CUDA runtime
-          directly (worker/cudart.py): torch's copy_ costs a lone query tens of µs more
+          directly (worker/cudart.py), which costs a lone query less host time than torch's copy_
     CPU   LazyTensor.result() waits on that event: the bytes are in the ring
 
 Two lanes, each its own CUDA stream, pinned slots, device inputs and graphs, so an interactive
@@ -32,8 +32,8 @@ happens in `warm_up` (the likely query buckets, then the likely document buckets
 budget, before the worker says READY), and for a bucket first met under load either at once
 (`defer_capture=False`: the batch waits for its capture) or later: the batch runs now in the
 smallest captured graph of the lane that holds it with at most twice its tokens (`covering`:
-padding costs GPU time, an eager forward costs the worker's one thread milliseconds of launches),
-or eagerly if there is none, and the bucket is captured between batches (`between_batches`):
+padding costs GPU time, less than eager launches cost the worker), or eagerly if there is none,
+and the bucket is captured between batches (`between_batches`):
 - while no interactive work waits or runs, any bucket a batch missed (so a steady bulk stream,
   which never leaves the worker idle, gets its graphs too) and no client waits for a capture;
 - under interactive load, which may never pause, a bucket that ran eagerly
@@ -66,7 +66,7 @@ CAPTURE_UNDER_LOAD_EVERY_NS = 1_000_000_000  # at most one capture under load pe
 
 
 def token_buckets(limit: int) -> list[int]:
-    """16, 32, 48, 64, ... growing by about 1/4 each step (so padding wastes at most ~20%), up to limit."""
+    """16, 32, 48, 64, ... growing by about a quarter each step (so padding wastes at most a fifth), up to limit."""
     out, size = [], 16
     while size < limit:
         out.append(size)
@@ -103,7 +103,7 @@ class DeviceLane:
         else:
             self.stream, self.copy_stream = partition.stream(), partition.stream()
         self.host_in = [torch.empty(cap, dtype=torch.int32, pin_memory=True) for _ in range(self.SLOTS)]
-        self.host_np = [slot.numpy() for slot in self.host_in]  # the same memory; .numpy() costs 2 µs a call
+        self.host_np = [slot.numpy() for slot in self.host_in]  # the same memory, viewed once
         self.staging = [torch.empty(cap, dtype=torch.int32, device=device) for _ in range(self.SLOTS)]
         self.staged = [torch.cuda.Event() for _ in range(self.SLOTS)]
         self.done = [torch.cuda.Event() for _ in range(self.SLOTS)]
@@ -263,9 +263,8 @@ class CudaEngine:
 
     def fill_one_text(self, arr: np.ndarray, batch: PackedBatch, shape, normalize: np.ndarray | None) -> int:
         """fill() for one text: everything in its padded layout but the ids and the normalize flag
-        depends on its length and bucket alone, so it is laid out once (by fill_general) and copied.
-        The general fill's dozen small numpy writes cost a lone query 16-27 µs of host time before its
-        GPU work starts (load/results/gpu-submit-pieces-2026-12-02.md)."""
+        depends on its length and bucket alone, so it is laid out once (by fill_general) and copied
+        instead of the general fill's dozen small numpy writes before its GPU work starts."""
         n = batch.tokens
         layout = self.one_text_layouts.get((shape, n))
         if layout is None:
@@ -316,7 +315,7 @@ class CudaEngine:
     def submit(self, batch: PackedBatch, out=None, normalize: np.ndarray | None = None,
                lane: Lane = Lane.INTERACTIVE) -> LazyTensor:
         """Start a batch on a lane (INTERACTIVE: high priority; BULK: low priority)."""
-        if torch.is_inference_mode_enabled():  # the worker runs its whole loop in it: entering costs 3-30 µs
+        if torch.is_inference_mode_enabled():  # the worker runs its whole loop in it
             return self._submit(batch, out, normalize, lane)
         with torch.inference_mode():
             return self._submit(batch, out, normalize, lane)
