@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pollen.common.encodings import row_bytes
-from pollen.common.request import LANES, RequestOptions, Task
+from pollen.common.request import LANES, Lane, RequestOptions, Task
 from pollen.shared_mem import records
 from pollen.shared_mem.ring import Ring
 from pollen.v1 import embedder_pb2 as pb
@@ -29,7 +29,6 @@ from pollen.worker.models.pooling import normalize_rows
 from pollen.worker.postprocess import combine, finish
 
 HIDDEN = 16
-PROGRESSES: dict = {}  # the tests' requests spread over batches, as a worker keeps them
 ENCODINGS = (pb.ENCODING_FLOAT32, pb.ENCODING_FLOAT16, pb.ENCODING_BFLOAT16, pb.ENCODING_INT8,
              pb.ENCODING_UBINARY)
 
@@ -67,7 +66,7 @@ def pooled_rows(job: Job) -> np.ndarray:
 
 def run_batch(spans, error: Exception | None = None) -> tuple[BatchAnswer, bytearray, list[Job]]:
     """Plan a batch, let the stand-in engine write its raw area, fill and return the record."""
-    plan = BatchAnswer(spans, HIDDEN, PROGRESSES)
+    plan = BatchAnswer(spans, HIDDEN)
     buf = bytearray(plan.nbytes)
     raw = plan.raw_rows(memoryview(buf))
     for (job, a, b), row in zip(spans, plan.first_row):
@@ -140,7 +139,7 @@ def test_every_kind_of_request_equals_finish_on_its_rows():
 
 def test_native_int8_rows_are_never_normalized():
     job = make_job(1, [3, 3], normalize=True, encoding=pb.ENCODING_INT8)
-    plan = BatchAnswer([(job, 0, 2)], HIDDEN, {}, native_int8=True)
+    plan = BatchAnswer([(job, 0, 2)], HIDDEN, native_int8=True)
     assert not plan.normalize.any() and not plan.entries[0].direct
     buf = bytearray(plan.nbytes)
     plan.raw_rows(memoryview(buf))[:] = pooled_rows(job)
@@ -196,13 +195,13 @@ def test_row_cap_keeps_every_record_within_max_record():
             job = make_job(req_id, rng.integers(1, 20, int(rng.integers(1, 64))).tolist(), priority=priority)
         batcher.add(job)
         while batcher and (rng.random() < 0.02 or req_id == 2999):
-            plan = BatchAnswer(batcher.next_batch(), HIDDEN, {})
+            plan = BatchAnswer(batcher.next_batch(), HIDDEN)
             assert plan.nbytes <= max_record
             largest = max(largest, plan.rows)
     assert largest == cap
     for req_id in range(5000, 5000 + 2 * cap):
         batcher.add(make_job(req_id, [1]))
-    plan = BatchAnswer(batcher.next_batch(), HIDDEN, {})
+    plan = BatchAnswer(batcher.next_batch(), HIDDEN)
     assert max_record - (4 * HIDDEN + records.ENTRY.itemsize) < plan.nbytes <= max_record
 
 
@@ -250,7 +249,7 @@ def worker():
     link.responses = Ring.create(64 << 10, prefix="pollentest")
     w.links = {0: link}
     w.hidden, w.native_int8 = HIDDEN, False
-    w.open, w.progresses, w.batches, w.side_by_side = (deque(), deque()), {}, 0, False
+    w.open, w.batches, w.side_by_side = (deque(), deque()), 0, False
     w.state = ServerState.create(1, 1, prefix="pollentest")
     w.control, peer = control.pair()
     w.control_queue = deque()
@@ -316,7 +315,7 @@ def test_worker_commits_its_open_record_when_the_ring_cannot_hold_two(worker):
     reader.start()
     worker.submit([(second, 0, rows)], 0)  # room only once the first record is committed and read
     reader.join(10)
-    assert [b.parts[0].plan.spans[0][0] for b in worker.open[0]] == [second]
+    assert [b.shares[0].plan.spans[0][0] for b in worker.open[0]] == [second]
     assert [k for k, _ in got] == [records.BATCH_RESULT, records.RESULT]
     worker.answer(worker.open[0].popleft())
     ((kind, (report, results)),) = read_all(worker.links[0].responses)
@@ -359,15 +358,13 @@ def test_side_by_side_a_bulk_batch_holds_no_record_and_never_delays_an_interacti
     """The interactive lane's record is held at launch and published when its batch is done,
     even while a bulk batch launched before it still runs: that one takes its record only when
     done (a held record would keep every later record in the ring unpublished)."""
-    from pollen.worker.batcher import BULK, INTERACTIVE
-
     engine = worker.engine = LaterEngine()
     worker.side_by_side = True
     ring = worker.links[0].responses
     bulk, query = make_job(1, [4] * 6, priority=1), make_job(2, [3])
-    worker.submit([(bulk, 0, 6)], BULK)
+    worker.submit([(bulk, 0, 6)], Lane.BULK)
     assert ring.free_bytes() == ring.capacity  # nothing held for the bulk batch
-    worker.submit([(query, 0, 1)], INTERACTIVE)
+    worker.submit([(query, 0, 1)], Lane.INTERACTIVE)
     assert ring.free_bytes() < ring.capacity
     engine.pending[1].finished = True
     assert worker.collect()

@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")]
 
 from pollen.common.engine_options import EngineOptions  # noqa: E402
+from pollen.common.request import Lane  # noqa: E402
 from pollen.worker.engine import EagerEngine  # noqa: E402
 from pollen.worker.models import ops  # noqa: E402
 from pollen.worker.models.loader import load_model  # noqa: E402
@@ -285,7 +286,7 @@ def test_small_batches_on_both_lanes_at_once(tmp_path):
     """Small batches on both lanes at once (the query kernels, split K included, on two streams
     of different priority) all equal the CPU reference: each stream keeps its own split-K arrival
     counters (shared ones let one lane's launch finish another's column block)."""
-    from pollen.worker.cuda_engine import BULK, INTERACTIVE, CudaEngine
+    from pollen.worker.cuda_engine import CudaEngine
     from tests.test_model_qwen3 import make_tiny_qwen3
 
     # Qwen3-0.6B's widths, so the products take their real tile configurations (split K for o and down).
@@ -298,12 +299,12 @@ def test_small_batches_on_both_lanes_at_once(tmp_path):
     queries = [pack(seqs([n], seed=30 + n)) for n in (4, 9, 16, 27)]
     want = {id(b): cpu.submit(b).result() for b in small + queries}
     for b in small:
-        engine.submit(b, lane=BULK).result()
+        engine.submit(b, lane=Lane.BULK).result()
     for b in queries:
-        engine.submit(b, lane=INTERACTIVE).result()
+        engine.submit(b, lane=Lane.INTERACTIVE).result()
     for _ in range(20):
-        pending = [(b, engine.submit(b, lane=BULK)) for b in small]
-        pending += [(b, engine.submit(b, lane=INTERACTIVE)) for b in queries]
+        pending = [(b, engine.submit(b, lane=Lane.BULK)) for b in small]
+        pending += [(b, engine.submit(b, lane=Lane.INTERACTIVE)) for b in queries]
         for b, p in pending:
             assert cos(p.result(), want[id(b)]) >= 0.999, b.tokens
 
@@ -312,7 +313,7 @@ def test_lanes_run_side_by_side_and_equal_the_reference(tmp_path):
     """A bulk batch on the low-priority lane and interactive batches launched behind it on the
     high-priority lane: every result equals the CPU reference, and the interactive ones can be
     done before the bulk one (they do not queue behind it)."""
-    from pollen.worker.cuda_engine import BULK, INTERACTIVE, CudaEngine
+    from pollen.worker.cuda_engine import CudaEngine
 
     path = tiny(tmp_path, "causal")
     cpu = EagerEngine(load_model(path))
@@ -322,11 +323,11 @@ def test_lanes_run_side_by_side_and_equal_the_reference(tmp_path):
     queries = [pack(seqs([n], seed=8 + n)) for n in (5, 9, 17, 30)]
     want_bulk = cpu.submit(bulk).result()
     for q in queries:
-        engine.submit(q, lane=INTERACTIVE).result()  # capture their graphs first
-    pending_bulk = engine.submit(bulk, lane=BULK)
-    pending = [engine.submit(q, lane=INTERACTIVE) for q in queries[:2]]
+        engine.submit(q, lane=Lane.INTERACTIVE).result()  # capture their graphs first
+    pending_bulk = engine.submit(bulk, lane=Lane.BULK)
+    pending = [engine.submit(q, lane=Lane.INTERACTIVE) for q in queries[:2]]
     got = [p.result().copy() for p in pending]
-    pending += [engine.submit(q, lane=INTERACTIVE) for q in queries[2:]]
+    pending += [engine.submit(q, lane=Lane.INTERACTIVE) for q in queries[2:]]
     got += [p.result().copy() for p in pending[2:]]
     for q, rows in zip(queries, got):
         assert cos(rows, cpu.submit(q).result()) >= 0.999
@@ -352,7 +353,7 @@ def test_deferred_capture_runs_eagerly_then_captures_when_idle(tmp_path):
 
 def test_a_bucket_met_often_under_load_is_captured_on_demand(tmp_path):
     """The eager batches of a missed bucket are counted; capture_one(n) captures the interactive
-    lane's most met bucket only once n batches ran in it (worker/loop.py captures under load so),
+    lane's most met bucket only once n batches ran in it (between_batches captures under load so),
     and the graph then answers what the eager runs did."""
     from pollen.worker.cuda_engine import CudaEngine
 
@@ -362,7 +363,7 @@ def test_a_bucket_met_often_under_load_is_captured_on_demand(tmp_path):
     batch = pack(seqs([9, 14, 5, 21], seed=13))
     eager = [engine.submit(batch).result().copy() for _ in range(3)]
     assert list(engine.wanted.values()) == [3] and not engine.graphs
-    assert engine.wants_capture(3) and not engine.wants_capture(4)
+    assert engine.most_wanted(3) is not None and engine.most_wanted(4) is None
     assert not engine.capture_one(4) and not engine.graphs
     assert engine.capture_one(3) and len(engine.graphs) == 1 and not engine.wanted
     assert cos(engine.submit(batch).result(), eager[0]) >= 0.9999
@@ -383,18 +384,18 @@ def test_a_batch_without_its_own_graph_runs_padded_in_a_larger_one(tmp_path, kin
     assert engine.bucket(small) < engine.bucket(large)
     eager_small = engine.submit(small).result().copy()
     eager_large = engine.submit(large).result().copy()
-    assert engine.graph_counts() == (2, 0, 0) and len(engine.wanted) == 2
+    assert engine.counts.tolist() == [2, 0, 0] and len(engine.wanted) == 2
     with torch.inference_mode():
         engine.capture(engine.bucket(large))
     engine.wanted.clear()
     for _ in range(2):  # again: the padding is rewritten each time
         got = engine.submit(small).result().copy()
         assert got.shape == eager_small.shape and cos(got, eager_small) >= 0.9999
-    assert engine.graph_counts() == (2, 2, 1) and list(engine.padded.values()) == [2]
+    assert engine.counts.tolist() == [2, 2, 1] and list(engine.padded.values()) == [2]
     assert cos(engine.submit(large).result(), eager_large) >= 0.9999
     too_large = pack(seqs([60, 61, 62], seed=23))  # more than the graph's tokens: eager
     engine.submit(too_large).result()
-    assert engine.graph_counts() == (3, 2, 1)
+    assert engine.counts.tolist() == [3, 2, 1]
     assert engine.capture_one() and engine.capture_one() and not engine.capture_one()  # eager first, then padded
     assert not engine.padded and len(engine.graphs) == 3
     assert cos(engine.submit(small).result(), eager_small) >= 0.9999
@@ -417,7 +418,7 @@ def test_bulk_lane_in_a_green_context_equals_the_reference(tmp_path):
     """--bulk-sms: the bulk lane's streams come from a green context of that many SMs; its eager
     and graphed batches (the graph captured on that stream) equal the CPU reference, and the
     default leaves an eighth of the SMs (at least 8) to the interactive lane."""
-    from pollen.worker.cuda_engine import BULK, INTERACTIVE, CudaEngine
+    from pollen.worker.cuda_engine import CudaEngine
     from pollen.worker.sm_partition import green_contexts_supported
 
     if not green_contexts_supported():
@@ -426,21 +427,21 @@ def test_bulk_lane_in_a_green_context_equals_the_reference(tmp_path):
     path = tiny(tmp_path, "causal")
     cpu = EagerEngine(load_model(path))
     engine = CudaEngine(load_model(path, "cuda", torch.bfloat16), "cuda", max_batch_tokens=2048, bulk_sms=64)
-    assert engine.bulk_sms == 64 and engine.lanes[BULK].partition is not None
-    assert engine.lanes[INTERACTIVE].partition is None
+    assert engine.bulk_sms == 64 and engine.lanes[Lane.BULK].partition is not None
+    assert engine.lanes[Lane.INTERACTIVE].partition is None
     engine.warm_up()
     batch = pack(seqs([40, 64, 7, 50], seed=12))
     want = cpu.submit(batch).result()
-    first = engine.submit(batch, lane=BULK).result().copy()  # captures its bucket on the green stream
-    assert engine.bucket(batch) in engine.lanes[BULK].graphs
-    pending = engine.submit(batch, lane=BULK)  # the graph replayed beside an interactive batch
-    query = engine.submit(pack(seqs([9], seed=13)), lane=INTERACTIVE)
+    first = engine.submit(batch, lane=Lane.BULK).result().copy()  # captures its bucket on the green stream
+    assert engine.bucket(batch) in engine.lanes[Lane.BULK].graphs
+    pending = engine.submit(batch, lane=Lane.BULK)  # the graph replayed beside an interactive batch
+    query = engine.submit(pack(seqs([9], seed=13)), lane=Lane.INTERACTIVE)
     assert cos(first, want) >= 0.999 and cos(pending.result(), want) >= 0.999
     assert cos(query.result(), cpu.submit(pack(seqs([9], seed=13))).result()) >= 0.999
     # A bulk launch that raises (rows for a buffer of the wrong size) leaves the interactive
     # lane's stream current, never the green context's.
     with pytest.raises(RuntimeError):
-        engine.submit(batch, out=np.empty((1, engine.hidden + 1), np.float32), lane=BULK)
-    assert torch.cuda.current_stream() == engine.lanes[INTERACTIVE].stream
+        engine.submit(batch, out=np.empty((1, engine.hidden + 1), np.float32), lane=Lane.BULK)
+    assert torch.cuda.current_stream() == engine.lanes[Lane.INTERACTIVE].stream
     default = CudaEngine(load_model(path, "cuda", torch.bfloat16), "cuda", max_batch_tokens=512, bulk_sms=-1)
     assert default.bulk_sms == total - max(8, total // 8)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from pollen.worker.cuda_engine import CudaEngine, Lane, token_buckets
+from pollen.worker.cuda_engine import CudaEngine, DeviceLane, token_buckets
 from pollen.worker.packed import pack
 
 
-def lane_with(*shapes, wanted=(), padded=()) -> Lane:
-    lane = object.__new__(Lane)
+def lane_with(*shapes, wanted=(), padded=()) -> DeviceLane:
+    lane = object.__new__(DeviceLane)
     lane.graphs = {shape: None for shape in shapes}
     lane.wanted = {shape: 1 for shape in wanted}
     lane.padded = {shape: 1 for shape in padded}
@@ -23,6 +23,7 @@ def engine() -> CudaEngine:
     e = object.__new__(CudaEngine)
     e.buckets, e.max_positions, e.graphs_on = token_buckets(8192), 32768, True
     e.one_text_buckets, e.one_text_layouts = {}, {}
+    e.counts = np.zeros(3, np.uint64)
     return e
 
 
@@ -64,9 +65,10 @@ def test_capture_one_takes_eager_buckets_first_then_padded_ones_interactive_lane
 
     def capture(shape, lane_index=0):  # stands in for the graph capture, keeping no graph
         captured.append((shape, lane_index))
-        e.lanes[lane_index].keep(shape, None)
+        e.keep(lane_index, shape, None)
 
     e.capture = capture
     while e.capture_one():
         pass
     assert captured == [((8192, 64, 512), 1), ((32, 2, 16), 0), ((8192, 32, 512), 1)]
+    assert e.counts.tolist() == [0, 0, 3]  # the graphs held, for /metrics

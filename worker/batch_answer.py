@@ -10,8 +10,7 @@ normalizes: those of requests whose answer is their raw rows as they are.
 When the batch is done, `fill` writes the header and one entry per completed request, and the
 CPU makes the answers that are not raw rows (worker/postprocess.py): Matryoshka cuts, other
 encodings, chunk and CHUNK_MEAN combines, native int8, and requests that span several batches,
-whose rows gather batch by batch in their `Progress`, kept in the worker's `Progresses` from
-the request's first batch to its last.
+whose rows gather batch by batch in their Job (worker/batcher.py).
 """
 from __future__ import annotations
 
@@ -38,18 +37,6 @@ class Entry:
     body_len: int
 
 
-@dataclass(slots=True)
-class Progress:
-    """A request whose sequences run in several batches, between its first batch and its last."""
-
-    first_start_ns: int
-    pooled: np.ndarray | None = None  # [n_rows, hidden] float32: its rows, gathered batch by batch
-    failed: bool = False              # a batch holding some of it failed; it has been answered INTERNAL
-
-
-Progresses = dict[Job, Progress]  # the worker's one table of them; a request leaves it with its last batch
-
-
 def answered_by_raw_rows(job: Job, whole: bool, hidden: int) -> bool:
     """The common case: all its rows in this batch, one row per output, float32 at full size
     (so native int8, which needs ENCODING_INT8, never is)."""
@@ -58,14 +45,13 @@ def answered_by_raw_rows(job: Job, whole: bool, hidden: int) -> bool:
 
 
 class BatchAnswer:
-    def __init__(self, spans: list[tuple[Job, int, int]], hidden: int, progresses: Progresses,
-                 native_int8: bool = False, batch_tokens: int | None = None):
+    def __init__(self, spans: list[tuple[Job, int, int]], hidden: int, native_int8: bool = False,
+                 batch_tokens: int | None = None):
         self.spans = spans
         self.hidden = hidden
-        self.progresses = progresses
         self.native_int8 = native_int8
         self.tokens = sum(job.tokens(a, b) for job, a, b in spans)
-        # The whole batch's tokens when this is its first part (or the whole of it); 0 otherwise.
+        # The whole batch's tokens when this is its first share (or the whole of it); 0 otherwise.
         self.batch_tokens = self.tokens if batch_tokens is None else batch_tokens
         self.seqs = sum(b - a for _, a, b in spans)
         self.first_row: list[int] = []           # per span: its first row in the raw area
@@ -118,12 +104,13 @@ class BatchAnswer:
         for (job, a, b), row, entry in zip(self.spans, self.first_row, self.entry_of):
             rec = job.rec
             whole = a == 0 and b == job.n_seqs
-            progress = None if whole else self.progress_of(job, a, b, start_ns)
-            if error is not None or (progress is not None and progress.failed):
+            if a == 0 and not whole:  # the first of its batches
+                job.first_start_ns, job.pooled, job.failed = start_ns, None, False
+            if error is not None or (not whole and job.failed):
                 if entry is None:
-                    if not progress.failed:
+                    if not job.failed:
                         unanswered.append(job)
-                    progress.failed = True  # answered now (or about to be); its later spans are dropped
+                    job.failed = True  # answered now (or about to be); its later spans are dropped
                     continue
                 if message is None:
                     message = self.write_message(record, f"model failed on this batch: {error}"
@@ -132,28 +119,21 @@ class BatchAnswer:
                 index += 1
                 continue
             rows = raw[row:row + int(job.row_offsets[b] - job.row_offsets[a])]
-            if progress is not None:
-                if progress.pooled is None:
-                    progress.pooled = np.empty((job.n_rows, self.hidden), dtype=np.float32)
-                progress.pooled[job.row_offsets[a]:job.row_offsets[b]] = rows
+            if not whole:
+                if job.pooled is None:
+                    job.pooled = np.empty((job.n_rows, self.hidden), dtype=np.float32)
+                job.pooled[job.row_offsets[a]:job.row_offsets[b]] = rows
             if entry is None:
                 continue
             if not entry.direct:
                 # A private copy first: an answer written over its own raw rows overwrites them.
-                self.encode(job, np.array(rows) if whole else progress.pooled, record, entry)
-            first_start_ns = start_ns if whole else progress.first_start_ns
+                self.encode(job, np.array(rows) if whole else job.pooled, record, entry)
+            first_start_ns = start_ns if whole else job.first_start_ns
             table[index] = (rec.req_id, records.OK, rec.n_out, rec.options.dims or self.hidden, rec.options.encoding,
                             max(0, start_ns - rec.admit_ns) // 1000, (end_ns - first_start_ns) // 1000,
                             entry.body_at, entry.body_len)
             index += 1
         return unanswered
-
-    def progress_of(self, job: Job, a: int, b: int, start_ns: int) -> Progress:
-        """The Progress of a request spread over batches: made by its first batch, dropped by its last."""
-        progress = self.progresses.setdefault(job, Progress(start_ns)) if a == 0 else self.progresses[job]
-        if b == job.n_seqs:
-            del self.progresses[job]
-        return progress
 
     def encode(self, job: Job, vectors: np.ndarray, record: memoryview, entry: Entry) -> None:
         """Combine (chunks, CHUNK_MEAN), cut, normalize and encode a request's rows into its answer."""

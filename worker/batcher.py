@@ -38,23 +38,28 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pollen.common.request import LANES, Lane
 from pollen.shared_mem.records import RequestRecord
 
-INTERACTIVE, BULK = 0, 1
+INTERACTIVE, BULK = LANES  # Lane's members, bound once: each Lane.X costs an enum lookup per batch
 QUANTUM_DIVISOR = 4  # a request's first-pass share of a batch: a quarter of its budget
 _ONE_ROW = np.arange(2, dtype=np.int64)  # row_offsets of a one-sequence, one-row request (read only)
 
 
 @dataclass(slots=True, eq=False)  # compared (and hashed) by identity: one object per request
 class Job:
-    """One request waiting in the batcher: its record and how far batches have taken it. What its
-    answer has gathered so far belongs to worker/batch_answer.py (`Progress`)."""
+    """One request in the worker: its record, how far batches have taken it, and what its answer
+    has gathered when its sequences run in several batches."""
 
     rec: RequestRecord
     offsets: np.ndarray      # start of each sequence in rec.ids, plus the end: [n_seqs + 1]
     row_offsets: np.ndarray  # first row of each sequence, plus the end: [n_seqs + 1]
     source: int = 0          # the frontend it came from (the link its answer goes back on)
     next_seq: int = 0        # first sequence not yet handed to a batch
+    # Set by the first of its batches only when it spans several (worker/batch_answer.py, fill):
+    first_start_ns: int = field(init=False, repr=False)
+    pooled: np.ndarray | None = field(init=False, repr=False)  # [n_rows, hidden] float32, batch by batch
+    failed: bool = field(init=False, repr=False)  # a batch holding some of it failed: answered INTERNAL
 
     @classmethod
     def of(cls, rec: RequestRecord, source: int = 0) -> Job:
@@ -114,12 +119,12 @@ class Batcher:
     with_deadline: int = 0  # queued jobs that carry a deadline: expire() scans only when some do
 
     def add(self, job: Job) -> None:
-        self.lanes[BULK if job.rec.options.lane == BULK else INTERACTIVE].append(job)
+        self.lanes[job.rec.options.lane].append(job)
         self.queued_tokens += job.tokens(0, job.n_seqs)
         self.with_deadline += job.rec.options.deadline_ns != 0
 
     def __bool__(self) -> bool:
-        return bool(self.lanes[0] or self.lanes[1])
+        return bool(self.lanes[INTERACTIVE] or self.lanes[BULK])
 
     def _remove(self, lane: deque, job: Job, batched: int = 0) -> None:
         lane.remove(job)
@@ -154,7 +159,7 @@ class Batcher:
             self._remove(lane, job)
         return [job for _, job in gone]
 
-    def next_batch(self, lane: int | None = None) -> list[tuple[Job, int, int]]:
+    def next_batch(self, lane: Lane | None = None) -> list[tuple[Job, int, int]]:
         """The next batch: of one lane (INTERACTIVE, or BULK up to bulk_batch_tokens), for an
         engine that runs the lanes side by side; or, with `lane` None, of both (the mixed rule in
         the module docstring), for an engine that runs one batch at a time.
@@ -193,13 +198,8 @@ class Batcher:
     def _take(self, lane: deque, budget: int, rows_left: int, spans: list,
               at_least_one: bool = False) -> tuple[int, int]:
         """Move sequences of `lane` into `spans` while they fit `budget` tokens and `rows_left`
-        rows, in two passes. First every queued request gets up to a quantum (a quarter of the
-        budget, and at least its next sequence if that fits), the least served first: requests
-        not yet begun in arrival order, then those begun, by the tokens they have had. Then what
-        is left goes first come, first served. So a short request goes into the next batch even
-        behind a huge one (whose windows fill the rest), and equal small requests keep their
-        arrival order. Returns what is left of both (negative when a first sequence that had to
-        go in was larger)."""
+        rows, in the two passes of fair share (module docstring). Returns what is left of both
+        (negative when a first sequence that had to go in was larger)."""
         if not lane:
             return budget, rows_left
         if len(lane) == 1 and (left := self._take_lone_request(lane, budget, rows_left, spans)) is not None:
@@ -229,7 +229,7 @@ class Batcher:
 
     def _take_lone_request(self, lane: deque, budget: int, rows_left: int, spans: list) -> tuple[int, int] | None:
         """The lane's only request, whole, when it is not begun and all of it fits: what the two
-        passes give then, without them (a lone query's case, where they cost 5-8 µs); returns what
+        passes give then, without their cost (a lone query's case); returns what
         is left of both, as _take does. None, and nothing taken, otherwise."""
         job = lane[0]
         tokens = job.tokens(0, job.n_seqs)

@@ -12,7 +12,7 @@ One batch's life (batch N+1 is submitted before batch N's result is awaited):
           into the caller's `out` (the batch's records in the response rings, memory the worker
           registered with CUDA, so the copy is a true asynchronous DMA), records an event. On the
           interactive lane the small copies (inputs up, rows down) call the CUDA runtime
-          directly (worker/cudart.py): torch's copy_ costs a lone query tens of µs more
+          directly (worker/cudart.py), which costs a lone query less host time than torch's copy_
     CPU   LazyTensor.result() waits on that event: the bytes are in the ring
 
 Two lanes, each its own CUDA stream, pinned slots, device inputs and graphs, so an interactive
@@ -32,12 +32,16 @@ happens in `warm_up` (the likely query buckets, then the likely document buckets
 budget, before the worker says READY), and for a bucket first met under load either at once
 (`defer_capture=False`: the batch waits for its capture) or later: the batch runs now in the
 smallest captured graph of the lane that holds it with at most twice its tokens (`covering`:
-padding costs GPU time, an eager forward costs the worker's one thread milliseconds of launches),
-or eagerly if there is none, and `capture_one` captures the bucket when the worker has no
-interactive work, so no client waits for a capture. Under steady interactive load that never
-comes, so a bucket that ran eagerly often is captured then too (worker/loop.py,
-CAPTURE_UNDER_LOAD_HITS): a bounded pause of the interactive lane, once per bucket, instead of
-eager batches for as long as the load lasts. `graph_counts` says how batches ran.
+padding costs GPU time, less than eager launches cost the worker), or eagerly if there is none,
+and the bucket is captured between batches (`between_batches`):
+- while no interactive work waits or runs, any bucket a batch missed (so a steady bulk stream,
+  which never leaves the worker idle, gets its graphs too) and no client waits for a capture;
+- under interactive load, which may never pause, a bucket that ran eagerly
+  CAPTURE_UNDER_LOAD_HITS times: interactive launches wait while that lane's batches in flight
+  finish, the capture runs, launches go on. At most one such capture per
+  CAPTURE_UNDER_LOAD_EVERY_NS and each bucket once (the set is finite): a bounded pause of the
+  interactive lane instead of eager batches for as long as the load lasts.
+`counts` says how batches ran (shared_mem/server_state.py, GRAPH_COUNTS).
 """
 from __future__ import annotations
 
@@ -49,17 +53,20 @@ import time
 import numpy as np
 import torch
 
+from pollen.common.request import LANES, Lane
 from pollen.worker import cudart
-from pollen.worker.engine import BULK, INTERACTIVE
 from pollen.worker.lazy import LazyTensor
 from pollen.worker.models.base import EmbeddingModel
 from pollen.worker.models.pooling import normalize_rows, pool_rows
 from pollen.worker.packed import ONE_TEXT_SHARED_MAX, PackedBatch, warm_up_batch
 from pollen.worker.sm_partition import BulkPartition, bulk_sm_count, green_contexts_supported
 
+CAPTURE_UNDER_LOAD_HITS = 8  # eager batches of a bucket that earn it a capture under load
+CAPTURE_UNDER_LOAD_EVERY_NS = 1_000_000_000  # at most one capture under load per this long
+
 
 def token_buckets(limit: int) -> list[int]:
-    """16, 32, 48, 64, ... growing by about 1/4 each step (so padding wastes at most ~20%), up to limit."""
+    """16, 32, 48, 64, ... growing by about a quarter each step (so padding wastes at most a fifth), up to limit."""
     out, size = [], 16
     while size < limit:
         out.append(size)
@@ -82,7 +89,7 @@ def pow2_at_least(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, n - 1).bit_length())
 
 
-class Lane:
+class DeviceLane:
     """One lane's stream (of its priority, or from the lane's SM partition), double-buffered
     pinned slots, staging and inputs."""
 
@@ -96,7 +103,7 @@ class Lane:
         else:
             self.stream, self.copy_stream = partition.stream(), partition.stream()
         self.host_in = [torch.empty(cap, dtype=torch.int32, pin_memory=True) for _ in range(self.SLOTS)]
-        self.host_np = [slot.numpy() for slot in self.host_in]  # the same memory; .numpy() costs 2 µs a call
+        self.host_np = [slot.numpy() for slot in self.host_in]  # the same memory, viewed once
         self.staging = [torch.empty(cap, dtype=torch.int32, device=device) for _ in range(self.SLOTS)]
         self.staged = [torch.cuda.Event() for _ in range(self.SLOTS)]
         self.done = [torch.cuda.Event() for _ in range(self.SLOTS)]
@@ -108,12 +115,6 @@ class Lane:
         # padded into a larger graph (padded).
         self.wanted: dict[tuple[int, int, int], int] = {}
         self.padded: dict[tuple[int, int, int], int] = {}
-
-    def keep(self, shape: tuple[int, int, int], graph: tuple[torch.cuda.CUDAGraph, torch.Tensor]) -> None:
-        """A graph captured for `shape`: its batches stop running eagerly or padded."""
-        self.graphs[shape] = graph
-        self.wanted.pop(shape, None)
-        self.padded.pop(shape, None)
 
     def next_slot(self) -> int:
         slot = self.slot
@@ -155,14 +156,17 @@ class CudaEngine:
                 print(f"pollen: no CUDA green context of {self.bulk_sms} SMs ({exc}); the bulk lane uses every SM",
                       file=sys.stderr, flush=True)
                 self.bulk_sms = 0
-        self.lanes = (Lane(self.device, cap, high), Lane(self.device, cap, low, partition))
+        self.lanes = (DeviceLane(self.device, cap, high), DeviceLane(self.device, cap, low, partition))
         # The interactive lane's small copies skip torch's copy_ (worker/cudart.py); None: copy_ throughout.
         self.runtime = cudart.find()
         self.registered: list[int] = []  # host addresses we page-locked (register_host_memory)
         self.defer_capture = defer_capture
         self.capture_seconds = 0.0
-        self.eager_batches = 0  # batches of a graph-sized bucket that ran eagerly: no graph held them
-        self.padded_batches = 0  # batches run in a larger captured graph than their own bucket's
+        # GRAPH_COUNTS: batches of a graph-sized bucket that ran eagerly (no graph held them), batches
+        # run padded in a larger graph than their own bucket's, and graphs held on both lanes.
+        self.counts = np.zeros(3, dtype=np.uint64)
+        self.capture_pending = False  # interactive launches wait for a capture under load
+        self.next_load_capture_ns = 0
         # A lone query's bucket and its pinned layout less its ids and normalize flag, by its length
         # and bucket (see fill_one_text). Bounded: ONE_TEXT_SHARED_MAX lengths, each with its own
         # bucket, and a layout for each bucket it runs in (its own, or a larger captured graph that
@@ -173,17 +177,17 @@ class CudaEngine:
     @property
     def graphs(self) -> dict:
         """The interactive lane's graphs, by bucket."""
-        return self.lanes[INTERACTIVE].graphs
+        return self.lanes[Lane.INTERACTIVE].graphs
 
     @property
     def wanted(self) -> dict:
         """Buckets the interactive lane met under load and ran eagerly, to capture when idle."""
-        return self.lanes[INTERACTIVE].wanted
+        return self.lanes[Lane.INTERACTIVE].wanted
 
     @property
     def padded(self) -> dict:
         """Buckets the interactive lane met under load and ran padded in a larger graph, to capture when idle."""
-        return self.lanes[INTERACTIVE].padded
+        return self.lanes[Lane.INTERACTIVE].padded
 
     # ---------------------------------------------------------------- layout
 
@@ -259,9 +263,8 @@ class CudaEngine:
 
     def fill_one_text(self, arr: np.ndarray, batch: PackedBatch, shape, normalize: np.ndarray | None) -> int:
         """fill() for one text: everything in its padded layout but the ids and the normalize flag
-        depends on its length and bucket alone, so it is laid out once (by fill_general) and copied.
-        The general fill's dozen small numpy writes cost a lone query 16-27 µs of host time before its
-        GPU work starts (load/results/gpu-submit-pieces-2026-12-02.md)."""
+        depends on its length and bucket alone, so it is laid out once (by fill_general) and copied
+        instead of the general fill's dozen small numpy writes before its GPU work starts."""
         n = batch.tokens
         layout = self.one_text_layouts.get((shape, n))
         if layout is None:
@@ -281,7 +284,7 @@ class CudaEngine:
         hidden = self.model.hidden_states(ids, pos, cu, longest)
         return normalize_rows(pool_rows(hidden, index, first, last, count, self.pooling), norm)
 
-    def capture(self, shape, lane_index: int = INTERACTIVE) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def capture(self, shape, lane_index: Lane = Lane.INTERACTIVE) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture a lane's graph for `shape`, on its stream. Its inputs are the lane's static
         inputs laid out as `shape`; they hold a valid padded batch (see fill) before the warm-up
         run, so no index in them points out of bounds."""
@@ -305,14 +308,14 @@ class CudaEngine:
                 out = self.forward(inputs, shape[2])
             finally:
                 graph.capture_end()
-        lane.keep(shape, (graph, out))
+        self.keep(lane_index, shape, (graph, out))
         self.capture_seconds += time.perf_counter() - start
         return graph, out
 
     def submit(self, batch: PackedBatch, out=None, normalize: np.ndarray | None = None,
-               lane: int = INTERACTIVE) -> LazyTensor:
+               lane: Lane = Lane.INTERACTIVE) -> LazyTensor:
         """Start a batch on a lane (INTERACTIVE: high priority; BULK: low priority)."""
-        if torch.is_inference_mode_enabled():  # the worker runs its whole loop in it: entering costs 3-30 µs
+        if torch.is_inference_mode_enabled():  # the worker runs its whole loop in it
             return self._submit(batch, out, normalize, lane)
         with torch.inference_mode():
             return self._submit(batch, out, normalize, lane)
@@ -326,11 +329,11 @@ class CudaEngine:
                 graph = self.capture(shape, lane_index)
             elif (cover := self.covering(lane, shape, batch)) is not None:
                 lane.padded[shape] = lane.padded.get(shape, 0) + 1  # captured when the lane idles
-                self.padded_batches += 1
+                self.counts[1] += 1
                 shape, graph = cover, lane.graphs[cover]
             else:
-                lane.wanted[shape] = lane.wanted.get(shape, 0) + 1  # captured later (capture_one)
-                self.eager_batches += 1
+                lane.wanted[shape] = lane.wanted.get(shape, 0) + 1  # captured later (between_batches)
+                self.counts[0] += 1
                 shape = None
         slot = lane.next_slot()
         lane.staged[slot].synchronize()  # the copy that last read this pinned slot is done
@@ -343,13 +346,13 @@ class CudaEngine:
                 # Never leave a green context's stream current, not even when the launch raised:
                 # memory freed at exit asks the current stream whether it is capturing, and that
                 # stream's context may be gone by then.
-                torch.cuda.set_stream(self.lanes[INTERACTIVE].stream)
+                torch.cuda.set_stream(self.lanes[Lane.INTERACTIVE].stream)
         done = lane.done[slot]  # reusable: this slot's previous result was read before we got here
         done.record(lane.stream)
         return LazyTensor(result, done)
 
     @staticmethod
-    def covering(lane: Lane, shape: tuple[int, int, int], batch: PackedBatch) -> tuple[int, int, int] | None:
+    def covering(lane: DeviceLane, shape: tuple[int, int, int], batch: PackedBatch) -> tuple[int, int, int] | None:
         """The smallest of the lane's captured graphs that can run `batch` (of bucket `shape`, not
         captured) padded, with at most twice the bucket's tokens; None if there is none. It needs as
         many sequences as the batch plus its padding sequence (and rows), and as long a longest
@@ -365,11 +368,19 @@ class CudaEngine:
                 best = key
         return best
 
-    def graph_counts(self) -> tuple[int, int, int]:
-        """(eager_batches, padded_batches, graphs held on both lanes): server_state.GRAPH_COUNTS."""
-        return self.eager_batches, self.padded_batches, sum(len(lane.graphs) for lane in self.lanes)
+    def keep(self, lane_index: Lane, shape: tuple[int, int, int], graph) -> None:
+        """A graph captured for `shape` on a lane: its batches stop running eagerly or padded."""
+        lane = self.lanes[lane_index]
+        lane.graphs[shape] = graph
+        lane.wanted.pop(shape, None)
+        lane.padded.pop(shape, None)
+        self.counts[2] = sum(len(each.graphs) for each in self.lanes)
 
-    def run_on_lane(self, lane: Lane, slot: int, used: int, batch: PackedBatch, graph, out):
+    def keep_counts_in(self, counts: np.ndarray) -> None:
+        counts[:] = self.counts
+        self.counts = counts
+
+    def run_on_lane(self, lane: DeviceLane, slot: int, used: int, batch: PackedBatch, graph, out):
         """Upload, run (replay the graph, or eagerly) and start the copy of the rows out, on the
         lane's stream (the current one); the result tensor or buffers the rows land in."""
         self.upload(lane, slot, used)
@@ -398,12 +409,12 @@ class CudaEngine:
             at += len(part)
         return out
 
-    def direct(self, lane: Lane) -> bool:
+    def direct(self, lane: DeviceLane) -> bool:
         """Whether this lane's small copies go straight to the runtime: the interactive lane's,
         where a query waits on them. A green context's streams keep torch's copy_."""
         return self.runtime is not None and lane.partition is None
 
-    def upload(self, lane: Lane, slot: int, used: int) -> None:
+    def upload(self, lane: DeviceLane, slot: int, used: int) -> None:
         """The pinned slot's inputs into the lane's static inputs, on the lane's stream."""
         if used > self.COPY_STREAM_MIN:
             # A sizeable input goes up on the copy stream, beside whatever the GPU still runs; the
@@ -425,20 +436,33 @@ class CudaEngine:
     def most_wanted(self, min_hits: int):
         """The interactive lane's bucket that the most batches ran eagerly in, if at least
         `min_hits` did; else None."""
-        wanted = self.lanes[INTERACTIVE].wanted
+        wanted = self.lanes[Lane.INTERACTIVE].wanted
         shape = max(wanted, key=wanted.get, default=None)
         return shape if shape is not None and wanted[shape] >= min_hits else None
 
-    def wants_capture(self, min_hits: int) -> bool:
-        return self.most_wanted(min_hits) is not None
+    def between_batches(self, interactive_waiting: bool, interactive_in_flight: bool, now_ns: int) -> bool:
+        """Capture a bucket a batch missed, as the module docstring says; True while interactive
+        launches wait for a capture under load."""
+        if not interactive_waiting and not interactive_in_flight:
+            self.capture_pending = False
+            self.capture_one()
+            return False
+        if not self.capture_pending:
+            self.capture_pending = (now_ns >= self.next_load_capture_ns
+                                    and self.most_wanted(CAPTURE_UNDER_LOAD_HITS) is not None)
+        if self.capture_pending and not interactive_in_flight:
+            self.capture_one(CAPTURE_UNDER_LOAD_HITS)
+            self.capture_pending = False
+            self.next_load_capture_ns = time.monotonic_ns() + CAPTURE_UNDER_LOAD_EVERY_NS
+        return self.capture_pending
 
     def capture_one(self, min_hits: int = 0) -> bool:
         """Capture one bucket a batch met under load (it ran eagerly or padded), the interactive
-        lane's first; False if none waits. The worker calls this when no interactive batch is in flight
-        (a bulk batch may run: the capture waits for the bulk lane's stream). With `min_hits`,
-        only the interactive lane's most met bucket, if met at least that often (under load)."""
+        lane's first; False if none waits. Called when no interactive batch is in flight (a bulk
+        batch may run: the capture waits for the bulk lane's stream). With `min_hits`, only the
+        interactive lane's most met bucket, if met at least that often (under load)."""
         if min_hits:
-            shape, lane_index = self.most_wanted(min_hits), INTERACTIVE
+            shape, lane_index = self.most_wanted(min_hits), Lane.INTERACTIVE
         else:  # buckets that ran eagerly first, then those that ran padded; the interactive lane's first
             missed = [(lane.wanted, i) for i, lane in enumerate(self.lanes)]
             missed += [(lane.padded, i) for i, lane in enumerate(self.lanes)]
@@ -478,15 +502,15 @@ class CudaEngine:
         capture the likely query buckets, most likely first, for up to `budget_s` seconds."""
         graphs, self.graphs_on = self.graphs_on, False
         try:
-            for lane in (INTERACTIVE, BULK):
+            for lane in LANES:
                 self.submit(warm_up_batch(), lane=lane).result()
         finally:
             self.graphs_on = graphs
         if not self.graphs_on or budget_s <= 0:
             return
         deadline = time.perf_counter() + budget_s
-        likely = [(shape, INTERACTIVE) for shape in self.query_buckets()]
-        likely += [(shape, BULK) for shape in self.document_buckets()]
+        likely = [(shape, Lane.INTERACTIVE) for shape in self.query_buckets()]
+        likely += [(shape, Lane.BULK) for shape in self.document_buckets()]
         with torch.inference_mode():
             for shape, lane in likely:
                 if time.perf_counter() > deadline:

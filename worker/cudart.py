@@ -1,12 +1,9 @@
 """cudaMemcpyAsync straight from the CUDA runtime torch loaded, for the engine's small per-batch copies.
 
 A lone query's batch makes two copies on its critical path: its inputs up (a few hundred bytes)
-and its rows down into the response ring. On the H200 host (torch 2.11; `python
-load/bench_engine_copies.py`, load/results/gpu-engine-copies-2026-12-01.md) `Tensor.copy_` cost
-9-14 µs of host time in a tight loop and 89-105 µs on a core that had idled 2 ms before the call
-(torch's dispatch, the caching host allocator's bookkeeping, a tensor made around the numpy
-record); the runtime's own call through ctypes 5-8 and 43-61 µs. A lone query's submit to result
-went from 1,016 to 981 µs (p50), interleaved call by call.
+and its rows down into the response ring. The runtime's own call through ctypes costs less host
+time than `Tensor.copy_` (torch's dispatch, the caching host allocator's bookkeeping, a tensor
+made around the numpy record).
 
 Only memory that stays valid for the copy without torch's bookkeeping goes through here: a
 lane's static inputs and pinned slots (alive as long as the engine), a graph's output rows, an

@@ -1,45 +1,21 @@
 """Engines run packed batches through a model and write pooled rows where the caller says.
 
-The worker loop only knows this interface:
-
-    engine.register_host_memory(address, nbytes)   # each response ring's segment, once
-    pending = engine.submit(batch, out=[rows_view, ...], normalize=flags, lane=INTERACTIVE)
-                                     # starts the work; may return before it is done
-    pending.done()                   # True once out holds the rows (never blocks)
-    pending.result()                 # waits until out holds the rows; returns out
-    engine.capture_one()             # no interactive work: capture a graph a batch missed (CUDA)
-    engine.wants_capture(n)          # under load: a bucket n batches ran eagerly in waits (CUDA)
-    engine.capture_one(n)            # ... capture it (no interactive batch in flight)
-    engine.graph_counts()            # (eager batches, padded batches, graphs held): /metrics (CUDA)
-    engine.unregister_host_memory(address)         # before a response ring goes
-    engine.close()
-
-`pending` is a `PendingRows`: the CPU engine's is done when submit returns; the CUDA engine's is
-a LazyTensor (worker/lazy.py), done once the device's copies have landed. `engine.side_by_side`
-says whether the engine runs its two lanes (INTERACTIVE, BULK) at once: the CUDA engine does, on
-streams of two priorities; the CPU engine runs one batch at a time and ignores `lane`.
-
-`out` is a float32 [batch.rows, hidden] numpy array, or a list of them whose rows add up to the
-batch's, filled in order: for the worker, views of the batch's records in the response rings of
-the frontends it holds requests of (shared_mem/records.py, BATCH_RESULT), so the rows never pass
-through another buffer. `normalize` holds one int per row: non-zero rows are L2-normalized on the
-engine's device right after pooling. Without `out` the engine returns rows of its own (tests,
-benchmarks). The loop can submit batch N+1 before it waits on batch N (on CUDA that hides the
-CPU's preparation under the GPU's work; on the CPU, submit simply computes). `make_engine` picks
-the engine for the worker's device.
+`Engine` is all the worker loop knows of one; `make_engine` picks the engine for the worker's
+device: the CUDA engine (worker/cuda_engine.py) or the CPU engine here, the reference for it.
+The loop can submit batch N+1 before it waits on batch N: on CUDA that hides the CPU's
+preparation under the GPU's work; on the CPU, submit simply computes.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
+from pollen.common.request import Lane
 from pollen.worker.models.base import EmbeddingModel
 from pollen.worker.models.pooling import normalize_rows, pool_rows
 from pollen.worker.packed import PackedBatch, warm_up_batch
-
-INTERACTIVE, BULK = 0, 1
 
 
 class PendingRows(Protocol):
@@ -49,6 +25,39 @@ class PendingRows(Protocol):
     def done(self) -> bool: ...
 
     def result(self): ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the worker loop asks of an engine."""
+
+    side_by_side: bool  # runs the two lanes at once (one lane's batches each); else one mixed batch at a time
+    bulk_sms: int       # the SMs the bulk lane is confined to; 0: all (the READY record says it)
+
+    def submit(self, batch: PackedBatch, out=None, normalize: np.ndarray | None = None,
+               lane: Lane = Lane.INTERACTIVE) -> PendingRows:
+        """Start the batch. `out` is a float32 [batch.rows, hidden] array, or a list of them whose
+        rows add up to the batch's, filled in order (for the worker, views of the batch's records
+        in the response rings, shared_mem/records.py); None: the engine's own rows. `normalize`
+        holds one int per row: non-zero rows are L2-normalized on the engine's device."""
+
+    def between_batches(self, interactive_waiting: bool, interactive_in_flight: bool, now_ns: int) -> bool:
+        """The engine's own work between the loop's turns; True while interactive launches must
+        wait for it."""
+
+    def keep_counts_in(self, counts: np.ndarray) -> None:
+        """Keep its graph counts (shared_mem/server_state.py, GRAPH_COUNTS) in `counts` from now on."""
+
+    def register_host_memory(self, address: int, nbytes: int) -> None:
+        """A response ring's segment, once, before rows are copied into it."""
+
+    def unregister_host_memory(self, address: int) -> None:
+        """Before that segment goes."""
+
+    def warm_up(self, budget_s: float = 0.0) -> None:
+        """Pay first-call costs (and capture likely graphs, for up to `budget_s`) before READY."""
+
+    def close(self) -> None: ...
 
 
 class ReadyRows:
@@ -70,13 +79,14 @@ class EagerEngine:
     """Op-by-op execution on the CPU: simple, exact, and the reference for the CUDA engine."""
 
     side_by_side = False  # one batch at a time: the lanes mix in the batcher instead
+    bulk_sms = 0
 
     def __init__(self, model: EmbeddingModel):
         self.model = model
         self.pooling = model.spec.pooling
 
     def submit(self, batch: PackedBatch, out=None, normalize: np.ndarray | None = None,
-               lane: int = INTERACTIVE) -> ReadyRows:
+               lane: Lane = Lane.INTERACTIVE) -> ReadyRows:
         t = torch.from_numpy
         with torch.inference_mode():
             hidden = self.model.hidden_states(t(batch.ids), t(batch.positions), t(batch.cu_seqlens),
@@ -93,14 +103,11 @@ class EagerEngine:
                 at += len(part)
         return ReadyRows(out)
 
-    def wants_capture(self, min_hits: int) -> bool:
-        return False  # nothing to capture on the CPU
+    def between_batches(self, interactive_waiting: bool, interactive_in_flight: bool, now_ns: int) -> bool:
+        return False  # nothing runs beside the batches on the CPU
 
-    def capture_one(self, min_hits: int = 0) -> bool:
-        return False
-
-    def graph_counts(self) -> tuple[int, int, int]:
-        return 0, 0, 0  # no graphs on the CPU
+    def keep_counts_in(self, counts: np.ndarray) -> None:
+        """Nothing to count: no graphs on the CPU."""
 
     def register_host_memory(self, address: int, nbytes: int) -> None:
         """Nothing to do: the CPU writes any memory directly."""
@@ -112,11 +119,10 @@ class EagerEngine:
         pass
 
     def warm_up(self, budget_s: float = 0.0) -> None:
-        """Pay first-call costs (allocator, kernels) before the worker says READY."""
         self.submit(warm_up_batch()).result()
 
 
-def make_engine(model: EmbeddingModel, device: str, **options) -> EagerEngine:
+def make_engine(model: EmbeddingModel, device: str, **options) -> Engine:
     """options (max_batch_tokens, cuda_graphs, graph_max_tokens, defer_capture, bulk_sms) matter
     to the CUDA engine only."""
     if device.startswith("cuda"):

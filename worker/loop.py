@@ -2,9 +2,9 @@
 
 Each frontend process has a link to the worker (worker/links.py): a request ring in and a
 response ring out. The batcher mixes the requests of all links; a batch is answered by one
-BATCH_RESULT record per link it holds requests of (its *part*, shared_mem/records.py), whose
+BATCH_RESULT record per link it holds requests of (its *share*, shared_mem/records.py), whose
 space is held in that link's response ring when the batch is launched: the engine writes each
-part's pooled rows straight into it, and the worker commits it once the batch is done. Batch N+1
+share's pooled rows straight into it, and the worker commits it once the batch is done. Batch N+1
 is launched before N is awaited, so two records can be open per ring; they are committed in
 launch order. The worker never waits for ring space while it holds a record open (the frontend
 cannot read past it): when only a commit could make room, it finishes its open batches first
@@ -29,30 +29,23 @@ from dataclasses import dataclass
 import numpy as np
 
 from pollen.common import control, status
+from pollen.common.request import LANES, Lane
 from pollen.common.worker_config import WorkerConfig
 from pollen.shared_mem import records
 from pollen.shared_mem.ring import CommitFirst, Reservation, Ring
 from pollen.shared_mem.server_state import ServerState
-from pollen.worker.batch_answer import BatchAnswer, Progresses
-from pollen.worker.batcher import BULK, INTERACTIVE, Batcher, Job
+from pollen.worker.batch_answer import BatchAnswer
+from pollen.worker.batcher import Batcher, Job
+from pollen.worker.engine import Engine, PendingRows
 from pollen.worker.links import Link, wait_for_work
 from pollen.worker.packed import pack
 
+INTERACTIVE, BULK = LANES  # Lane's members, bound once: each Lane.X costs an enum lookup per turn
 CONTROL_EVERY_NS = 5_000_000  # how often a busy loop looks at the control link
-# A bucket first met under load runs eagerly and is captured once the interactive lane is idle
-# (worker/cuda_engine.py). Under steady interactive load that lane is never idle, and every batch
-# of such a bucket kept running eagerly: milliseconds of kernel launches each, which halved a
-# 512-client run's throughput for its whole length on the H200. So a bucket that has run eagerly
-# CAPTURE_UNDER_LOAD_HITS times is captured under load too: the worker stops launching
-# interactive batches, lets those in flight finish, captures (tens to a couple of hundred ms for
-# the largest query buckets), and goes on; at most one such capture every
-# CAPTURE_UNDER_LOAD_EVERY_NS, and each bucket once (the set is finite).
-CAPTURE_UNDER_LOAD_HITS = 8
-CAPTURE_UNDER_LOAD_EVERY_NS = 1_000_000_000
 
 
 @dataclass(slots=True)
-class Part:
+class LinkShare:
     """One link's share of a batch: its answer plan and the record held for it (None until the
     batch is done, for a bulk batch on an engine that runs the lanes side by side)."""
 
@@ -63,11 +56,11 @@ class Part:
 
 @dataclass(slots=True)
 class InFlight:
-    """A submitted batch: its lane, its parts, the engine's pending result (or the error submit raised)."""
+    """A submitted batch: its lane, its links' shares, the engine's pending result (or the error submit raised)."""
 
-    lane: int
-    parts: list[Part]
-    pending: object
+    lane: Lane
+    shares: list[LinkShare]
+    pending: PendingRows | None
     error: Exception | None
     start_ns: int
 
@@ -78,33 +71,30 @@ class InFlight:
 
 
 class Worker:
-    def __init__(self, cfg: WorkerConfig, engine, spec):
+    def __init__(self, cfg: WorkerConfig, engine: Engine, spec):
         self.cfg = cfg
         self.engine = engine
         self.hidden = spec.hidden_size
         self.native_int8 = spec.native_int8
         self.ready_info = json.dumps({"pid": os.getpid(), "index": cfg.index, "device": cfg.device, "gpu": cfg.gpu,
                                       "dtype": cfg.dtype, "threads": cfg.threads, "model": spec.name,
-                                      "bulk_sms": getattr(engine, "bulk_sms", 0)}).encode()
+                                      "bulk_sms": engine.bulk_sms}).encode()
         self.control = socket.socket(fileno=cfg.control_fd)
         self.control.setblocking(False)
         self.control_queue: deque[tuple[dict, list[int]]] = deque()  # read, not yet acted on
         self.state = ServerState.attach(cfg.state)
         self.links: dict[int, Link] = {}
-        # Rows per batch are capped so that a part's record always fits its ring. Sizing the ring
+        # Rows per batch are capped so that a share's record always fits its ring. Sizing the ring
         # for the token budget instead would mean 2 x max_batch_tokens x hidden x 4 bytes (pinned,
         # on a GPU) for batches of one-token texts that real traffic never sends.
         max_rows = records.max_batch_rows(Ring.max_record_for(cfg.response_ring_bytes), self.hidden)
         self.batcher = Batcher(cfg.max_batch_tokens, cfg.bulk_batch_tokens, max_rows)
-        self.progresses: Progresses = {}  # requests spread over batches, between their first and last
         # Submitted, records not yet committed, per lane, oldest first. On an engine that runs the
         # lanes side by side (CUDA) each lane keeps up to two batches in flight.
         self.open: tuple[deque[InFlight], deque[InFlight]] = (deque(), deque())
         self.side_by_side = engine.side_by_side
         self.batches = 0
         self.stopping = False
-        self.capture_pending = False  # interactive launches wait for a capture under load
-        self.next_load_capture_ns = 0
 
     # ---- the loop ----
 
@@ -112,7 +102,7 @@ class Worker:
         """The loop. Each turn adds the time of its phases to the server state (PHASES)."""
         self.state.set_ready(self.cfg.index, True)
         phase = self.state.phase_view(self.cfg.index)  # requests, launch, answer, wait (ns)
-        counts = self.state.counts_view(self.cfg.index)  # eager and padded batches, graphs (CUDA)
+        self.engine.keep_counts_in(self.state.counts_view(self.cfg.index))
         now = time.monotonic_ns
         control_at = 0
         while True:
@@ -124,11 +114,10 @@ class Worker:
             self.drain_requests()
             self.drop_expired()
             t1 = now()
-            captured = self.capture(t1)
+            # The engine's own work (CUDA: graph captures, worker/cuda_engine.py) may hold interactive launches.
+            hold = self.engine.between_batches(bool(self.batcher.lanes[INTERACTIVE]), bool(self.open[INTERACTIVE]), t1)
             # Launch before collecting: batch N+1 is packed and launched while N still runs.
-            launched = self.launch()
-            if launched or captured:
-                counts[:] = self.engine.graph_counts()
+            launched = self.launch(hold)
             t2 = now()
             answered = self.collect()
             t3 = now()
@@ -141,25 +130,6 @@ class Worker:
                 return
             self.idle()
             phase[3] += now() - t3
-
-    def capture(self, now_ns: int) -> bool:
-        """Capture a graph a batch missed (it ran eagerly, or padded in a larger graph): while no
-        interactive work waits, any (a steady bulk stream, which never leaves the worker idle,
-        gets its graphs too); under interactive load, one that ran eagerly
-        CAPTURE_UNDER_LOAD_HITS times, once the lane's batches in flight are done (see
-        CAPTURE_UNDER_LOAD_HITS). True if it captured one."""
-        if not self.open[INTERACTIVE] and not self.batcher.lanes[INTERACTIVE]:
-            self.capture_pending = False
-            return self.engine.capture_one()
-        if not self.capture_pending:
-            self.capture_pending = (now_ns >= self.next_load_capture_ns
-                                    and self.engine.wants_capture(CAPTURE_UNDER_LOAD_HITS))
-        if self.capture_pending and not self.open[INTERACTIVE]:
-            captured = self.engine.capture_one(CAPTURE_UNDER_LOAD_HITS)
-            self.capture_pending = False
-            self.next_load_capture_ns = time.monotonic_ns() + CAPTURE_UNDER_LOAD_EVERY_NS
-            return captured
-        return False
 
     def idle(self) -> None:
         """Nothing to launch or answer this turn: wait for a running batch, or spin, then sleep,
@@ -174,18 +144,19 @@ class Worker:
         if os.getppid() != self.cfg.parent_pid:
             raise SystemExit(0)  # the server is gone; nobody will read our answers
 
-    def launch(self) -> bool:
-        """Submit what the lanes take: side by side, each lane up to two batches in flight;
-        otherwise one mixed batch (interactive first, one bulk sequence beside it)."""
+    def launch(self, hold_interactive: bool) -> bool:
+        """Submit what the lanes take: side by side, each lane up to two batches in flight (none
+        of the interactive lane's while the engine holds them); otherwise one mixed batch
+        (interactive first, one bulk sequence beside it)."""
         if not self.side_by_side:
             if self.batcher and not self.open[INTERACTIVE]:
                 self.submit(self.batcher.next_batch(), INTERACTIVE)
                 return True
             return False
         launched = False
-        for lane in (INTERACTIVE, BULK):
-            if lane == INTERACTIVE and self.capture_pending:
-                continue  # its batches in flight finish first; then the capture (see capture)
+        for lane in LANES:
+            if hold_interactive and lane == INTERACTIVE:
+                continue  # its batches in flight finish first, then the engine's work
             if self.batcher.lanes[lane] and len(self.open[lane]) < 2:
                 self.submit(self.batcher.next_batch(lane), lane)
                 launched = True
@@ -260,7 +231,7 @@ class Worker:
                 self.stopping = True
 
     def add_link(self, link: Link) -> None:
-        # The device copies each part's rows straight into its response ring's memory.
+        # The device copies each share's rows straight into its response ring's memory.
         self.engine.register_host_memory(*link.responses.mapped_memory())
         self.links[link.frontend] = link
         link.responses.write(records.READY, self.ready_info)
@@ -276,8 +247,7 @@ class Worker:
             while queue:
                 self.answer(queue.popleft())
         del self.links[frontend]
-        for job in self.batcher.drop_source(frontend):
-            self.progresses.pop(job, None)
+        self.batcher.drop_source(frontend)
         self.engine.unregister_host_memory(link.responses.mapped_memory()[0])
         link.close()
 
@@ -307,33 +277,33 @@ class Worker:
 
     # ---- batches ----
 
-    def submit(self, spans: list[tuple[Job, int, int]], lane: int) -> InFlight:
-        """Plan each link's part of the batch and launch it. Its records are held now and the
+    def submit(self, spans: list[tuple[Job, int, int]], lane: Lane) -> InFlight:
+        """Plan each link's share of the batch and launch it. Its records are held now and the
         engine copies the rows straight into them, except for a bulk batch beside interactive
         ones: its records are taken when it is done (a held record would hold back the
         interactive records behind it in the ring: records publish in the order taken)."""
         start_ns = time.monotonic_ns()
         spans = sorted(spans, key=lambda span: span[0].source)  # each link's rows together
-        parts = []
+        shares = []
         for source, group in itertools.groupby(spans, key=lambda span: span[0].source):
-            batch_tokens = sum(job.tokens(a, b) for job, a, b in spans) if not parts else 0
-            plan = BatchAnswer(list(group), self.hidden, self.progresses, self.native_int8, batch_tokens)
-            parts.append(Part(self.links[source], plan, None))
+            batch_tokens = sum(job.tokens(a, b) for job, a, b in spans) if not shares else 0
+            plan = BatchAnswer(list(group), self.hidden, self.native_int8, batch_tokens)
+            shares.append(LinkShare(self.links[source], plan, None))
         held = lane == INTERACTIVE or not self.side_by_side
-        for part in parts if held else ():
-            part.record = self.reserve(part.link, part.plan)
+        for share in shares if held else ():
+            share.record = self.reserve(share.link, share.plan)
         sequences = [job.rec.ids[job.offsets[i]:job.offsets[i + 1]] for job, a, b in spans for i in range(a, b)]
         # Rows differ from sequences only for contextual chunks and CHUNK_MEAN windows.
         plain = all(job.rec.rows is None for job, _, _ in spans)
         row_spans = None if plain else [job.row_spans(i) for job, a, b in spans for i in range(a, b)]
-        outs = [part.plan.raw_rows(part.record.view) for part in parts] if held else None
-        normalize = parts[0].plan.normalize if len(parts) == 1 else np.concatenate([p.plan.normalize for p in parts])
+        outs = [share.plan.raw_rows(share.record.view) for share in shares] if held else None
+        normalize = shares[0].plan.normalize if len(shares) == 1 else np.concatenate([s.plan.normalize for s in shares])
         try:
             pending, error = self.engine.submit(pack(sequences, row_spans), out=outs, normalize=normalize,
                                                 lane=lane), None
         except Exception as exc:  # a failed batch fails its requests, not the worker
             pending, error = None, exc
-        batch = InFlight(lane, parts, pending, error, start_ns)
+        batch = InFlight(lane, shares, pending, error, start_ns)
         self.open[lane].append(batch)
         self.batches += 1
         return batch
@@ -356,20 +326,20 @@ class Worker:
         if error is not None:
             print(f"pollen-worker[{self.cfg.index}]: batch failed: {error!r}", file=sys.stderr, flush=True)
         at = 0
-        for part in batch.parts:
-            if part.record is None:  # a bulk batch's record, taken now; its rows came to the engine's buffer
-                part.record = self.reserve(part.link, part.plan)
+        for share in batch.shares:
+            if share.record is None:  # a bulk batch's record, taken now; its rows came to the engine's buffer
+                share.record = self.reserve(share.link, share.plan)
                 if error is None:
-                    np.copyto(part.plan.raw_rows(part.record.view), rows[at:at + part.plan.rows])
-                at += part.plan.rows
+                    np.copyto(share.plan.raw_rows(share.record.view), rows[at:at + share.plan.rows])
+                at += share.plan.rows
         end_ns = time.monotonic_ns()
-        for part in batch.parts:
-            unanswered = part.plan.fill(part.record.view, error, batch.start_ns, end_ns)
-            part.link.responses.commit(part.record, records.BATCH_RESULT, notify=False)
+        for share in batch.shares:
+            unanswered = share.plan.fill(share.record.view, error, batch.start_ns, end_ns)
+            share.link.responses.commit(share.record, records.BATCH_RESULT, notify=False)
             for job in unanswered:  # their last rows were due in a later batch
                 self.write_error(job, f"model failed on this batch: {error}")
-            # One wake-up per part at most, and none if the frontend is busy reading.
-            part.link.responses.notify_consumer()
+            # One wake-up per share at most, and none if the frontend is busy reading.
+            share.link.responses.notify_consumer()
 
     def write_error(self, job: Job, message: str, code: int = records.INTERNAL) -> None:
         link = self.links.get(job.source)

@@ -72,9 +72,8 @@ def warm_up_batch() -> PackedBatch:
 
 
 # A query's index arrays depend only on its length: made once per length up to this many tokens
-# (at most 64 sets of six arrays of at most 64 values) and shared by every batch of that length.
-# Making them cost a lone query 6-8 µs of the host time before its GPU work starts
-# (load/results/gpu-submit-pieces-2026-12-02.md). Batches never write their arrays.
+# (at most 64 sets of six arrays of at most 64 values) and shared by every batch of that length,
+# so a lone query does not build them on its way to the GPU. Batches never write them.
 ONE_TEXT_SHARED_MAX = 64
 _ONE_TEXT: dict[int, tuple[np.ndarray, ...]] = {}
 

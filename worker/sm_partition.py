@@ -1,16 +1,11 @@
 """The bulk lane's share of a GPU's SMs (`--bulk-sms`).
 
 Stream priorities decide only which waiting block an SM takes next: a query's kernels still wait
-for the bulk blocks already on the SMs to finish, kernel after kernel, which cost a query under a
-bulk stream about 2.6 ms of engine time more than alone (load/results/gpu-lane-partition-*). In a
-CUDA green context the bulk lane's kernels run on a fixed subset of the SMs, so the rest are free
-the moment an interactive batch arrives; the interactive lane keeps every SM (it has them all
-when no bulk work runs, and docs sent at the default priority use them all).
-
-Measured on an H200 (132 SMs), Qwen3-0.6B shape: with bulk on 116 SMs a one-query batch beside
-bulk takes 2.09 ms instead of 3.59 (0.96 alone), an 8-query batch 3.13 instead of 4.69, and bulk
-alone runs at 86% of its all-SM rate. The default leaves an eighth of the SMs (at least 8) to
-queries.
+for the bulk blocks already on the SMs to finish, kernel after kernel. In a CUDA green context
+the bulk lane's kernels run on a fixed subset of the SMs, so the rest are free the moment an
+interactive batch arrives; the interactive lane keeps every SM (it has them all when no bulk work
+runs, and docs sent at the default priority use them all). The default leaves an eighth of the
+SMs (at least 8) to queries.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from pollen.worker.models.ops import Ops
 def triton_ops(attention: str, options: EngineOptions) -> Ops:
     """The fused kernels, with the attention kernel `attention`; the short-sequence attention and
     the query products as options.short_attention and options.skinny say."""
-    if options.skinny_configs:  # a table measured on this machine, over the committed one
+    if options.skinny_configs:  # a locally tuned table, over the committed one
         skinny.load_configs(options.skinny_configs)
     short, query = options.short_attention, options.skinny
     return Ops("triton", attention, norms.add_rms_norm, norms.embed_rms_norm, rope.qk_norm_rope,

@@ -1,7 +1,7 @@
 """Matrix products for query-sized batches (at most 64 tokens) that also do the work around them.
 
 At 16..64 tokens a layer is a chain of small dependent kernels whose cost is their launch and
-ramp-up, not their work (docs/gpu-notes.md). Each kernel here is one product y = x @ W.T (+ b)
+ramp-up, not their work. Each kernel here is one product y = x @ W.T (+ b)
 in which every program owns BLOCK_N output columns for all rows and streams its weight slice once.
 Around that product it takes over the element-wise kernels of a pre-norm layer:
 

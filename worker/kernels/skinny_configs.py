@@ -1,5 +1,5 @@
-"""Tile configurations of worker/kernels/skinny.py, measured on an NVIDIA H200 (torch 2.11.0+cu130,
-triton 3.6.0), 2026-11-29, by `python load/bench_skinny_linear.py` (load/results/gpu-skinny-2026-11-29.md).
+"""Tile configurations of worker/kernels/skinny.py, tuned by `python load/bench_skinny_linear.py` on the
+GPU docs/performance.md names.
 
 Keys: "kind,K,N,BLOCK_M" -> (BLOCK_N, BLOCK_K, num_warps, num_stages, split K); "layer,hidden,0,BLOCK_M" ->
 [1] where the five-kernel layer beat the eight separate kernels, [0] where it lost (then that

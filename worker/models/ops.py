@@ -5,7 +5,7 @@ Each function here is the plain-torch reference. The loader chooses a model's `O
 and EngineOptions.triton is on, the fused kernels of worker/kernels/: one launch for residual-add +
 RMSNorm, one for QK-norm + RoPE, one for SiLU-gate, and the kernels that have no reference here
 (short-sequence attention, the query products). A short query is bound by kernel launches, so
-every launch saved is latency saved (see docs/gpu-notes.md). The references compute in float32
+every launch saved is latency saved. The references compute in float32
 and round once, like the kernels, so both agree to rounding.
 """
 from __future__ import annotations
