@@ -10,11 +10,10 @@ backlog into the request ring while it has room (interactive first, so bulk neve
 interactive request back here). The worker's answers arrive on the response ring's eventfd
 (`read_answers`); each resolves its request's future. When the worker dies the channel reads the
 answers it finished, then puts every unanswered request back into the backlog in its original
-order, and another ready worker (or the next one here, once it says READY) gets them: the
-client sees no error. A request the
-worker had read from the ring when it died, MAX_ATTEMPTS times in a row, is answered INTERNAL
-instead, so one poisonous input cannot crash-loop a worker forever (a request still in the ring,
-or in the backlog, was never held and does not count).
+order, and another ready worker (or the next one here, once it says READY) gets them: the client
+sees no error. A request the worker had read from the ring when it died, MAX_ATTEMPTS times in a
+row, is answered INTERNAL instead, so one poisonous input cannot crash-loop a worker forever (a
+request still in the ring, or in the backlog, was never held and does not count).
 
 The channel publishes its queued tokens and backlog in the server state (shared_mem/server_state.py),
 where admission and routing read them summed over every frontend.
@@ -26,13 +25,10 @@ batched), which answers it DEADLINE_EXCEEDED or CANCELLED. Each drop is counted 
 metrics.DROPPED: here for the backlog, on the worker's answer otherwise.
 
 Everything here runs on the event loop's thread: answers arrive through loop.add_reader on the
-response ring's eventfd, or, for a lone query, by polling (`spin`): with --frontend-spin-us, a
-channel that sends a request while no other frontend has work in flight polls the response ring on
-each turn of the event loop for that long, so the answer is read the moment the worker commits it,
-without the eventfd's write and the scheduler's wake-up, and the client's next call, if it comes
-within that time, finds the loop awake and its core warm. Under load the loop is busy anyway and
-other frontends have work in flight, so nobody polls; the cost is bounded by the flag per request
-sent, on about one core server-wide.
+response ring's eventfd, or, for a lone query, by polling (`spin`, --frontend-spin-us): the answer
+is read the moment the worker commits it, without the eventfd's write and the scheduler's wake-up.
+Under load nobody polls (other frontends have work in flight); the cost is bounded by the flag per
+request sent, on about one core server-wide.
 """
 from __future__ import annotations
 
@@ -182,7 +178,8 @@ class WorkerChannel:
 
     def start_spin(self) -> None:
         """Poll the response ring for the next spin_ns if this frontend is the only one with work
-        in flight (see the module docstring)."""
+        in flight: the client's next call, if it comes within that time, finds the loop awake and
+        its core warm."""
         ring = self.responses
         if ring is None or self.state.queued_total() != self.state.queued_by(self.frontend):
             return

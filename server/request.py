@@ -1,10 +1,6 @@
-"""The frontend's one request type, from admission to the ring: what admission made of a client's
-message, and where the channel holds it until the worker's answer.
-
-Admission makes a `Request` (token-id sequences, their row plan, the resolved RequestOptions).
-The router encodes it as a request record (shared_mem/records.py) and hands it to a worker's
-channel, which keeps it (record, future, place in the backlog) until the answer arrives or it
-is dropped.
+"""The frontend's one request type, from admission to the answer: admission makes a `Request`
+(token-id sequences, their row plan, the resolved RequestOptions), the router encodes its record
+(shared_mem/records.py), a worker's channel holds it until the answer arrives or it is dropped.
 
 A request too big for one record travels as several requests, its *parts*: a record must fit the
 request ring's max_record (half the ring, shared_mem/ring.py), and rather than size every ring for
