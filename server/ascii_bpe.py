@@ -43,7 +43,7 @@ _UNICODE_FORMS = {"NFC", "NFKC", "NFD", "NFKD"}
 ADDED_MAX = 256
 _ASCII_PRINTABLE = "".join(map(chr, range(32, 127)))
 _PROBE_WORDS = ("the", "The", "THE", "search", "query", "embedding", "I'm", "don't", "we'll", "they've", "it's",
-                "U.S.A.", "e-mail", "x86_64", "3.14159", "2026-12-02", "#1", "$100", "foo_bar", "CamelCase",
+                "U.S.A.", "e-mail", "x86_64", "3.14159", "1999-12-31", "#1", "$100", "foo_bar", "CamelCase",
                 "https://example.com/a?b=c&d=e", "tab\there", "new\nline", "cr\r\nlf", "  two  spaces  ", "...",
                 "!!!", "''", '"quoted"', "a", "1234567", "(parens)", "[brackets]", "{braces}", "<angle>")
 

@@ -2,9 +2,9 @@
 
 The supervisor (server/supervisor.py) starts --frontends of these. Each serves gRPC and HTTP on
 the shared addresses (the kernel spreads connections over them: SO_REUSEPORT), tokenizes and
-admits requests, and sends them to every worker through its own ring pair with it, the frontend's
-end of which is a WorkerChannel (server/channel.py). The control socket (common/control.py)
-brings each worker's ring pair (worker_up) and takes it away when the worker dies (worker_down).
+admits requests, and sends them to the workers over one ring pair with each, whose frontend end
+is a WorkerChannel (server/channel.py). The control socket (common/control.py) brings each
+worker's ring pair (worker_up) and takes it away when the worker dies (worker_down).
 
 Three steps: `build` wires the parts (nothing listens yet); `run` opens both doors, says
 `listening` to the supervisor and SERVING on health once the supervisor says the server has
