@@ -21,6 +21,7 @@ and flushes them when the process exits. service.name is OTEL_SERVICE_NAME, else
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 
@@ -32,6 +33,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from pollen.common.errors import RequestError, cut
+from pollen.server.service import ThrottledLog
 from pollen.v1 import embedder_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Embedder"].full_name
@@ -39,6 +41,24 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Embedder"].full_name
 # convention); a refused request keeps the status UNSET and says why in pollen.outcome.
 SERVER_FAULTS = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED,
                  grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS}
+
+# The propagators warn for each malformed tracestate or baggage header a client sends, quoting it.
+# That is the client's business: such records become one throttled line that quotes nothing.
+PROPAGATION_LOGGERS = ("opentelemetry.baggage.propagation", "opentelemetry.trace.span",
+                       "opentelemetry.trace.propagation.tracecontext")
+
+
+class QuietPropagation(logging.Filter):
+    def __init__(self):
+        super().__init__()
+        self.log = ThrottledLog(logging.getLogger("pollen.otel"), 10.0)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.WARNING:
+            return True
+        self.log.warning("ignored a malformed trace context header (tracestate or baggage) from a client")
+        return False
+
 
 # gRPC's invocation_metadata (called only when tracing), or HTTP's headers (lower-case names).
 Headers = Callable[[], Iterable[tuple[str, str | bytes]]] | Mapping[str, str] | None
@@ -110,6 +130,9 @@ class RequestTracer:
         self.provider.add_span_processor(BatchSpanProcessor(exporter_for(endpoint)))
         self.tracer = self.provider.get_tracer("pollen.server")
         self.propagator = propagate.get_global_textmap()
+        quiet = QuietPropagation()
+        for name in PROPAGATION_LOGGERS:
+            logging.getLogger(name).addFilter(quiet)
 
     def start(self, request: pb.EmbedRequest, door: str, headers: Headers, method: str) -> RequestSpan:
         started_ns = time.monotonic_ns()

@@ -219,3 +219,25 @@ def test_a_bad_endpoint_is_refused_at_start(endpoint):
                              "--otlp-endpoint", endpoint, "--listen", f"127.0.0.1:{free_port()}"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--otlp-endpoint must be" in result.stderr, result.stderr
+
+
+def test_malformed_trace_headers_are_neither_quoted_nor_logged_per_request(http_collector, tmp_path):
+    """A client's bad tracestate or baggage is the client's business: the request is answered (in
+    a trace of its own), the log never quotes the header, and many of them cost one throttled line."""
+    log = tmp_path / "server.log"
+    srv = ServerProcess("--otlp-endpoint", http_collector.endpoint, env=FAST_EXPORT, log=str(log)).start()
+    secret = "s3cr3t-" + secrets.token_hex(8)
+    header, _, _ = traceparent()
+    metadata = [("traceparent", header), ("tracestate", f"bad key={secret}" * 20),
+                ("baggage", f"{secret};;;=={secret}" * 20)]
+    try:
+        with grpc.insecure_channel(srv.listen) as channel:
+            stub = pb_grpc.EmbedderStub(channel)
+            for _ in range(50):
+                assert stub.Embed(pb.EmbedRequest(texts=["hello"]), metadata=metadata).rows == 1
+        http_collector.wait_for(50)
+    finally:
+        assert srv.terminate() == 0
+    text = log.read_text()
+    assert secret not in text
+    assert len([line for line in text.splitlines() if "WARNING" in line and "trace context" in line]) <= 2
