@@ -33,7 +33,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from pollen.common.errors import RequestError, cut
-from pollen.server.service import ThrottledLog
+from pollen.common.throttled_log import ThrottledLog
 from pollen.v1 import embedder_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Embedder"].full_name

@@ -24,6 +24,7 @@ from google.protobuf import message_factory
 from pollen.common import encodings, status
 from pollen.common.errors import RequestError, cut, echo, invalid
 from pollen.common.model_spec import ModelSpec
+from pollen.common.throttled_log import ThrottledLog
 from pollen.server import auth, metrics
 from pollen.server.admission import Admission
 from pollen.server.config import ServeConfig
@@ -95,21 +96,6 @@ def add_to_server(service: EmbedderService, server) -> None:
             response_serializer=response.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
     server.add_registered_method_handlers(SERVICE.full_name, handlers)
-
-
-class ThrottledLog:
-    """A warning at most once per `interval` seconds, saying how many events it stands for."""
-
-    def __init__(self, logger: logging.Logger, interval: float):
-        self.logger, self.interval = logger, interval
-        self.count, self.last = 0, -interval
-
-    def warning(self, message: str, *args) -> None:
-        self.count += 1
-        now = time.monotonic()
-        if now - self.last >= self.interval:
-            self.logger.warning(message + " (%d since the last of these warnings)", *args, self.count)
-            self.count, self.last = 0, now
 
 
 _undecodable_log = ThrottledLog(log, UNDECODABLE_LOG_INTERVAL_S)
