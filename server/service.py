@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf import message_factory
@@ -44,22 +45,22 @@ UNDECODABLE_LOG_INTERVAL_S = 10.0
 GRPC_LIMIT_FACTOR = 2
 
 
+@dataclass(slots=True)
 class Undecodable:
     """Stands in for a request message whose bytes did not decode as its type."""
 
-    __slots__ = ("reason", "size", "type_name")
+    type_name: str
+    size: int
+    reason: str
 
-    def __init__(self, type_name: str, size: int, reason: str):
-        self.type_name, self.size, self.reason = type_name, size, reason
 
-
+@dataclass(slots=True)
 class Oversize:
     """Stands in for a request message over --max-request-bytes (its id kept, to answer by)."""
 
-    __slots__ = ("id", "limit", "size")
-
-    def __init__(self, size: int, limit: int, request_id: str):
-        self.size, self.limit, self.id = size, limit, request_id
+    size: int
+    limit: int
+    id: str
 
     def error(self, where: str = "the request") -> RequestError:
         return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,

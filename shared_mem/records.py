@@ -153,11 +153,6 @@ def encode_request(req_id: int, admit_ns: int, seqs: list[np.ndarray], options: 
     return b"".join((head, *parts, ids.tobytes()))
 
 
-def request_id(record: bytes) -> int:
-    """The req_id of an encoded request record."""
-    return _REQUEST.unpack_from(record, 0)[0]
-
-
 @dataclass(slots=True)
 class RequestRecord:
     req_id: int
