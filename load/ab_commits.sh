@@ -61,7 +61,9 @@ trap cleanup EXIT
 
 old=$(checkout old "$1") || exit 1
 new=$(checkout new "$2") || exit 1
-label() { git -C "$1" describe --always --dirty --abbrev=12 2>/dev/null || echo "$1"; }
+label() {  # a checkout's commit, or its directory when it is no git checkout of its own
+    if [[ -e $1/.git ]]; then git -C "$1" describe --always --dirty --abbrev=12; else echo "$1"; fi
+}
 old_label=$(label "$old") new_label=$(label "$new")
 
 figure() {  # figure NAME OUT: one benchmark's quick run for the A/B, its result file in OUT
