@@ -22,7 +22,7 @@ from pollen.common.engine_options import EngineOptions
 from pollen.common.errors import RequestError
 from pollen.common.model_spec import default_model_path, read_model_spec
 from pollen.common.request import TRUNCATE_BY_NAME
-from pollen.server.model_checks import ModelChecks
+from pollen.server.admission import ModelChecks
 from pollen.server.tokenizer import TextTokenizer
 from pollen.v1 import embedder_pb2 as pb
 from pollen.worker.engine import make_engine
