@@ -35,19 +35,28 @@ def create_segment(size: int, prefix: str = "pollen") -> tuple[str, mmap.mmap]:
         os.close(fd)  # the mapping keeps the segment alive
 
 
-def map_segment(name: str, what: str, min_size: int) -> mmap.mmap:
-    """Map an existing segment by basename, whole; ValueError if `name` is a path or the segment
-    is smaller than `min_size` (then it is no pollen `what`)."""
+def open_segment(name: str) -> int:
+    """An fd of segment `name` (O_CLOEXEC): a peer given a copy maps the segment from it
+    (map_segment's `fd`), whether or not its file has been removed since."""
+    return os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC)
+
+
+def map_segment(name: str, what: str, min_size: int, fd: int | None = None) -> mmap.mmap:
+    """Map an existing segment whole: from `fd` (left open), or else by basename; ValueError if
+    `name` is a path or the segment is smaller than `min_size` (then it is no pollen `what`)."""
     if "/" in name:
         raise ValueError(f"{what} name must be a basename under {SHM_DIR}, got {name!r}")
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC)
+    own = fd is None
+    if own:
+        fd = open_segment(name)
     try:
         size = os.fstat(fd).st_size
         if size < min_size:
             raise ValueError(f"{name} is not a pollen {what}: {size} bytes")
         return mmap.mmap(fd, size)
     finally:
-        os.close(fd)
+        if own:
+            os.close(fd)
 
 
 def close_mapping(mm: mmap.mmap) -> None:
