@@ -14,6 +14,10 @@ try; one that was serving is restarted at once; a frontend after FRONTEND_RESTAR
 SIGINT: every frontend drains and answers what it received (server/frontend.py), then each worker
 is told to finish what it holds and exit, and the shared memory is removed. Everything here runs
 on one asyncio loop; children are watched through pidfds.
+
+A child's rings are made before the child is started, so a restart that /dev/shm cannot hold
+(another program filled it) starts nothing, says so in one line and is tried again, 0.5 s doubling
+up to MAX_BACKOFF_S.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from pollen.server.address import Claim, claim
 from pollen.server.config import FRONTEND_ENV, FrontendConfig, ServeConfig
 from pollen.shared_mem.ring import Ring
 from pollen.shared_mem.ring_pair import RingPair
+from pollen.shared_mem.segment import NoSpace
 from pollen.shared_mem.server_state import ServerState
 
 log = logging.getLogger("pollen.supervisor")
@@ -169,6 +174,8 @@ class Supervisor:
     # ---- children ----
 
     def spawn_worker(self, w: int) -> None:
+        frontends = [f for f, frontend in enumerate(self.frontends) if frontend is not None and frontend.alive]
+        rings = self.new_rings(len(frontends))
         ours, theirs = control.pair()
         wcfg = WorkerConfig.of(self.cfg, w, control_fd=theirs.fileno(), state=self.state.name,
                                cpu_cores=worker_cores(self.cfg, w))
@@ -176,11 +183,12 @@ class Supervisor:
         self.workers[w] = child = Child(f"worker {w}", argv, theirs, ours, lambda c, code: self.on_worker_exit(w, code),
                                         env=auth.without_keys(os.environ))
         log.info("worker %d started (pid %d)", w, child.pid)
-        for f, frontend in enumerate(self.frontends):
-            if frontend is not None and frontend.alive:
-                self.connect(f, w)
+        for f, pair in zip(frontends, rings):
+            self.connect(f, w, pair)
 
     def spawn_frontend(self, f: int) -> None:
+        workers = [w for w, worker in enumerate(self.workers) if worker is not None and worker.alive]
+        rings = self.new_rings(len(workers))
         ours, theirs = control.pair()
         fcfg = FrontendConfig.of(self.cfg, f, listen=self.listen, http_listen=self.http_listen,
                                  control_fd=theirs.fileno(), state=self.state.name, cpu_cores=frontend_cores(self.cfg))
@@ -191,13 +199,25 @@ class Supervisor:
         self.loop.add_reader(child.control.fileno(), self.on_frontend_message, f, child)
         if self.started:  # a frontend restarted after the start
             child.send({"kind": "started"})
-        for w, worker in enumerate(self.workers):
-            if worker is not None and worker.alive:
-                self.connect(f, w)
+        for w, pair in zip(workers, rings):
+            self.connect(f, w, pair)
 
-    def connect(self, f: int, w: int) -> None:
-        """A fresh ring pair between frontend f and worker w, handed to both."""
-        rings = Ring.create(self.cfg.request_ring_bytes), Ring.create(self.cfg.response_ring_bytes)
+    def new_rings(self, count: int) -> list[tuple[Ring, Ring]]:
+        """`count` fresh (request ring, response ring) pairs, or NoSpace and none."""
+        made: list[Ring] = []
+        try:
+            for _ in range(count):
+                made.append(Ring.create(self.cfg.request_ring_bytes))
+                made.append(Ring.create(self.cfg.response_ring_bytes))
+        except BaseException:
+            for ring in made:
+                ring.unlink()
+                ring.close()
+            raise
+        return list(zip(made[::2], made[1::2]))
+
+    def connect(self, f: int, w: int, rings: tuple[Ring, Ring]) -> None:
+        """Hand a fresh ring pair to frontend f and worker w."""
         self.pairs[f, w] = pair = RingPair.of(*rings)
         self.workers[w].send({"kind": "add_link", "frontend": f, **pair.names()}, pair.fds)
         self.frontends[f].send({"kind": "worker_up", "worker": w, **pair.names()}, pair.fds)
@@ -239,7 +259,7 @@ class Supervisor:
         self.early_deaths[w] = 0 if was_ready else self.early_deaths[w] + 1
         log.error("worker %d died (code %s); restart #%d", w, code, self.restarts)
         delay = 0.0 if was_ready else min(MAX_BACKOFF_S, 0.5 * 2 ** self.early_deaths[w])
-        self.loop.call_later(delay, self.respawn, self.spawn_worker, w)
+        self.loop.call_later(delay, self.respawn, self.spawn_worker, w, "worker")
 
     def on_frontend_exit(self, f: int, child: Child, code: int) -> None:
         self.listening.discard(f)
@@ -258,16 +278,19 @@ class Supervisor:
             self.failure = self.failure or f"frontend {f} exited (code {code}) before it listened"
             return
         log.error("frontend %d died (code %s); restarting it", f, code)
-        self.loop.call_later(FRONTEND_RESTART_S, self.respawn, self.spawn_frontend, f)
+        self.loop.call_later(FRONTEND_RESTART_S, self.respawn, self.spawn_frontend, f, "frontend")
 
-    def respawn(self, spawn, index: int) -> None:
+    def respawn(self, spawn, index: int, what: str, wait: float = 0.5) -> None:
         if self.stopping:
             return
         try:
             spawn(index)
+        except NoSpace as exc:
+            log.error("%s %d cannot be restarted: %s; trying again in %.1f s", what, index, exc, wait)
+            self.loop.call_later(wait, self.respawn, spawn, index, what, min(MAX_BACKOFF_S, 2 * wait))
         except Exception:
-            log.exception("could not restart a child; trying again")
-            self.loop.call_later(5.0, self.respawn, spawn, index)
+            log.exception("could not restart %s %d; trying again", what, index)
+            self.loop.call_later(5.0, self.respawn, spawn, index, what)
 
     def check_hangs(self) -> None:
         """Kill a ready worker whose heartbeat is older than --worker-hang-timeout; its death
