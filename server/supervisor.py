@@ -32,6 +32,7 @@ import sys
 import time
 
 from pollen.common import control
+from pollen.common.model_spec import check_tokenizer
 from pollen.common.worker_config import WorkerConfig
 from pollen.server import auth, metrics
 from pollen.server.address import Claim, claim
@@ -87,6 +88,7 @@ class Child:
                  env: dict[str, str] | None = None):
         self.name = name
         self.control = ours
+        self.error: str | None = None  # what its last "failed" message said, read when it exits
         self.proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()], env=env)
         theirs.close()  # the child has its copy
         self.pid = self.proc.pid
@@ -101,8 +103,28 @@ class Child:
         code = self.proc.wait()
         self.exited.set()
         self.loop.remove_reader(self.control.fileno())
+        self.error = self._failure() or self.error
         self.control.close()
         on_exit(self, code)
+
+    def _failure(self) -> str | None:
+        """The error of a "failed" message the child sent before it exited and nobody read yet.
+        A child that leaves our messages unread resets the socket as it exits: the first read
+        says so, and its own messages follow."""
+        error = None
+        for _ in range(2):
+            try:
+                while (message := control.receive(self.control)) is not None:
+                    body, fds = message
+                    control.close_fds(fds)
+                    if body.get("kind") == "failed":
+                        error = body.get("error")
+                break
+            except ConnectionResetError:
+                continue
+            except (EOFError, OSError, ValueError):
+                break
+        return error
 
     @property
     def alive(self) -> bool:
@@ -142,6 +164,7 @@ class Supervisor:
 
     async def start(self) -> None:
         """Claim the addresses, start every child; return once all listen and every worker is ready."""
+        check_tokenizer(self.cfg.model)  # the frontends load it: a bad one is refused before any starts
         grpc_claim = claim(self.cfg.listen, "gRPC")
         self.claims.append(grpc_claim)
         self.listen = grpc_claim.address
@@ -180,7 +203,8 @@ class Supervisor:
         wcfg = WorkerConfig.of(self.cfg, w, control_fd=theirs.fileno(), state=self.state.name,
                                cpu_cores=worker_cores(self.cfg, w))
         argv = [sys.executable, "-m", "pollen.worker", wcfg.to_json()]
-        self.workers[w] = child = Child(f"worker {w}", argv, theirs, ours, lambda c, code: self.on_worker_exit(w, code),
+        self.workers[w] = child = Child(f"worker {w}", argv, theirs, ours,
+                                        lambda c, code: self.on_worker_exit(w, code, c.error),
                                         env=auth.without_keys(os.environ))
         log.info("worker %d started (pid %d)", w, child.pid)
         for f, pair in zip(frontends, rings):
@@ -241,7 +265,7 @@ class Supervisor:
         except (EOFError, OSError):
             self.loop.remove_reader(child.control.fileno())
 
-    def on_worker_exit(self, w: int, code: int) -> None:
+    def on_worker_exit(self, w: int, code: int, error: str | None = None) -> None:
         was_ready = self.state.ready(w)
         self.state.clear_worker(w)
         for f, frontend in enumerate(self.frontends):
@@ -252,12 +276,13 @@ class Supervisor:
             log.info("worker %d exited (code %s)", w, code)
             return
         if not self.started:
-            self.failure = f"worker {w} exited (code {code}) before it was ready; see its log above"
+            self.failure = (f"worker {w} could not load the model: {error}" if error else
+                            f"worker {w} exited (code {code}) before it was ready; see its log above")
             return
         self.restarts += 1
         metrics.WORKER_RESTARTS.inc()
         self.early_deaths[w] = 0 if was_ready else self.early_deaths[w] + 1
-        log.error("worker %d died (code %s); restart #%d", w, code, self.restarts)
+        log.error("worker %d died (code %s)%s; restart #%d", w, code, f": {error}" if error else "", self.restarts)
         delay = 0.0 if was_ready else min(MAX_BACKOFF_S, 0.5 * 2 ** self.early_deaths[w])
         self.loop.call_later(delay, self.respawn, self.spawn_worker, w, "worker")
 
