@@ -300,7 +300,8 @@ class Supervisor:
         if self.stopping:
             return
         if not self.started:
-            self.failure = self.failure or f"frontend {f} exited (code {code}) before it listened"
+            self.failure = self.failure or (f"frontend {f} could not start: {child.error}" if child.error else
+                                            f"frontend {f} exited (code {code}) before it listened")
             return
         log.error("frontend %d died (code %s); restarting it", f, code)
         self.loop.call_later(FRONTEND_RESTART_S, self.respawn, self.spawn_frontend, f, "frontend")
