@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -31,6 +32,10 @@ _LEGACY_POOLING_KEYS = {
 }
 # sentence-transformers modules we implement; any other (Dense, ...) would change the output.
 _KNOWN_ST_MODULES = ("Transformer", "Pooling", "Normalize")
+# config.json's sizes: each a positive integer, and together no larger than the weights hold
+# (_check_weights), so a lying config is refused here rather than by an allocation in the worker.
+_SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "intermediate_size", "vocab_size", "max_position_embeddings")
 
 
 class UnsupportedModel(ValueError):
@@ -65,9 +70,9 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
     config = read_config(path)
     model_type = config.get("model_type")
     family, causal, default_pooling = _family(path, config)
-    _check_weights(path)
+    _check_weights(path, config)
 
-    modules = _read_json(path, "modules.json") or []
+    modules = _read_json(path, "modules.json", list) or []
     _check_modules(path, modules)
     chosen_pooling = _read_pooling(path, modules, default=default_pooling)
     if pooling is not None:
@@ -106,6 +111,10 @@ def _family(path: str, config: dict) -> tuple[str, bool, str]:
                 "max_position_embeddings") if model_type in ENCODER_TYPES + QWEN3_TYPES else ():
         if key not in config:
             raise UnsupportedModel(f"{path}: config.json lacks {key!r}")
+    for key in _SIZE_KEYS:
+        value = config.get(key)
+        if value is not None and (type(value) is not int or value <= 0):
+            raise UnsupportedModel(f"{path}: config.json {key} must be a positive integer, got {value!r}")
     if model_type in ENCODER_TYPES:
         _check_encoder_config(path, config)
         return "bert", False, "mean"
@@ -207,13 +216,75 @@ def _check_qwen3_config(path: str, config: dict) -> None:
                                f"num_key_value_heads {kv_heads}")
 
 
-def _check_weights(path: str) -> None:
-    if glob.glob(os.path.join(path, "*.safetensors")):
-        return
-    if glob.glob(os.path.join(path, "*.bin")) or glob.glob(os.path.join(path, "*.pt")):
-        raise UnsupportedModel(f"{path}: only PyTorch .bin/.pt weights found; .bin-only checkpoints are "
-                               "unsupported, convert them to safetensors")
-    raise UnsupportedModel(f"{path}: no *.safetensors weights found")
+def weight_files(path: str) -> list[str]:
+    """The safetensors files the loader opens: those model.safetensors.index.json names, or else
+    every *.safetensors in the directory."""
+    index = _read_json(path, "model.safetensors.index.json")
+    if index is None:
+        return sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise UnsupportedModel(f"{path}: model.safetensors.index.json has no weight_map of tensor names to files")
+    files = sorted({os.path.join(path, f) for f in weight_map.values()})
+    for file in files:
+        if os.path.dirname(file) != path or not os.path.isfile(file):
+            raise UnsupportedModel(f"{path}: model.safetensors.index.json names {os.path.relpath(file, path)!r}, "
+                                   "which is no file of the directory")
+    return files
+
+
+def _check_weights(path: str, config: dict) -> None:
+    """Every weight file's safetensors header parses and matches the file's size (what the loader
+    would fail on later), and the weights hold at least the parameters config.json's sizes imply:
+    the embeddings (vocab_size x hidden_size) and each layer's MLP (2 x hidden_size x
+    intermediate_size)."""
+    files = weight_files(path)
+    if not files:
+        if glob.glob(os.path.join(path, "*.bin")) or glob.glob(os.path.join(path, "*.pt")):
+            raise UnsupportedModel(f"{path}: only PyTorch .bin/.pt weights found; .bin-only checkpoints are "
+                                   "unsupported, convert them to safetensors")
+        raise UnsupportedModel(f"{path}: no *.safetensors weights found")
+    held = sum(_safetensors_elements(file) for file in files)
+    sizes = {key: config[key] for key in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")}
+    hidden, layers, intermediate, vocab = sizes.values()
+    implied = vocab * hidden + layers * 2 * hidden * intermediate
+    if implied > held:
+        shown = ", ".join(f"{key} {value}" for key, value in sizes.items())
+        raise UnsupportedModel(f"{path}: config.json describes a model of at least {implied:,} parameters ({shown}), "
+                               f"but its safetensors files hold {held:,}")
+
+
+def _safetensors_elements(file: str) -> int:
+    """The number of values in a safetensors file's tensors, from its header, checked by
+    safetensors itself (header size, JSON, offsets, and the file's length)."""
+    from safetensors import SafetensorError, safe_open
+
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+    if 8 + length > size:
+        raise UnsupportedModel(f"{file}: not a readable safetensors file: header length {length} runs past the end "
+                               f"of the file ({size:,} bytes); it is truncated, or no safetensors file")
+    try:
+        with safe_open(file, framework="numpy") as f:
+            return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    except SafetensorError as exc:
+        raise UnsupportedModel(f"{file}: not a readable safetensors file ({size:,} bytes, header length {length}): "
+                               f"{exc}") from None
+
+
+def check_tokenizer(path: str) -> None:
+    """tokenizer.json is there and the tokenizers library reads it (the frontends load it; the
+    supervisor calls this first, so a bad one is one line before any process starts)."""
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        raise UnsupportedModel(f"{path}: no tokenizer.json (pollen needs the fast-tokenizer file)")
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(file)
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception for any bad file
+        raise UnsupportedModel(f"{file}: not a tokenizer the tokenizers library reads: {exc}") from None
 
 
 def _module_kind(module: dict) -> str:
@@ -260,12 +331,21 @@ def _display_name(path: str) -> str:
     return base
 
 
-def _read_json(path: str, name: str):
+def _read_json(path: str, name: str, kind: type = dict):
+    """The JSON file `name` of the model directory, which must hold a `kind` (an object, or for
+    modules.json a list of objects); None when there is no such file."""
     file = os.path.join(path, name)
     if not os.path.isfile(file):
         return None
     try:
         with open(file, encoding="utf-8") as f:
-            return json.load(f)
+            value = json.load(f)
     except (OSError, ValueError) as e:
-        raise UnsupportedModel(f"{path}: cannot read {name}: {e}") from e
+        raise UnsupportedModel(f"{path}: cannot read {name}: {e}") from None
+    except RecursionError:
+        raise UnsupportedModel(f"{path}: cannot read {name}: nested too deeply for Python's JSON parser") from None
+    items = value if kind is list and isinstance(value, list) else [value]
+    if not isinstance(value, kind) or not all(isinstance(item, dict) for item in items):
+        what = "a JSON list of objects" if kind is list else "a JSON object"
+        raise UnsupportedModel(f"{path}: {name} is not {what}")
+    return value

@@ -78,11 +78,12 @@ def download(argv: list[str]) -> int:
     parser.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
     args = parser.parse_args(argv)
     from pollen.common import model_source
-    from pollen.common.model_spec import read_model_spec
+    from pollen.common.model_spec import check_tokenizer, read_model_spec
 
     try:
         path, _ = model_source.resolve(args.model, args.revision)
         read_model_spec(path)  # what pollen serve would refuse, refused now rather than on the air-gapped host
+        check_tokenizer(path)
     except ValueError as exc:
         print(f"pollen download: {exc}", file=sys.stderr)
         return 1

@@ -14,6 +14,10 @@ try; one that was serving is restarted at once; a frontend after FRONTEND_RESTAR
 SIGINT: every frontend drains and answers what it received (server/frontend.py), then each worker
 is told to finish what it holds and exit, and the shared memory is removed. Everything here runs
 on one asyncio loop; children are watched through pidfds.
+
+A child's rings are made before the child is started, so a restart that /dev/shm cannot hold
+(another program filled it) starts nothing, says so in one line and is tried again, 0.5 s doubling
+up to MAX_BACKOFF_S.
 """
 from __future__ import annotations
 
@@ -28,12 +32,14 @@ import sys
 import time
 
 from pollen.common import control
+from pollen.common.model_spec import check_tokenizer
 from pollen.common.worker_config import WorkerConfig
 from pollen.server import auth, metrics
 from pollen.server.address import Claim, claim
 from pollen.server.config import FRONTEND_ENV, FrontendConfig, ServeConfig
 from pollen.shared_mem.ring import Ring
 from pollen.shared_mem.ring_pair import RingPair
+from pollen.shared_mem.segment import NoSpace
 from pollen.shared_mem.server_state import ServerState
 
 log = logging.getLogger("pollen.supervisor")
@@ -82,6 +88,7 @@ class Child:
                  env: dict[str, str] | None = None):
         self.name = name
         self.control = ours
+        self.error: str | None = None  # what its last "failed" message said, read when it exits
         self.proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()], env=env)
         theirs.close()  # the child has its copy
         self.pid = self.proc.pid
@@ -96,8 +103,28 @@ class Child:
         code = self.proc.wait()
         self.exited.set()
         self.loop.remove_reader(self.control.fileno())
+        self.error = self._failure() or self.error
         self.control.close()
         on_exit(self, code)
+
+    def _failure(self) -> str | None:
+        """The error of a "failed" message the child sent before it exited and nobody read yet.
+        A child that leaves our messages unread resets the socket as it exits: the first read
+        says so, and its own messages follow."""
+        error = None
+        for _ in range(2):
+            try:
+                while (message := control.receive(self.control)) is not None:
+                    body, fds = message
+                    control.close_fds(fds)
+                    if body.get("kind") == "failed":
+                        error = body.get("error")
+                break
+            except ConnectionResetError:
+                continue
+            except (EOFError, OSError, ValueError):
+                break
+        return error
 
     @property
     def alive(self) -> bool:
@@ -137,6 +164,7 @@ class Supervisor:
 
     async def start(self) -> None:
         """Claim the addresses, start every child; return once all listen and every worker is ready."""
+        check_tokenizer(self.cfg.model)  # the frontends load it: a bad one is refused before any starts
         grpc_claim = claim(self.cfg.listen, "gRPC")
         self.claims.append(grpc_claim)
         self.listen = grpc_claim.address
@@ -169,18 +197,22 @@ class Supervisor:
     # ---- children ----
 
     def spawn_worker(self, w: int) -> None:
+        frontends = [f for f, frontend in enumerate(self.frontends) if frontend is not None and frontend.alive]
+        rings = self.new_rings(len(frontends))
         ours, theirs = control.pair()
         wcfg = WorkerConfig.of(self.cfg, w, control_fd=theirs.fileno(), state=self.state.name,
                                cpu_cores=worker_cores(self.cfg, w))
         argv = [sys.executable, "-m", "pollen.worker", wcfg.to_json()]
-        self.workers[w] = child = Child(f"worker {w}", argv, theirs, ours, lambda c, code: self.on_worker_exit(w, code),
+        self.workers[w] = child = Child(f"worker {w}", argv, theirs, ours,
+                                        lambda c, code: self.on_worker_exit(w, code, c.error),
                                         env=auth.without_keys(os.environ))
         log.info("worker %d started (pid %d)", w, child.pid)
-        for f, frontend in enumerate(self.frontends):
-            if frontend is not None and frontend.alive:
-                self.connect(f, w)
+        for f, pair in zip(frontends, rings):
+            self.connect(f, w, pair)
 
     def spawn_frontend(self, f: int) -> None:
+        workers = [w for w, worker in enumerate(self.workers) if worker is not None and worker.alive]
+        rings = self.new_rings(len(workers))
         ours, theirs = control.pair()
         fcfg = FrontendConfig.of(self.cfg, f, listen=self.listen, http_listen=self.http_listen,
                                  control_fd=theirs.fileno(), state=self.state.name, cpu_cores=frontend_cores(self.cfg))
@@ -191,13 +223,25 @@ class Supervisor:
         self.loop.add_reader(child.control.fileno(), self.on_frontend_message, f, child)
         if self.started:  # a frontend restarted after the start
             child.send({"kind": "started"})
-        for w, worker in enumerate(self.workers):
-            if worker is not None and worker.alive:
-                self.connect(f, w)
+        for w, pair in zip(workers, rings):
+            self.connect(f, w, pair)
 
-    def connect(self, f: int, w: int) -> None:
-        """A fresh ring pair between frontend f and worker w, handed to both."""
-        rings = Ring.create(self.cfg.request_ring_bytes), Ring.create(self.cfg.response_ring_bytes)
+    def new_rings(self, count: int) -> list[tuple[Ring, Ring]]:
+        """`count` fresh (request ring, response ring) pairs, or NoSpace and none."""
+        made: list[Ring] = []
+        try:
+            for _ in range(count):
+                made.append(Ring.create(self.cfg.request_ring_bytes))
+                made.append(Ring.create(self.cfg.response_ring_bytes))
+        except BaseException:
+            for ring in made:
+                ring.unlink()
+                ring.close()
+            raise
+        return list(zip(made[::2], made[1::2]))
+
+    def connect(self, f: int, w: int, rings: tuple[Ring, Ring]) -> None:
+        """Hand a fresh ring pair to frontend f and worker w."""
         self.pairs[f, w] = pair = RingPair.of(*rings)
         self.workers[w].send({"kind": "add_link", "frontend": f, **pair.names()}, pair.fds)
         self.frontends[f].send({"kind": "worker_up", "worker": w, **pair.names()}, pair.fds)
@@ -221,7 +265,7 @@ class Supervisor:
         except (EOFError, OSError):
             self.loop.remove_reader(child.control.fileno())
 
-    def on_worker_exit(self, w: int, code: int) -> None:
+    def on_worker_exit(self, w: int, code: int, error: str | None = None) -> None:
         was_ready = self.state.ready(w)
         self.state.clear_worker(w)
         for f, frontend in enumerate(self.frontends):
@@ -232,14 +276,15 @@ class Supervisor:
             log.info("worker %d exited (code %s)", w, code)
             return
         if not self.started:
-            self.failure = f"worker {w} exited (code {code}) before it was ready; see its log above"
+            self.failure = (f"worker {w} could not load the model: {error}" if error else
+                            f"worker {w} exited (code {code}) before it was ready; see its log above")
             return
         self.restarts += 1
         metrics.WORKER_RESTARTS.inc()
         self.early_deaths[w] = 0 if was_ready else self.early_deaths[w] + 1
-        log.error("worker %d died (code %s); restart #%d", w, code, self.restarts)
+        log.error("worker %d died (code %s)%s; restart #%d", w, code, f": {error}" if error else "", self.restarts)
         delay = 0.0 if was_ready else min(MAX_BACKOFF_S, 0.5 * 2 ** self.early_deaths[w])
-        self.loop.call_later(delay, self.respawn, self.spawn_worker, w)
+        self.loop.call_later(delay, self.respawn, self.spawn_worker, w, "worker")
 
     def on_frontend_exit(self, f: int, child: Child, code: int) -> None:
         self.listening.discard(f)
@@ -255,19 +300,23 @@ class Supervisor:
         if self.stopping:
             return
         if not self.started:
-            self.failure = self.failure or f"frontend {f} exited (code {code}) before it listened"
+            self.failure = self.failure or (f"frontend {f} could not start: {child.error}" if child.error else
+                                            f"frontend {f} exited (code {code}) before it listened")
             return
         log.error("frontend %d died (code %s); restarting it", f, code)
-        self.loop.call_later(FRONTEND_RESTART_S, self.respawn, self.spawn_frontend, f)
+        self.loop.call_later(FRONTEND_RESTART_S, self.respawn, self.spawn_frontend, f, "frontend")
 
-    def respawn(self, spawn, index: int) -> None:
+    def respawn(self, spawn, index: int, what: str, wait: float = 0.5) -> None:
         if self.stopping:
             return
         try:
             spawn(index)
+        except NoSpace as exc:
+            log.error("%s %d cannot be restarted: %s; trying again in %.1f s", what, index, exc, wait)
+            self.loop.call_later(wait, self.respawn, spawn, index, what, min(MAX_BACKOFF_S, 2 * wait))
         except Exception:
-            log.exception("could not restart a child; trying again")
-            self.loop.call_later(5.0, self.respawn, spawn, index)
+            log.exception("could not restart %s %d; trying again", what, index)
+            self.loop.call_later(5.0, self.respawn, spawn, index, what)
 
     def check_hangs(self) -> None:
         """Kill a ready worker whose heartbeat is older than --worker-hang-timeout; its death

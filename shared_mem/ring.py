@@ -7,9 +7,11 @@ written when the other side has said it is asleep.
 
 Setup: the creator calls ``Ring.create()``, starts the peer with
 ``subprocess.Popen(..., pass_fds=[ring.data_fd, ring.space_fd])`` and hands it ``ring.name`` and
-the two fd numbers, which the peer passes to ``Ring.attach()``. The creator ``unlink()``s the
-segment when done; ``cleanup_stale_segments()`` (segment.py) at start-up removes those of crashed
-creators.
+the two fd numbers, which the peer passes to ``Ring.attach()``; or it hands all three fds, the
+segment's ``ring.segment_fd`` too, over a unix socket (shared_mem/ring_pair.py), and the peer maps
+the segment from that fd, so a segment the creator has removed meanwhile is still mapped. The
+creator ``unlink()``s the segment when done; ``cleanup_stale_segments()`` (segment.py) at
+start-up removes those of crashed creators.
 
 An asyncio consumer does not block in ``wait_readable``; it watches ``data_fd``::
 
@@ -52,7 +54,7 @@ from collections import deque
 
 import numpy as np
 
-from pollen.shared_mem.segment import close_mapping, create_segment, map_segment, unlink_segment
+from pollen.shared_mem.segment import close_mapping, create_segment, map_segment, open_segment, unlink_segment
 
 _MAGIC = int.from_bytes(b"POLLENRG", "little")
 _VERSION = 1
@@ -166,11 +168,12 @@ class Ring:
     HEADER_BYTES = 192
     RECORD_HEADER = 8
     def __init__(self, name: str, mm: mmap.mmap, data_fd: int, space_fd: int, own_fds: bool,
-                 wait_slice: float = DEFAULT_WAIT_SLICE):
+                 wait_slice: float = DEFAULT_WAIT_SLICE, segment_fd: int = -1):
         self.name = name
         self.wait_slice = wait_slice  # seconds a blocking wait polls before looking again
         self.data_fd = data_fd
         self.space_fd = space_fd
+        self.segment_fd = segment_fd  # the creator's, to hand over (-1 in a peer: mapped, closed)
         self._own_fds = own_fds
         self._mm = mm
         self._mv = memoryview(mm)
@@ -199,6 +202,7 @@ class Ring:
         fds = []
         try:
             _STATIC.pack_into(mm, 0, _MAGIC, _VERSION, capacity)
+            fds.append(open_segment(name))
             for _ in range(2):
                 fds.append(os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
         except BaseException:
@@ -207,17 +211,23 @@ class Ring:
             for efd in fds:
                 os.close(efd)
             raise
-        return cls(name, mm, fds[0], fds[1], own_fds=True, wait_slice=wait_slice)
+        return cls(name, mm, fds[1], fds[2], own_fds=True, wait_slice=wait_slice, segment_fd=fds[0])
 
     @classmethod
     def attach(cls, name: str, data_fd: int, space_fd: int, own_fds: bool = True,
-               wait_slice: float = DEFAULT_WAIT_SLICE) -> Ring:
-        """Map an existing segment by basename, using eventfds inherited from its creator.
+               wait_slice: float = DEFAULT_WAIT_SLICE, segment_fd: int = -1) -> Ring:
+        """Map an existing segment, from ``segment_fd`` when given, else by basename, using
+        eventfds inherited from its creator.
 
-        With ``own_fds`` (the default, right for a child that got them through ``pass_fds``),
-        ``close()`` closes the two fds; pass False when they belong to another ``Ring`` object.
+        With ``own_fds`` (the default, right for a child that got them through ``pass_fds`` or a
+        unix socket), ``close()`` closes the two eventfds, and ``segment_fd`` is closed once mapped;
+        pass False when they belong to another ``Ring`` object.
         """
-        mm = map_segment(name, "ring", cls.HEADER_BYTES)
+        try:
+            mm = map_segment(name, "ring", cls.HEADER_BYTES, fd=segment_fd if segment_fd >= 0 else None)
+        finally:
+            if own_fds and segment_fd >= 0:
+                os.close(segment_fd)  # the mapping keeps the segment
         size = len(mm)
         magic, version, capacity = _STATIC.unpack_from(mm)
         if magic != _MAGIC or version != _VERSION or cls.HEADER_BYTES + capacity != size:
@@ -470,11 +480,11 @@ class Ring:
         self._mv.release()
         close_mapping(self._mm)  # a view the caller still holds keeps it until that view goes
         if self._own_fds:
-            for fd in (self.data_fd, self.space_fd):
+            for fd in (self.data_fd, self.space_fd, self.segment_fd):
                 try:
                     os.close(fd)
                 except OSError:
-                    pass
+                    pass  # -1 (a peer's), or already closed
 
     def unlink(self) -> None:
         """Remove the segment file; idempotent. Attached processes keep their mappings."""

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
+import traceback
 
+from pollen.common import control
 from pollen.common.process import bootstrap, config_from_argv
 from pollen.common.worker_config import WorkerConfig
 
@@ -35,6 +38,21 @@ def load(cfg: WorkerConfig):
     return engine, model.spec
 
 
+def report_failure(cfg: WorkerConfig, exc: Exception) -> None:
+    """Tell the supervisor why the model could not be loaded: its last line says so. A fault of
+    the model's files (UnsupportedModel, a safetensors error) needs nothing more; anything else
+    leaves its traceback in the log too."""
+    from safetensors import SafetensorError
+
+    from pollen.common.model_spec import UnsupportedModel
+
+    error = str(exc) if isinstance(exc, UnsupportedModel) else f"{type(exc).__name__}: {exc}"
+    if not isinstance(exc, UnsupportedModel | SafetensorError):
+        traceback.print_exc()
+    with socket.socket(fileno=os.dup(cfg.control_fd)) as sock:
+        control.send(sock, {"kind": "failed", "error": error})
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = config_from_argv(WorkerConfig, argv, "pollen.worker")
     if cfg.gpu >= 0:
@@ -49,7 +67,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from pollen.worker.loop import Worker
 
-    worker = Worker(cfg, *load(cfg))
+    try:
+        loaded = load(cfg)
+    except Exception as exc:
+        report_failure(cfg, exc)
+        return 1
+    worker = Worker(cfg, *loaded)
     try:
         # One inference mode around the whole loop: entering it for each batch costs every batch
         # time, the more on a core that had idled.
