@@ -6,7 +6,7 @@ over a ring pair (shared_mem/ring_pair.py; SCM_RIGHTS, the receiver owns its cop
 and answers travel in the rings; this socket only says which rings to use and when to stop.
 
 Supervisor to frontend:  {"kind": "worker_up", "worker": w, "requests": name, "responses": name}
-                          + fds (request data, request space, response data, response space);
+                          + six fds (each ring's segment, data and space: requests, then responses);
                          {"kind": "worker_down", "worker": w}
 Frontend to supervisor:  {"kind": "listening"} once both doors are open; {"kind": "failed", "error": text}
 Supervisor to worker:    {"kind": "add_link", "frontend": f, "requests": name, "responses": name} + fds;
