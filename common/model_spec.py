@@ -1,7 +1,8 @@
-"""What a model directory holds, read from its JSON files alone.
+"""What a model directory holds, read from its JSON files and its safetensors headers.
 
 The frontend imports this at start-up to learn dimensions and token limits, so it must stay light:
-no torch here, only json and os. Every "we cannot serve this" decision lives here too, so a bad
+no torch here, only json and os (and safetensors' header reader and tokenizers, imported by the
+checks that read those files). Every "we cannot serve this" decision lives here too, so a bad
 directory fails at start-up with one clear message instead of deep inside weight loading.
 """
 
@@ -216,7 +217,7 @@ def _check_qwen3_config(path: str, config: dict) -> None:
                                f"num_key_value_heads {kv_heads}")
 
 
-def weight_files(path: str) -> list[str]:
+def _weight_files(path: str) -> list[str]:
     """The safetensors files the loader opens: those model.safetensors.index.json names, or else
     every *.safetensors in the directory."""
     index = _read_json(path, "model.safetensors.index.json")
@@ -238,7 +239,7 @@ def _check_weights(path: str, config: dict) -> None:
     would fail on later), and the weights hold at least the parameters config.json's sizes imply:
     the embeddings (vocab_size x hidden_size) and each layer's MLP (2 x hidden_size x
     intermediate_size)."""
-    files = weight_files(path)
+    files = _weight_files(path)
     if not files:
         if glob.glob(os.path.join(path, "*.bin")) or glob.glob(os.path.join(path, "*.pt")):
             raise UnsupportedModel(f"{path}: only PyTorch .bin/.pt weights found; .bin-only checkpoints are "
