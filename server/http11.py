@@ -16,6 +16,9 @@ What it refuses, always with a response before closing:
 - a request that has begun but not arrived whole within `read_timeout`: 408;
 - a connection past `max_connections` open ones: 503 as soon as it is accepted, then closed.
 
+Error messages never quote a header: one can carry credentials (a malformed header line or request
+line is refused in h11's words, without the line).
+
 After an error the connection closes with a "lingering close": we stop writing, then read and
 discard what the client still sends for up to LINGER_S, so the kernel does not answer the unread
 bytes with a reset that would destroy our error response before the client reads it.
@@ -37,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import re
 import socket
 import struct
 from collections.abc import Awaitable, Callable
@@ -390,12 +394,19 @@ class _Connection(asyncio.Protocol):
             self.timer = None
 
 
+# Where h11's reason quotes the client's bytes (as a bytes or bytearray repr, at its end).
+_QUOTED = re.compile(r""":?\s*(?:bytearray\()?b['"].*""", re.DOTALL)
+
+
 def _refusal_of(exc: h11.RemoteProtocolError) -> ProtocolError:
-    """h11's reason for refusing a request, as our status; its message quotes the client's bytes, cut."""
-    message = str(exc)
+    """h11's reason for refusing a request, as our status, without the line it quotes: a header
+    line or the request line can hold an API key."""
+    message = _QUOTED.sub("", str(exc))
     if "Transfer-Encoding" in message:  # h11 frames chunked bodies only; we frame none
         return ProtocolError(411, "Transfer-Encoding bodies are not accepted; send Content-Length")
-    return ProtocolError(exc.error_status_hint, f"malformed request: {cut(message)}")
+    if message != str(exc):
+        message += " (not quoted: it may hold credentials)"
+    return ProtocolError(exc.error_status_hint, f"malformed request: {message}")
 
 
 def _encode(conn: h11.Connection, response: Response, close: bool, head_only: bool = False) -> list[bytes]:
