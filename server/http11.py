@@ -14,16 +14,25 @@ What it refuses, always with a response before closing:
 - malformed request lines and headers, conflicting Content-Lengths, a target that is not a path:
   400; versions other than 1.0 and 1.1: 505;
 - a request that has begun but not arrived whole within `read_timeout`: 408;
-- a connection past `max_connections` open ones: 503 as soon as it is accepted, then closed.
+- a connection past `max_connections` open ones, when every open one is in the middle of a request
+  (or answering one): 503 as soon as it is accepted, then closed.
 
 Error messages never quote a header: one can carry credentials (a malformed header line or request
 line is refused in h11's words, without the line).
+
+Connection slots: when all `max_connections` are taken, a new connection takes the slot of one
+that is neither handling a request nor writing its answer: the oldest of those that have sent
+nothing yet, else the one heard from least recently (kept alive between requests, or with a
+request arriving). So idle sockets cannot keep new clients, a liveness probe on /health among
+them, from being answered, and a client that has been served keeps its connection while sockets
+that have never said a word remain to be closed.
 
 After an error the connection closes with a "lingering close": we stop writing, then read and
 discard what the client still sends for up to LINGER_S, so the kernel does not answer the unread
 bytes with a reset that would destroy our error response before the client reads it.
 
-Timeouts: `idle_timeout` between requests (the connection closes quietly), `read_timeout` for one
+Timeouts: `first_byte_timeout` for a new connection's first byte and `idle_timeout` between
+requests (past either the connection closes quietly), `read_timeout` for one
 request to arrive (408), `write_timeout` for an answer the client does not read: the transport
 pauses us when its buffer passes its high-water mark (`write_buffer_bytes`), and a connection
 whose buffer has not drained within `write_timeout` is reset.
@@ -98,17 +107,24 @@ ErrorBody = Callable[[int, str], Response]
 class HttpServer:
     def __init__(self, handler: Handler, error_response: ErrorBody, *, max_body_bytes: int,
                  max_connections: int = 1024, max_head_bytes: int = 16 << 10, idle_timeout: float = 75.0,
-                 read_timeout: float = 30.0, write_timeout: float = 30.0, write_buffer_bytes: int = 64 << 10):
+                 read_timeout: float = 30.0, write_timeout: float = 30.0, write_buffer_bytes: int = 64 << 10,
+                 first_byte_timeout: float = 5.0):
         self.handler = handler
         self.error_response = error_response  # builds the body of protocol errors (4xx), in the door's format
         self.max_body_bytes = max_body_bytes
         self.max_connections = max_connections
         self.max_head_bytes = max_head_bytes
+        self.first_byte_timeout = first_byte_timeout  # how long a new connection may wait to send a byte
         self.idle_timeout = idle_timeout      # how long a kept-alive connection may wait for its next request
         self.read_timeout = read_timeout      # how long one request's head and body may take to arrive
         self.write_timeout = write_timeout    # how long an answer may sit unread over the buffer's high-water mark
         self.write_buffer_bytes = write_buffer_bytes
         self.connections: set[_Connection] = set()
+        # The connections a new one may close to take their slot, in the order they are closed:
+        # the silent ones (no byte yet) oldest first, then the quiet ones (neither handling a
+        # request nor writing its answer) least recently heard from first. A dict keeps its order.
+        self.silent: dict[_Connection, None] = {}
+        self.quiet: dict[_Connection, None] = {}
         self.stopping = False
         self.draining = False  # answering still, but closing each connection after its answer
         self._server: asyncio.AbstractServer | None = None
@@ -180,14 +196,22 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
-        if len(self.server.connections) >= self.server.max_connections:
-            transport.write(self.server.refusal)
-            transport.close()
-            return
-        self.server.connections.add(self)
-        transport.set_write_buffer_limits(high=self.server.write_buffer_bytes)
-        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.server.max_head_bytes)
-        self._set_timer(self.server.idle_timeout, self.transport.close)
+        server = self.server
+        if len(server.connections) >= server.max_connections:
+            idle = server.silent or server.quiet
+            if not idle:  # every slot is taken by a request or its answer
+                transport.write(server.refusal)
+                transport.close()
+                return
+            other = next(iter(idle))
+            del idle[other]
+            server.connections.discard(other)  # its slot is ours now; its close completes soon
+            other.transport.close()
+        server.connections.add(self)
+        server.silent[self] = None
+        transport.set_write_buffer_limits(high=server.write_buffer_bytes)
+        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=server.max_head_bytes)
+        self._set_timer(server.first_byte_timeout, self.transport.close)
 
     def data_received(self, data: bytes) -> None:
         if self.conn is None or self.lingering:
@@ -203,6 +227,9 @@ class _Connection(asyncio.Protocol):
         if not self.busy:  # the first bytes of a request: it now has read_timeout to arrive whole
             self.busy = True
             self._set_timer(self.server.read_timeout, self._read_timed_out)
+        self.server.silent.pop(self, None)
+        self.server.quiet.pop(self, None)  # heard from: the last of the quiet ones to be closed
+        self.server.quiet[self] = None
         self._next()
 
     def eof_received(self) -> bool:
@@ -221,6 +248,8 @@ class _Connection(asyncio.Protocol):
             self.task.cancel()
         self.outgoing.clear()
         self.server.connections.discard(self)
+        self.server.silent.pop(self, None)
+        self.server.quiet.pop(self, None)
         if not self.closed.done():
             self.closed.set_result(None)
 
@@ -293,6 +322,7 @@ class _Connection(asyncio.Protocol):
 
     def _dispatch(self) -> None:
         self._cancel_timer()  # the request is whole
+        self.server.quiet.pop(self, None)  # its slot is held until the answer is written
         request, self.request = self.request, None
         request.body = b"".join(self.body)
         self.body = []
@@ -354,6 +384,7 @@ class _Connection(asyncio.Protocol):
             self._set_timer(self.server.idle_timeout, self.transport.close)
         self.held = 0
         self.head_only = False
+        self.server.quiet[self] = None  # waiting (or reading the next request): its slot may be taken
         if self.reading_paused:
             self.reading_paused = False
             self.transport.resume_reading()
@@ -363,6 +394,7 @@ class _Connection(asyncio.Protocol):
     def _fail(self, exc: ProtocolError) -> None:
         """Answer a protocol error, then close with a lingering close."""
         self.lingering = True
+        self.server.quiet.pop(self, None)
         response = self.server.error_response(exc.status, exc.message)
         try:
             self.transport.writelines(_encode(self.conn, response, True, self.head_only))
