@@ -86,6 +86,9 @@ class ServeConfig:
                                       "connection's buffer) before the connection is reset")
     http_first_byte_timeout: float = _flag(NETWORK, 5.0, "how long a new HTTP connection may wait before it sends "
                                            "its first byte; past it the connection is closed")
+    http_unread_bytes: int = _flag(NETWORK, 256 << 20, "bytes of HTTP answers that clients have not read yet, over "
+                                   "all of a frontend's connections; an answer over 64 KiB that would pass it is "
+                                   "refused 503 with Retry-After", shown="256 MiB")
     api_key: str | None = _flag(NETWORK, None, "API keys, comma-separated, that clients present as Bearer KEY (HTTP "
                                 "Authorization, gRPC authorization metadata); prefer POLLEN_API_KEY or "
                                 "--api-key-file: a flag shows in the process list", shown="none, no authentication",

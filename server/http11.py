@@ -14,6 +14,9 @@ What it refuses, always with a response before closing:
 - malformed request lines and headers, conflicting Content-Lengths, a target that is not a path:
   400; versions other than 1.0 and 1.1: 505;
 - a request that has begun but not arrived whole within `read_timeout`: 408;
+- an answer over one chunk (`write_buffer_bytes`) that would take the bytes of answers not yet
+  handed to the kernel, over all connections, past `max_unread_bytes`: 503 with Retry-After in its
+  place (the next request on the connection is read as usual);
 - a connection past `max_connections` open ones, when every open one is in the middle of a request
   (or answering one): 503 as soon as it is accepted, then closed.
 
@@ -42,7 +45,9 @@ body up to `max_body_bytes`), plus HELD_BYTES of pipelined requests after it (an
 that crosses that mark), past which reading pauses until the request is answered. Writing: the
 answer being written, plus at most two chunks of `write_buffer_bytes` queued in the transport:
 the answer goes to the transport a chunk at a time while its buffer is under the high-water
-mark, and the next pipelined request is not read until the buffer drains.
+mark, and the next pipelined request is not read until the buffer drains. The answers not yet
+handed to the kernel are bounded over all connections by `max_unread_bytes` (beside the chunks in
+the transports' buffers, two per connection at most).
 """
 from __future__ import annotations
 
@@ -108,7 +113,7 @@ class HttpServer:
     def __init__(self, handler: Handler, error_response: ErrorBody, *, max_body_bytes: int,
                  max_connections: int = 1024, max_head_bytes: int = 16 << 10, idle_timeout: float = 75.0,
                  read_timeout: float = 30.0, write_timeout: float = 30.0, write_buffer_bytes: int = 64 << 10,
-                 first_byte_timeout: float = 5.0):
+                 first_byte_timeout: float = 5.0, max_unread_bytes: int = 256 << 20):
         self.handler = handler
         self.error_response = error_response  # builds the body of protocol errors (4xx), in the door's format
         self.max_body_bytes = max_body_bytes
@@ -119,6 +124,8 @@ class HttpServer:
         self.read_timeout = read_timeout      # how long one request's head and body may take to arrive
         self.write_timeout = write_timeout    # how long an answer may sit unread over the buffer's high-water mark
         self.write_buffer_bytes = write_buffer_bytes
+        self.max_unread_bytes = max_unread_bytes
+        self.unread = 0  # bytes of answers queued at connections, not yet handed to their transports
         self.connections: set[_Connection] = set()
         # The connections a new one may close to take their slot, in the order they are closed:
         # the silent ones (no byte yet) oldest first, then the quiet ones (neither handling a
@@ -131,6 +138,9 @@ class HttpServer:
         self.refusal = _standalone(error_response(
             503, f"the server holds its limit of {max_connections} HTTP connections (--http-max-connections); "
                  "retry later or reuse a connection"))
+        self.unread_refusal = error_response(
+            503, f"the server holds its limit of {max_unread_bytes:,} bytes of answers that clients have not read "
+                 "(--http-unread-bytes); retry later")
 
     async def start(self, host: str, port: int, reuse_port: bool = False) -> None:
         """Listen; with reuse_port, beside the other frontends on the same address (SO_REUSEPORT)."""
@@ -246,6 +256,7 @@ class _Connection(asyncio.Protocol):
                 timer.cancel()
         if self.task is not None:
             self.task.cancel()
+        self.server.unread -= sum(map(len, self.outgoing))
         self.outgoing.clear()
         self.server.connections.discard(self)
         self.server.silent.pop(self, None)
@@ -336,9 +347,13 @@ class _Connection(asyncio.Protocol):
             response = self.server.error_response(500, "internal error (logged by the server)")
         # A cancelled handler (the client left, or the stop's grace ran out) ends here, unanswered.
         self.task = None
+        server = self.server
+        size = 0 if self.head_only else len(response.body)
+        if size > server.write_buffer_bytes and server.unread + size > server.max_unread_bytes:
+            response = server.unread_refusal
         try:
-            self.outgoing.extend(_encode(self.conn, response, self.server.stopping or self.server.draining,
-                                         self.head_only))
+            self.outgoing.extend(_encode(self.conn, response, server.stopping or server.draining, self.head_only))
+            server.unread += sum(map(len, self.outgoing))
             self._pump()
         except Exception:  # a bug in this file: log it, drop the connection, keep the server
             log.exception("HTTP connection failed")
@@ -358,6 +373,7 @@ class _Connection(asyncio.Protocol):
                     part = part[:room]
                 batch.append(part)
                 room -= len(part)
+            self.server.unread -= self.server.write_buffer_bytes - room
             self.transport.writelines(batch)  # one system call for the head and a small body
         if not self.outgoing and not self.transport.is_closing():
             self._after_response()

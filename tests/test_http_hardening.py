@@ -1,7 +1,8 @@
 """The HTTP door against clients that hold its resources: sockets that never send a byte (closed
 after --http-first-byte-timeout, and closed first when the connection slots run out, so /health and
-new clients are still answered), and malformed headers (refused 400 without quoting them: a header
-can carry an API key)."""
+new clients are still answered), readers that never read their answers (the bytes held for them
+are bounded per process by --http-unread-bytes), and malformed headers (refused 400 without
+quoting them: a header can carry an API key)."""
 from __future__ import annotations
 
 import http.client
@@ -18,7 +19,7 @@ import pytest
 from pollen.server.config import FD_RESERVE
 from tests.conftest import ServerProcess
 from tests.test_frontends import frontend_pids
-from tests.test_http_limits import read_all
+from tests.test_http_limits import queued, read_all, reset_by_peer
 from tests.test_prompt_bounds import memory_mb, reset_peak
 
 FIRST_BYTE_S = 2.0
@@ -30,6 +31,10 @@ SECRET = "s3cr3t-0123456789"
 # flood's own sockets in this process, fewer where it does not.
 CAP = min(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1] // 2 - FD_RESERVE)
 FLOOD_RSS_MB = 32     # what a frontend may grow by while CAP idle sockets come and go
+UNREAD_BYTES = 2 << 20
+READERS = 16          # each reader's answer about 1 MB: without the bound, about 16 MB held
+UNREAD_WRITE_TIMEOUT_S = 6.0
+UNREAD_RSS_MB = 12    # the bound above, an answer being encoded, and the allocator's slack
 
 
 @pytest.fixture(scope="module")
@@ -203,3 +208,71 @@ def test_idle_sockets_filling_every_slot_leave_health_and_clients_answered(guard
     assert len(flood["statuses"]) > 20 and not refused, refused[:5]
     assert p99(attacked) < 2 * reference
     assert peak - before < FLOOD_RSS_MB
+
+
+@pytest.fixture(scope="module")
+def unread_server():
+    srv = ServerProcess("--http-unread-bytes", str(UNREAD_BYTES), "--http-write-timeout",
+                        str(UNREAD_WRITE_TIMEOUT_S)).start()
+    yield srv
+    assert srv.terminate() == 0
+
+
+# An answer of about 1 MB (float JSON) for little work: one-token sequences.
+BIG_BODY = json.dumps({"input": [[100]] * 128}).encode()
+BIG_REQUEST = b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(BIG_BODY), BIG_BODY)
+
+
+def big_answer(conn: http.client.HTTPConnection) -> tuple[int, bytes, str | None]:
+    conn.request("POST", "/v1/embeddings", body=BIG_BODY)
+    reply = conn.getresponse()
+    return reply.status, reply.read(), reply.getheader("Retry-After")
+
+
+@pytest.mark.slow
+def test_answers_nobody_reads_are_bounded_per_process(unread_server):
+    frontend = frontend_pids(unread_server)[0]
+    conn = http.client.HTTPConnection("127.0.0.1", unread_server.http_port, timeout=120)
+    status, answer, _ = big_answer(conn)  # one answer read: the frontend's memory warmed up by it
+    assert status == 200 and len(answer) > 1 << 20
+    before = memory_mb(frontend)["VmRSS"]
+    reset_peak(frontend)
+    readers = []
+    for _ in range(READERS):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a client that reads nothing
+        # A segment size of a real network's (loopback's is 64 KiB): the kernel then takes little of
+        # the answer into its own buffers, and the rest waits in the server's.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 1000)
+        sock.connect(("127.0.0.1", unread_server.http_port))
+        sock.sendall(BIG_REQUEST)
+        readers.append(sock)
+    deadline = time.monotonic() + 120
+    while not all(queued(s) for s in readers):  # every request answered, or refused
+        assert time.monotonic() < deadline, "the requests were not answered"
+        time.sleep(0.05)
+    peak = memory_mb(frontend)["VmHWM"]
+    heads = [s.recv(16) for s in readers]
+    held = [s for s, h in zip(readers, heads) if h.startswith(b"HTTP/1.1 200 ")]
+    refused = [s for s, h in zip(readers, heads) if h.startswith(b"HTTP/1.1 503 ")]
+    print(f"RSS {before} -> peak {peak} MB; {len(held)} answers held, {len(refused)} refused")
+    assert len(held) + len(refused) == READERS, heads
+    # Past the bound answers are refused; the kernel and the transports take a little of each held one.
+    assert 1 <= len(held) <= 2 * UNREAD_BYTES // len(answer) and refused
+    assert peak - before < UNREAD_RSS_MB
+    time.sleep(0.2)
+    rest = refused[0].recv(1 << 16)  # the refusal says when to come back, and names the bound
+    assert b"Retry-After: 1" in rest and b"--http-unread-bytes" in rest, rest
+    # While those answers are held, a new one of their size is refused too; once their readers
+    # have been reset at the write timeout, the room is given back.
+    status, _, retry = big_answer(conn)
+    assert status == 503 and retry == "1"
+    deadline = time.monotonic() + UNREAD_WRITE_TIMEOUT_S + 10
+    while not all(reset_by_peer(s) for s in held):
+        assert time.monotonic() < deadline, "the readers holding answers were not reset"
+        time.sleep(0.1)
+    status, answer, _ = big_answer(conn)
+    assert status == 200 and len(answer) > 1 << 20
+    conn.close()
+    for sock in readers:
+        sock.close()
