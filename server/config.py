@@ -84,6 +84,11 @@ class ServeConfig:
                                       shown=f"auto, min(1024, the open-files limit - {FD_RESERVE})")
     http_write_timeout: float = _flag(NETWORK, 30.0, "how long an HTTP answer may wait unread (over 64 KiB in the "
                                       "connection's buffer) before the connection is reset")
+    http_first_byte_timeout: float = _flag(NETWORK, 5.0, "how long a new HTTP connection may wait before it sends "
+                                           "its first byte; past it the connection is closed")
+    http_unread_bytes: int = _flag(NETWORK, 256 << 20, "bytes of HTTP answers that clients have not read yet, over "
+                                   "all of a frontend's connections; an answer over 64 KiB that would pass it is "
+                                   "refused 503 with Retry-After", shown="256 MiB")
     api_key: str | None = _flag(NETWORK, None, "API keys, comma-separated, that clients present as Bearer KEY (HTTP "
                                 "Authorization, gRPC authorization metadata); prefer POLLEN_API_KEY or "
                                 "--api-key-file: a flag shows in the process list", shown="none, no authentication",
@@ -216,8 +221,9 @@ class ServeConfig:
         if not 1 <= self.http_max_connections <= room:
             raise ValueError(f"--http-max-connections {self.http_max_connections} does not fit under the open-files "
                              f"limit of {limit} with {FD_RESERVE} kept for gRPC and the workers: at most {room}")
-        if self.http_write_timeout <= 0:
-            raise ValueError(f"--http-write-timeout must be above 0, got {self.http_write_timeout}")
+        for name in ("http_write_timeout", "http_first_byte_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be above 0, got {getattr(self, name)}")
 
     def gpu_list(self) -> list[int]:
         """The GPU indices that get a worker each (cuda only)."""

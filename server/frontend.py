@@ -88,7 +88,9 @@ class Frontend:
         self.grpc, self.health = grpc_server(cfg, service, fcfg.listen)
         self.door = HttpDoor(service, metrics.exposition(state)) if fcfg.http_listen else None
         self.http = (HttpServer(self.door.handle, error_response, max_body_bytes=cfg.max_request_bytes,
-                                max_connections=cfg.http_max_connections, write_timeout=cfg.http_write_timeout)
+                                max_connections=cfg.http_max_connections, write_timeout=cfg.http_write_timeout,
+                                first_byte_timeout=cfg.http_first_byte_timeout,
+                                max_unread_bytes=cfg.http_unread_bytes)
                      if self.door else None)
         self.control = socket.socket(fileno=fcfg.control_fd)
         self.control.setblocking(False)

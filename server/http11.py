@@ -14,13 +14,28 @@ What it refuses, always with a response before closing:
 - malformed request lines and headers, conflicting Content-Lengths, a target that is not a path:
   400; versions other than 1.0 and 1.1: 505;
 - a request that has begun but not arrived whole within `read_timeout`: 408;
-- a connection past `max_connections` open ones: 503 as soon as it is accepted, then closed.
+- an answer over one chunk (`write_buffer_bytes`) that would take the bytes of answers not yet
+  handed to the kernel, over all connections, past `max_unread_bytes`: 503 with Retry-After in its
+  place (the next request on the connection is read as usual);
+- a connection past `max_connections` open ones, when every open one is in the middle of a request
+  (or answering one): 503 as soon as it is accepted, then closed.
+
+Error messages never quote a header: one can carry credentials (a malformed header line or request
+line is refused in h11's words, without the line).
+
+Connection slots: when all `max_connections` are taken, a new connection takes the slot of one
+that is neither handling a request nor writing its answer: the oldest of those that have sent
+nothing yet, else the one heard from least recently (kept alive between requests, or with a
+request arriving). So idle sockets cannot keep new clients, a liveness probe on /health among
+them, from being answered, and a client that has been served keeps its connection while sockets
+that have never said a word remain to be closed.
 
 After an error the connection closes with a "lingering close": we stop writing, then read and
 discard what the client still sends for up to LINGER_S, so the kernel does not answer the unread
 bytes with a reset that would destroy our error response before the client reads it.
 
-Timeouts: `idle_timeout` between requests (the connection closes quietly), `read_timeout` for one
+Timeouts: `first_byte_timeout` for a new connection's first byte and `idle_timeout` between
+requests (past either the connection closes quietly), `read_timeout` for one
 request to arrive (408), `write_timeout` for an answer the client does not read: the transport
 pauses us when its buffer passes its high-water mark (`write_buffer_bytes`), and a connection
 whose buffer has not drained within `write_timeout` is reset.
@@ -30,13 +45,16 @@ body up to `max_body_bytes`), plus HELD_BYTES of pipelined requests after it (an
 that crosses that mark), past which reading pauses until the request is answered. Writing: the
 answer being written, plus at most two chunks of `write_buffer_bytes` queued in the transport:
 the answer goes to the transport a chunk at a time while its buffer is under the high-water
-mark, and the next pipelined request is not read until the buffer drains.
+mark, and the next pipelined request is not read until the buffer drains. The answers not yet
+handed to the kernel are bounded over all connections by `max_unread_bytes` (beside the chunks in
+the transports' buffers, two per connection at most).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import logging
+import re
 import socket
 import struct
 from collections.abc import Awaitable, Callable
@@ -94,23 +112,35 @@ ErrorBody = Callable[[int, str], Response]
 class HttpServer:
     def __init__(self, handler: Handler, error_response: ErrorBody, *, max_body_bytes: int,
                  max_connections: int = 1024, max_head_bytes: int = 16 << 10, idle_timeout: float = 75.0,
-                 read_timeout: float = 30.0, write_timeout: float = 30.0, write_buffer_bytes: int = 64 << 10):
+                 read_timeout: float = 30.0, write_timeout: float = 30.0, write_buffer_bytes: int = 64 << 10,
+                 first_byte_timeout: float = 5.0, max_unread_bytes: int = 256 << 20):
         self.handler = handler
         self.error_response = error_response  # builds the body of protocol errors (4xx), in the door's format
         self.max_body_bytes = max_body_bytes
         self.max_connections = max_connections
         self.max_head_bytes = max_head_bytes
+        self.first_byte_timeout = first_byte_timeout  # how long a new connection may wait to send a byte
         self.idle_timeout = idle_timeout      # how long a kept-alive connection may wait for its next request
         self.read_timeout = read_timeout      # how long one request's head and body may take to arrive
         self.write_timeout = write_timeout    # how long an answer may sit unread over the buffer's high-water mark
         self.write_buffer_bytes = write_buffer_bytes
+        self.max_unread_bytes = max_unread_bytes
+        self.unread = 0  # bytes of answers queued at connections, not yet handed to their transports
         self.connections: set[_Connection] = set()
+        # The connections a new one may close to take their slot, in the order they are closed:
+        # the silent ones (no byte yet) oldest first, then the quiet ones (neither handling a
+        # request nor writing its answer) least recently heard from first. A dict keeps its order.
+        self.silent: dict[_Connection, None] = {}
+        self.quiet: dict[_Connection, None] = {}
         self.stopping = False
         self.draining = False  # answering still, but closing each connection after its answer
         self._server: asyncio.AbstractServer | None = None
         self.refusal = _standalone(error_response(
             503, f"the server holds its limit of {max_connections} HTTP connections (--http-max-connections); "
                  "retry later or reuse a connection"))
+        self.unread_refusal = error_response(
+            503, f"the server holds its limit of {max_unread_bytes:,} bytes of answers that clients have not read "
+                 "(--http-unread-bytes); retry later")
 
     async def start(self, host: str, port: int, reuse_port: bool = False) -> None:
         """Listen; with reuse_port, beside the other frontends on the same address (SO_REUSEPORT)."""
@@ -176,14 +206,22 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
-        if len(self.server.connections) >= self.server.max_connections:
-            transport.write(self.server.refusal)
-            transport.close()
-            return
-        self.server.connections.add(self)
-        transport.set_write_buffer_limits(high=self.server.write_buffer_bytes)
-        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.server.max_head_bytes)
-        self._set_timer(self.server.idle_timeout, self.transport.close)
+        server = self.server
+        if len(server.connections) >= server.max_connections:
+            idle = server.silent or server.quiet
+            if not idle:  # every slot is taken by a request or its answer
+                transport.write(server.refusal)
+                transport.close()
+                return
+            other = next(iter(idle))
+            del idle[other]
+            server.connections.discard(other)  # its slot is ours now; its close completes soon
+            other.transport.close()
+        server.connections.add(self)
+        server.silent[self] = None
+        transport.set_write_buffer_limits(high=server.write_buffer_bytes)
+        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=server.max_head_bytes)
+        self._set_timer(server.first_byte_timeout, self.transport.close)
 
     def data_received(self, data: bytes) -> None:
         if self.conn is None or self.lingering:
@@ -199,6 +237,9 @@ class _Connection(asyncio.Protocol):
         if not self.busy:  # the first bytes of a request: it now has read_timeout to arrive whole
             self.busy = True
             self._set_timer(self.server.read_timeout, self._read_timed_out)
+        self.server.silent.pop(self, None)
+        self.server.quiet.pop(self, None)  # heard from: the last of the quiet ones to be closed
+        self.server.quiet[self] = None
         self._next()
 
     def eof_received(self) -> bool:
@@ -215,8 +256,11 @@ class _Connection(asyncio.Protocol):
                 timer.cancel()
         if self.task is not None:
             self.task.cancel()
+        self.server.unread -= sum(map(len, self.outgoing))
         self.outgoing.clear()
         self.server.connections.discard(self)
+        self.server.silent.pop(self, None)
+        self.server.quiet.pop(self, None)
         if not self.closed.done():
             self.closed.set_result(None)
 
@@ -289,6 +333,7 @@ class _Connection(asyncio.Protocol):
 
     def _dispatch(self) -> None:
         self._cancel_timer()  # the request is whole
+        self.server.quiet.pop(self, None)  # its slot is held until the answer is written
         request, self.request = self.request, None
         request.body = b"".join(self.body)
         self.body = []
@@ -302,9 +347,13 @@ class _Connection(asyncio.Protocol):
             response = self.server.error_response(500, "internal error (logged by the server)")
         # A cancelled handler (the client left, or the stop's grace ran out) ends here, unanswered.
         self.task = None
+        server = self.server
+        size = 0 if self.head_only else len(response.body)
+        if size > server.write_buffer_bytes and server.unread + size > server.max_unread_bytes:
+            response = server.unread_refusal
         try:
-            self.outgoing.extend(_encode(self.conn, response, self.server.stopping or self.server.draining,
-                                         self.head_only))
+            self.outgoing.extend(_encode(self.conn, response, server.stopping or server.draining, self.head_only))
+            server.unread += sum(map(len, self.outgoing))
             self._pump()
         except Exception:  # a bug in this file: log it, drop the connection, keep the server
             log.exception("HTTP connection failed")
@@ -324,6 +373,7 @@ class _Connection(asyncio.Protocol):
                     part = part[:room]
                 batch.append(part)
                 room -= len(part)
+            self.server.unread -= self.server.write_buffer_bytes - room
             self.transport.writelines(batch)  # one system call for the head and a small body
         if not self.outgoing and not self.transport.is_closing():
             self._after_response()
@@ -350,6 +400,7 @@ class _Connection(asyncio.Protocol):
             self._set_timer(self.server.idle_timeout, self.transport.close)
         self.held = 0
         self.head_only = False
+        self.server.quiet[self] = None  # waiting (or reading the next request): its slot may be taken
         if self.reading_paused:
             self.reading_paused = False
             self.transport.resume_reading()
@@ -359,6 +410,7 @@ class _Connection(asyncio.Protocol):
     def _fail(self, exc: ProtocolError) -> None:
         """Answer a protocol error, then close with a lingering close."""
         self.lingering = True
+        self.server.quiet.pop(self, None)
         response = self.server.error_response(exc.status, exc.message)
         try:
             self.transport.writelines(_encode(self.conn, response, True, self.head_only))
@@ -390,12 +442,19 @@ class _Connection(asyncio.Protocol):
             self.timer = None
 
 
+# Where h11's reason quotes the client's bytes (as a bytes or bytearray repr, at its end).
+_QUOTED = re.compile(r""":?\s*(?:bytearray\()?b['"].*""", re.DOTALL)
+
+
 def _refusal_of(exc: h11.RemoteProtocolError) -> ProtocolError:
-    """h11's reason for refusing a request, as our status; its message quotes the client's bytes, cut."""
-    message = str(exc)
+    """h11's reason for refusing a request, as our status, without the line it quotes: a header
+    line or the request line can hold an API key."""
+    message = _QUOTED.sub("", str(exc))
     if "Transfer-Encoding" in message:  # h11 frames chunked bodies only; we frame none
         return ProtocolError(411, "Transfer-Encoding bodies are not accepted; send Content-Length")
-    return ProtocolError(exc.error_status_hint, f"malformed request: {cut(message)}")
+    if message != str(exc):
+        message += " (not quoted: it may hold credentials)"
+    return ProtocolError(exc.error_status_hint, f"malformed request: {message}")
 
 
 def _encode(conn: h11.Connection, response: Response, close: bool, head_only: bool = False) -> list[bytes]:
