@@ -59,11 +59,15 @@ def grpc_options(cfg: ServeConfig) -> list[tuple]:
         # service one by one (server/service.py Oversize); gRPC would end a whole stream.
         ("grpc.max_receive_message_length", min(GRPC_LIMIT_FACTOR * cfg.max_request_bytes, (1 << 31) - 1)),
         ("grpc.max_send_message_length", -1),
-        # gRPC core sheds calls that wait for the handler past a soft limit of 1,000 with a bare
-        # CANCELLED. Admission is ours to decide (--max-queued-tokens answers RESOURCE_EXHAUSTED
-        # with a reason), so let the core hold many more.
-        ("grpc.server.max_pending_requests", 1 << 16),
-        ("grpc.server.max_pending_requests_hard_limit", 1 << 17),
+        # A connection's streams, counted until gRPC has torn each down (its overload protection):
+        # a client that opens and resets streams as fast as it can (the HTTP/2 rapid reset) gets
+        # REFUSED_STREAM past the bound and costs gRPC's parsing only, never a pile of calls.
+        ("grpc.max_concurrent_streams", cfg.grpc_max_streams_per_connection),
+        # Calls gRPC core has taken but the event loop not yet asked for. Past the bound the core
+        # ends a new one with a bare CANCELLED; admission refuses work with a reason long before
+        # (--max-queued-tokens), so this only bounds what a flood over many connections can park.
+        ("grpc.server.max_pending_requests", cfg.grpc_max_pending_calls),
+        ("grpc.server.max_pending_requests_hard_limit", cfg.grpc_max_pending_calls),
         # Channelz keeps per-call statistics for its debug service, which pollen does not serve.
         ("grpc.enable_channelz", 0),
     ]
