@@ -1,8 +1,9 @@
 """HTTP/2 floods from one raw connection (tests/h2flood.py) against a real `pollen serve`, while a
 well-behaved gRPC client calls on a connection of its own: the rapid reset (streams opened and
-reset as fast as the socket takes them) and 20,000 streams left open. Under each, the good client sees no error and keeps its p99 under twice
+reset as fast as the socket takes them), 20,000 streams left open, and PING floods. Under each, the good client sees no error and keeps its p99 under twice
 its quiet figure, measured in the same test just before; the frontend's peak RSS stays within
-RSS_BOUND_MB of what it was before the flood."""
+RSS_BOUND_MB of what it was before the flood. A PING flood gets GOAWAY too_many_pings, but gRPC
+core does not always close the connection after it (see the xfail below)."""
 from __future__ import annotations
 
 import json
@@ -23,6 +24,7 @@ from tests.test_prompt_bounds import memory_mb, reset_peak
 FLOOD_S = 5.0
 RSS_BOUND_MB = 100  # a frontend's peak RSS under a flood, over its figure just before
 ATTEMPTS = 3        # quiet-then-flood measurements; one within the p99 bound passes (a shared CI machine)
+ENHANCE_YOUR_CALM = 0xB
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +110,30 @@ def test_stream_and_pending_bounds_are_flags():
     assert options["grpc.server.max_pending_requests"] == options["grpc.server.max_pending_requests_hard_limit"] == 9
     with pytest.raises(ValueError, match="--grpc-max-streams-per-connection must be at least 1"):
         ServeConfig.from_args(["--grpc-max-streams-per-connection", "0"], environ={})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ping", "ping-call"])
+def test_ping_flood_gets_goaway_too_many_pings(server, kind):
+    """gRPC's ping policy (at most 2 pings too soon, gRPC's defaults) strikes the flooder out:
+    GOAWAY ENHANCE_YOUR_CALM too_many_pings, and its call (ping-call) ends."""
+    with grpc.insecure_channel(server.listen) as channel:
+        assert good_calls(pb_grpc.EmbedderStub(channel), 0.5)[1] == []
+    attacker = subprocess.Popen([sys.executable, "-m", "tests.h2flood", kind, server.listen, "2"],
+                                stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    report = json.loads(attacker.communicate(timeout=60)[0])
+    print(json.dumps(report))
+    assert report["goaway"] and report["goaway"]["error_code"] == ENHANCE_YOUR_CALM, report
+    assert report["goaway"]["debug"] == "too_many_pings" and report["goaway"]["after_s"] < 2, report
+    assert report["rst_stream"] == (kind == "ping-call"), report
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="gRPC core defers closing a transport while a write is in progress (chttp2 "
+                   "close_transport_locked) and a PING flood that reads its acks keeps one in progress: the "
+                   "connection stays open after GOAWAY, acking, and on the frontend's one poller thread the "
+                   "good client waits seconds; whether it closes depends on the timing of the strike")
+@pytest.mark.parametrize("kind", ["ping", "ping-call"])
+def test_ping_flood_is_closed_and_the_good_client_keeps_its_p99(server, kind):
+    figures = flood(server, kind)
+    assert figures["attacker"]["closed_after_s"] is not None, figures
