@@ -89,6 +89,12 @@ class ServeConfig:
     http_unread_bytes: int = _flag(NETWORK, 256 << 20, "bytes of HTTP answers that clients have not read yet, over "
                                    "all of a frontend's connections; an answer over 64 KiB that would pass it is "
                                    "refused 503 with Retry-After", shown="256 MiB")
+    grpc_max_streams_per_connection: int = _flag(NETWORK, 100, "gRPC calls one connection may have open at once "
+                                                 "(HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS): a gRPC client queues "
+                                                 "the calls past it, a stream opened past it, or while those "
+                                                 "reset are still being torn down, is refused REFUSED_STREAM")
+    grpc_max_pending_calls: int = _flag(NETWORK, 4096, "gRPC calls a frontend holds that it has not yet begun to "
+                                        "handle, over all connections; past it gRPC ends a new one CANCELLED")
     api_key: str | None = _flag(NETWORK, None, "API keys, comma-separated, that clients present as Bearer KEY (HTTP "
                                 "Authorization, gRPC authorization metadata); prefer POLLEN_API_KEY or "
                                 "--api-key-file: a flag shows in the process list", shown="none, no authentication",

@@ -9,10 +9,9 @@ worker's ring pair (worker_up) and takes it away when the worker dies (worker_do
 Three steps: `build` wires the parts (nothing listens yet); `run` opens both doors, says
 `listening` to the supervisor and SERVING on health once the supervisor says the server has
 started (every frontend listening, every worker ready), and waits for SIGTERM; `shutdown`
-drains: health says NOT_SERVING, calls keep being answered while they still arrive (a client
-that has sent a call gets its answer, never CANCELLED), then both doors stop taking calls and
-wait (up to --shutdown-grace) for those in flight; new calls are refused UNAVAILABLE by gRPC
-itself.
+drains: health says NOT_SERVING, streams stop reading, every call received is answered (never
+CANCELLED), then both doors stop taking calls and wait (up to --shutdown-grace) for those in
+flight; new calls are refused UNAVAILABLE by gRPC itself.
 """
 from __future__ import annotations
 
@@ -49,7 +48,8 @@ log = logging.getLogger("pollen.frontend")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Embedder"].full_name
 SERVICES = ("", SERVICE_NAME)  # the names the health service answers for
-QUIET_S = 0.2  # a draining frontend stops once no call has arrived for this long
+QUIET_S = 0.2  # a draining frontend stops gRPC once no call has arrived for this long
+HOLD_S = 1.0   # or after this long at most (half the grace where that is shorter)
 
 
 def grpc_options(cfg: ServeConfig) -> list[tuple]:
@@ -59,11 +59,15 @@ def grpc_options(cfg: ServeConfig) -> list[tuple]:
         # service one by one (server/service.py Oversize); gRPC would end a whole stream.
         ("grpc.max_receive_message_length", min(GRPC_LIMIT_FACTOR * cfg.max_request_bytes, (1 << 31) - 1)),
         ("grpc.max_send_message_length", -1),
-        # gRPC core sheds calls that wait for the handler past a soft limit of 1,000 with a bare
-        # CANCELLED. Admission is ours to decide (--max-queued-tokens answers RESOURCE_EXHAUSTED
-        # with a reason), so let the core hold many more.
-        ("grpc.server.max_pending_requests", 1 << 16),
-        ("grpc.server.max_pending_requests_hard_limit", 1 << 17),
+        # A connection's streams, counted until gRPC has torn each down (its overload protection):
+        # a client that opens and resets streams as fast as it can (the HTTP/2 rapid reset) gets
+        # REFUSED_STREAM past the bound and costs gRPC's parsing only, never a pile of calls.
+        ("grpc.max_concurrent_streams", cfg.grpc_max_streams_per_connection),
+        # Calls gRPC core has taken but the event loop not yet asked for. Past the bound the core
+        # ends a new one with a bare CANCELLED; admission refuses work with a reason long before
+        # (--max-queued-tokens), so this only bounds what a flood over many connections can park.
+        ("grpc.server.max_pending_requests", cfg.grpc_max_pending_calls),
+        ("grpc.server.max_pending_requests_hard_limit", cfg.grpc_max_pending_calls),
         # Channelz keeps per-call statistics for its debug service, which pollen does not serve.
         ("grpc.enable_channelz", 0),
     ]
@@ -170,21 +174,29 @@ class Frontend:
             self.door.serving = serving
 
     async def shutdown(self) -> None:
-        """Drain, then finish the calls in flight (up to --shutdown-grace)."""
+        """Stop taking calls and finish those received (up to --shutdown-grace). gRPC's stop
+        cancels the calls it has taken but not yet handed over, so it comes once they have
+        reached the service: from the start of the drain the service holds new calls at its door,
+        and a client waiting there sends no more. Once no call has arrived for QUIET_S (at most
+        HOLD_S), gRPC stops: it sends GOAWAY and closes the listeners, so that a new call is
+        refused UNAVAILABLE (clients may send it again elsewhere), and the calls held and in
+        flight go on, with the rest of the grace to finish."""
         grace_end = time.monotonic() + self.cfg.shutdown_grace
         self.draining = True
+        self.service.drain()  # streams read no more messages and end once those read are answered
         await self.set_health(False)
         if self.http:
             self.http.drain()
-        # Calls the server has received are answered: keep serving while they still arrive, so
-        # gRPC never cancels one it queued but had not handed over yet.
-        while time.monotonic() < grace_end and not self.service.quiet_for(QUIET_S):
+        hold_end = time.monotonic() + min(HOLD_S, self.cfg.shutdown_grace / 2)
+        while time.monotonic() < hold_end and not self.service.quiet_for(QUIET_S):
             await asyncio.sleep(QUIET_S / 4)
         left = max(0.0, grace_end - time.monotonic())
-        log.info("drained; closing the doors (%.1f s of grace left)", left)
         try:
             await self.health.enter_graceful_shutdown()
-            await asyncio.gather(self.grpc.stop(left), self.http.stop(left) if self.http else asyncio.sleep(0))
+            stopping = asyncio.gather(self.grpc.stop(left), self.http.stop(left) if self.http else asyncio.sleep(0))
+            await asyncio.sleep(0)  # the stop's first step: gRPC takes no more calls
+            self.service.door_open.set()
+            await stopping
         finally:
             if self.http:
                 await self.http.stop(0)

@@ -149,8 +149,12 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         self.keys = auth.inherited()  # API keys both doors ask for (none: no authentication)
         # server/otel.py's RequestTracer with --otlp-endpoint (the frontend sets it: server/tracing.py)
         self.tracer = None
-        self.active = 0       # embedding calls in progress (both doors)
-        self.last_call = 0.0  # time.monotonic() when the last one began
+        self.draining = False  # the frontend is stopping: streams read no more messages
+        self.streams: set[EmbedStreamCall] = set()  # the EmbedStream calls in progress
+        # Set once gRPC takes no more calls: a gRPC call that arrives while the frontend drains
+        # waits at this door until then (see Frontend.shutdown), and then goes on.
+        self.door_open = asyncio.Event()
+        self.last_arrival = 0.0  # time.monotonic() when the last call reached the door
 
     async def respond(self, request: pb.EmbedRequest, deadline_ns: int, span) -> pb.EmbedResponse:
         """Admit, route and answer one EmbedRequest (uncounted: `embed` counts). deadline_ns:
@@ -180,9 +184,22 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             encoding=result.encoding, usage=pb.Usage(prompt_tokens=admitted.tokens),
             timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us), scales=scales)
 
+    def drain(self) -> None:
+        """The frontend stops: every stream stops reading (what each has read is still answered),
+        and gRPC calls that arrive from now on wait at the door."""
+        self.draining = True
+        self.last_arrival = time.monotonic()
+        for stream in list(self.streams):
+            stream.stop_reading()
+
+    async def at_door(self) -> None:
+        """Hold a gRPC call that arrived while the frontend drains until gRPC takes no more."""
+        self.last_arrival = time.monotonic()
+        await self.door_open.wait()
+
     def quiet_for(self, seconds: float) -> bool:
-        """No call in progress, and none begun in the last `seconds` (a draining frontend's test)."""
-        return self.active == 0 and time.monotonic() - self.last_call >= seconds
+        """No call has reached the door for `seconds` (a draining frontend's test)."""
+        return time.monotonic() - self.last_arrival >= seconds
 
     async def embed(self, request: pb.EmbedRequest, door: str, *, headers=None, method: str = "Embed",
                     span=None, deadline_ns: int = 0) -> pb.EmbedResponse:
@@ -192,8 +209,6 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         header dict; `method` names the gRPC call); the tracer calls back here with the `span`."""
         if span is None and self.tracer is not None:
             return await self.tracer.trace(self.embed, request, door, headers, method, deadline_ns=deadline_ns)
-        self.active += 1
-        self.last_call = time.monotonic()
         try:
             response = await self.respond(request, deadline_ns, span)
         except RequestError as exc:
@@ -205,12 +220,12 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         except Exception:
             count_request(door, grpc.StatusCode.INTERNAL.name)
             raise
-        finally:
-            self.active -= 1
         count_request(door, "ok", response.rows, response.usage.prompt_tokens)
         return response
 
     async def Embed(self, request, context):
+        if self.draining:
+            await self.at_door()
         await refuse_unusable(context, request, "Embed", counted=True)
         remaining = context.time_remaining()
         deadline_ns = time.monotonic_ns() + int(remaining * 1e9) if remaining is not None else 0
@@ -220,10 +235,21 @@ class EmbedderService(pb_grpc.EmbedderServicer):
     async def EmbedStream(self, request_iterator, context):
         """Answer each message as soon as it is done; a bad message gets an error answer only.
         One that does not decode ends the stream INVALID_ARGUMENT, after the earlier ones' answers;
-        one over --max-request-bytes gets an error answer only (RESOURCE_EXHAUSTED)."""
+        one over --max-request-bytes gets an error answer only (RESOURCE_EXHAUSTED). When the
+        frontend stops, the stream reads no more: the messages read are answered, then a stream
+        the client had not finished ends UNAVAILABLE."""
+        if self.draining:
+            await self.at_door()
         stream = EmbedStreamCall(self, request_iterator, self.cfg.max_stream_in_flight, context.invocation_metadata)
-        async for response in stream.responses():
-            yield response
+        self.streams.add(stream)
+        try:
+            async for response in stream.responses():
+                yield response
+        finally:
+            self.streams.discard(stream)
+        if stream.stopped and not stream.finished:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the server is stopping: the {stream.received} messages "
+                                "of this stream it read are answered; send the others again")
         if stream.undecodable is not None:
             count_request("grpc", grpc.StatusCode.INVALID_ARGUMENT.name)
             await abort(context, undecodable(stream.undecodable, "EmbedStream",
@@ -232,6 +258,8 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error reading the stream: {stream.failure!r}")
 
     async def Tokenize(self, request, context):
+        if self.draining:
+            await self.at_door()
         await refuse_unusable(context, request, "Tokenize")
         return await unary(context, "Tokenize", self.tokenize(request))
 
@@ -242,6 +270,8 @@ class EmbedderService(pb_grpc.EmbedderServicer):
                                    usage=pb.Usage(prompt_tokens=sum(len(s) for s in seqs)))
 
     async def Info(self, request, context):
+        if self.draining:
+            await self.at_door()
         await refuse_unusable(context, request, "Info")
         return pb.InfoResponse(
             model=self.spec.name, dimensions=self.spec.hidden_size, max_tokens=self.spec.max_tokens,
@@ -303,29 +333,50 @@ class EmbedStreamCall:
         self.in_flight: set[str] = set()
         self.tasks: set[asyncio.Task] = set()
         self.received = 0
+        self.finished = False  # the client ended its side: every message was read
+        self.stopped = service.draining  # the server stops: no more messages are read
+        self.reading = False   # the reader waits for a slot or the next message
+        self.reader: asyncio.Task | None = None
         self.undecodable: Undecodable | None = None  # the message that ended the stream
         self.failure: Exception | None = None  # reading the stream failed (a bug, or gRPC's)
 
     async def responses(self):
         """The answers in the order they are done; ends once every message read is answered."""
-        reader = asyncio.create_task(self.read())
+        self.reader = asyncio.create_task(self.read())
         try:
             while (response := await self.answers.get()) is not None:
                 yield response
                 self.slots.release()  # gRPC took the answer: the reader may take one more message
         finally:
-            reader.cancel()
+            self.reader.cancel()
             for task in list(self.tasks):
                 task.cancel()
 
+    def stop_reading(self) -> None:
+        """Read no more messages (the server stops); those read are still answered."""
+        self.stopped = True
+        if self.reading:
+            self.reader.cancel()
+
+    async def next_request(self):
+        """The next message, once a slot is free; None once the client ends or the server stops."""
+        self.reading = True
+        try:
+            await self.slots.acquire()
+            return None if self.stopped else await anext(self.requests)
+        except StopAsyncIteration:
+            self.finished = True
+            return None
+        except asyncio.CancelledError:
+            if not self.stopped:
+                raise
+            return None
+        finally:
+            self.reading = False
+
     async def read(self) -> None:
         try:
-            while True:
-                await self.slots.acquire()
-                try:
-                    request = await anext(self.requests)
-                except StopAsyncIteration:
-                    break
+            while (request := await self.next_request()) is not None:
                 self.received += 1
                 if isinstance(request, Undecodable):
                     self.undecodable = request

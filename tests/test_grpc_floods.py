@@ -1,0 +1,139 @@
+"""HTTP/2 floods from one raw connection (tests/h2flood.py) against a real `pollen serve`, while a
+well-behaved gRPC client calls on a connection of its own: the rapid reset (streams opened and
+reset as fast as the socket takes them), 20,000 streams left open, and PING floods. Under each, the good client sees no error and keeps its p99 under twice
+its quiet figure, measured in the same test just before; the frontend's peak RSS stays within
+RSS_BOUND_MB of what it was before the flood. A PING flood gets GOAWAY too_many_pings, but gRPC
+core does not always close the connection after it (see the xfail below)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from pollen.v1 import embedder_pb2 as pb
+from pollen.v1 import embedder_pb2_grpc as pb_grpc
+from tests.conftest import ServerProcess
+from tests.test_frontends import frontend_pids
+from tests.test_prompt_bounds import memory_mb, reset_peak
+
+FLOOD_S = 5.0
+RSS_BOUND_MB = 100  # a frontend's peak RSS under a flood, over its figure just before
+ATTEMPTS = 3        # quiet-then-flood measurements; one within the p99 bound passes (a shared CI machine)
+ENHANCE_YOUR_CALM = 0xB
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("floods") / "server.log"
+    srv = ServerProcess(log=str(log)).start()
+    srv.frontend = frontend_pids(srv)[0]
+    yield srv
+    assert srv.terminate() == 0
+
+
+def good_calls(stub, seconds: float) -> tuple[list[float], list[str]]:
+    """One short query after another for `seconds`: each call's latency, and the errors."""
+    latencies, errors = [], []
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        t0 = time.perf_counter()
+        try:
+            stub.Embed(pb.EmbedRequest(texts=["a well-behaved query"]), timeout=10)
+            latencies.append(time.perf_counter() - t0)
+        except grpc.RpcError as err:
+            errors.append(err.code().name)
+    return latencies, errors
+
+
+def p99(latencies: list[float]) -> float:
+    ordered = sorted(latencies) or [float("inf")]
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+
+def flood(server, kind: str) -> dict:
+    """Quiet figures, then the same under a flood of `kind`, up to ATTEMPTS times."""
+    with grpc.insecure_channel(server.listen) as channel:
+        stub = pb_grpc.EmbedderStub(channel)
+        good_calls(stub, 1.0)  # warm
+        for attempt in range(ATTEMPTS):
+            quiet, quiet_errors = good_calls(stub, FLOOD_S - 1)
+            before = memory_mb(server.frontend)["VmRSS"]
+            reset_peak(server.frontend)
+            attacker = subprocess.Popen([sys.executable, "-m", "tests.h2flood", kind, server.listen, str(FLOOD_S)],
+                                        stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+            time.sleep(0.5)
+            under, errors = good_calls(stub, FLOOD_S - 1)
+            report = json.loads(attacker.communicate(timeout=60)[0])
+            figures = {"kind": kind, "attempt": attempt, "quiet_p99_ms": round(p99(quiet) * 1e3, 1),
+                       "flood_p99_ms": round(p99(under) * 1e3, 1), "calls": len(under),
+                       "errors": errors, "rss_before_mb": before,
+                       "rss_peak_mb": memory_mb(server.frontend)["VmHWM"], "attacker": report}
+            print(json.dumps(figures))
+            assert not quiet_errors and not errors, figures
+            assert figures["rss_peak_mb"] - before < RSS_BOUND_MB, figures
+            if p99(under) < 2 * p99(quiet):
+                return figures
+            time.sleep(1)  # let the machine settle, then measure both again
+        pytest.fail(f"the good client's p99 went over twice its quiet figure in {ATTEMPTS} attempts: {figures}")
+
+
+@pytest.mark.slow
+def test_rapid_reset_is_refused_past_the_stream_bound(server):
+    figures = flood(server, "reset")
+    attacker = figures["attacker"]
+    # gRPC counts a reset stream until it has torn it down: past --grpc-max-streams-per-connection
+    # the flood's streams are refused, and the frontend never holds a pile of them.
+    assert attacker["refused"] > attacker["streams"] / 2, attacker
+
+
+@pytest.mark.slow
+def test_open_streams_past_the_bound_are_refused(server):
+    figures = flood(server, "open")
+    attacker = figures["attacker"]
+    assert attacker["streams"] >= 20_000 and attacker["refused"] >= attacker["streams"] - 100 - 64, attacker
+
+
+def test_stream_and_pending_bounds_are_flags():
+    from pollen.server.config import ServeConfig
+    from pollen.server.frontend import grpc_options
+
+    cfg = ServeConfig.from_args([], environ={})
+    assert (cfg.grpc_max_streams_per_connection, cfg.grpc_max_pending_calls) == (100, 4096)
+    cfg = ServeConfig.from_args(["--grpc-max-streams-per-connection", "7"], environ={"POLLEN_GRPC_MAX_PENDING_CALLS": "9"})
+    options = dict(grpc_options(cfg))
+    assert options["grpc.max_concurrent_streams"] == 7
+    assert options["grpc.server.max_pending_requests"] == options["grpc.server.max_pending_requests_hard_limit"] == 9
+    with pytest.raises(ValueError, match="--grpc-max-streams-per-connection must be at least 1"):
+        ServeConfig.from_args(["--grpc-max-streams-per-connection", "0"], environ={})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ping", "ping-call"])
+def test_ping_flood_gets_goaway_too_many_pings(server, kind):
+    """gRPC's ping policy (at most 2 pings too soon, gRPC's defaults) strikes the flooder out:
+    GOAWAY ENHANCE_YOUR_CALM too_many_pings, and its call (ping-call) ends."""
+    with grpc.insecure_channel(server.listen) as channel:
+        assert good_calls(pb_grpc.EmbedderStub(channel), 0.5)[1] == []
+    attacker = subprocess.Popen([sys.executable, "-m", "tests.h2flood", kind, server.listen, "2"],
+                                stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    report = json.loads(attacker.communicate(timeout=60)[0])
+    print(json.dumps(report))
+    assert report["goaway"] and report["goaway"]["error_code"] == ENHANCE_YOUR_CALM, report
+    assert report["goaway"]["debug"] == "too_many_pings" and report["goaway"]["after_s"] < 2, report
+    assert report["rst_stream"] == (kind == "ping-call"), report
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="gRPC core defers closing a transport while a write is in progress (chttp2 "
+                   "close_transport_locked) and a PING flood that reads its acks keeps one in progress: the "
+                   "connection stays open after GOAWAY, acking, and on the frontend's one poller thread the "
+                   "good client waits seconds; whether it closes depends on the timing of the strike")
+@pytest.mark.parametrize("kind", ["ping", "ping-call"])
+def test_ping_flood_is_closed_and_the_good_client_keeps_its_p99(server, kind):
+    figures = flood(server, kind)
+    assert figures["attacker"]["closed_after_s"] is not None, figures
