@@ -95,6 +95,9 @@ class ServeConfig:
                                                  "reset are still being torn down, is refused REFUSED_STREAM")
     grpc_max_pending_calls: int = _flag(NETWORK, 4096, "gRPC calls a frontend holds that it has not yet begun to "
                                         "handle, over all connections; past it gRPC ends a new one CANCELLED")
+    grpc_flood_bytes: int = _flag(NETWORK, 128 << 10, "bytes per second a gRPC connection may send that carry no "
+                                  "call while the server answers it a quarter of that (resets, ping acks): past "
+                                  "both the connection is closed", words={"off": 0}, shown="128 KiB")
     api_key: str | None = _flag(NETWORK, None, "API keys, comma-separated, that clients present as Bearer KEY (HTTP "
                                 "Authorization, gRPC authorization metadata); prefer POLLEN_API_KEY or "
                                 "--api-key-file: a flag shows in the process list", shown="none, no authentication",

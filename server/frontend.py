@@ -34,6 +34,7 @@ from pollen.server import metrics, tracing
 from pollen.server.admission import Admission
 from pollen.server.channel import WorkerChannel
 from pollen.server.config import FrontendConfig, ServeConfig
+from pollen.server.flood_guard import FloodGuard
 from pollen.server.http11 import HttpServer
 from pollen.server.http_door import HttpDoor, error_response
 from pollen.server.router import Router
@@ -117,6 +118,8 @@ class Frontend:
                               default_truncate=cfg.default_truncate)
         channels = [WorkerChannel(w, fcfg.index, state, spin_us=cfg.frontend_spin_us) for w in range(cfg.workers)]
         service = EmbedderService(cfg, spec, admission, Router(cfg, channels, state), fcfg.index)
+        if cfg.grpc_flood_bytes and fcfg.listen and not fcfg.listen.startswith("unix:"):
+            service.flood_guard = FloodGuard(int(fcfg.listen.rpartition(":")[2]), cfg.grpc_flood_bytes)
         service.tracer = tracing.start(cfg.otlp_endpoint, fcfg.index)  # None without --otlp-endpoint
         frontend = cls(fcfg, cfg, state, executor, channels, service)
         for channel in channels:
@@ -135,7 +138,10 @@ class Frontend:
             await self.http.start(host, int(port), reuse_port=True)
         loop.add_reader(self.control.fileno(), self.on_control, stop)
         control.send(self.control, {"kind": "listening"})
+        guard = asyncio.create_task(self.service.flood_guard.run()) if self.service.flood_guard else None
         await stop.wait()
+        if guard:
+            guard.cancel()
 
     def on_control(self, stop: asyncio.Event) -> None:
         """A message from the supervisor: a worker's ring pair, a worker gone, or the server started."""

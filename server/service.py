@@ -29,6 +29,7 @@ from pollen.common.throttled_log import ThrottledLog
 from pollen.server import auth, metrics
 from pollen.server.admission import Admission
 from pollen.server.config import ServeConfig
+from pollen.server.flood_guard import FloodGuard
 from pollen.server.metrics import count_request
 from pollen.server.router import Router
 from pollen.v1 import embedder_pb2 as pb
@@ -92,6 +93,8 @@ def add_to_server(service: EmbedderService, server) -> None:
         behavior = getattr(service, method.name)
         if service.keys:
             behavior = guarded(behavior, service.keys, method.name, method.server_streaming)
+        if service.flood_guard is not None:
+            behavior = metered(behavior, service.flood_guard, method.client_streaming, method.server_streaming)
         handlers[method.name] = kinds[method.client_streaming, method.server_streaming](
             behavior, request_deserializer=lenient(request, service.cfg.max_request_bytes),
             response_serializer=response.SerializeToString)
@@ -132,6 +135,50 @@ def guarded(behavior, keys: auth.ApiKeys, method: str, server_streaming: bool):
     return guarded_call
 
 
+def message_bytes(message) -> int:
+    return message.size if isinstance(message, (Undecodable, Oversize)) else message.ByteSize()
+
+
+def metered(behavior, guard: FloodGuard, client_streaming: bool, server_streaming: bool):
+    """`behavior` crediting its peer, in the flood guard (server/flood_guard.py), with the bytes of
+    each message read and answered."""
+    def reading(requests, peer: str):
+        async def read():
+            async for request in requests:
+                guard.read(peer, message_bytes(request))
+                yield request
+        return read()
+
+    if server_streaming:
+        async def metered_stream(request, context):
+            peer = context.peer()
+            if client_streaming:
+                request = reading(request, peer)
+            else:
+                guard.read(peer, message_bytes(request))
+            try:
+                async for response in behavior(request, context):
+                    guard.answered(peer, response.ByteSize())
+                    yield response
+            finally:
+                guard.answered(peer, 0)  # the trailers
+        return metered_stream
+
+    async def metered_call(request, context):
+        peer = context.peer()
+        if client_streaming:
+            request = reading(request, peer)
+        else:
+            guard.read(peer, message_bytes(request))
+        response = None
+        try:
+            response = await behavior(request, context)
+            return response
+        finally:
+            guard.answered(peer, response.ByteSize() if response is not None else 0)
+    return metered_call
+
+
 def undecodable(request: Undecodable, method: str, where: str = "the request") -> RequestError:
     """The refusal of an undecodable message, logged (throttled)."""
     _undecodable_log.warning("%s: %s (%d bytes) is not a valid %s: %s", method, where, request.size,
@@ -149,6 +196,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         self.keys = auth.inherited()  # API keys both doors ask for (none: no authentication)
         # server/otel.py's RequestTracer with --otlp-endpoint (the frontend sets it: server/tracing.py)
         self.tracer = None
+        self.flood_guard: FloodGuard | None = None  # the frontend sets it for a TCP address
         self.draining = False  # the frontend is stopping: streams read no more messages
         self.streams: set[EmbedStreamCall] = set()  # the EmbedStream calls in progress
         # Set once gRPC takes no more calls: a gRPC call that arrives while the frontend drains

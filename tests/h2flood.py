@@ -153,7 +153,7 @@ def pings(attacker: Attacker, seconds: float, with_call: bool) -> dict:
         attacker.sock.sendall(frame(HEADERS, END_HEADERS, 1, block))
     batch = b"".join(frame(PING, 0, 0, struct.pack(">Q", i)) for i in range(BATCH))
     until, sent = time.monotonic() + seconds, 0
-    while time.monotonic() < until:
+    while time.monotonic() < until and attacker.closed_after_s is None:
         try:
             attacker.sock.sendall(batch)
         except OSError:
