@@ -54,6 +54,16 @@ class AsyncClient:
             raise EmbedError.from_rpc(exc, self.target) from None
         return concatenate([decode(r) for r in replies])
 
+    async def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None,
+                     **options) -> list[tuple[int, float]]:
+        """As Client.rerank."""
+        request = pb.RerankRequest(query=query, documents=list(documents), top_n=top_n, **options)
+        try:
+            reply = await self._connections.next()[1].Rerank(request, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise EmbedError.from_rpc(exc, self.target) from None
+        return [(r.index, r.score) for r in reply.results]
+
     async def embed_stream(self, inputs: Iterable | AsyncIterable, *, in_flight: int = 16,
                            reconnect_within: float = 60.0, **options) -> AsyncIterator[np.ndarray]:
         """As Client.embed_stream; `inputs` may be a plain or an async iterable."""

@@ -63,6 +63,17 @@ class Client:
             parts.append(decode(reply))
         return concatenate(parts)
 
+    def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None,
+               **options) -> list[tuple[int, float]]:
+        """(index, score) of the documents against `query`, best first; `index` is the document's
+        position in `documents`. Options as RerankRequest's (instruction, raw_scores, ...)."""
+        request = pb.RerankRequest(query=query, documents=list(documents), top_n=top_n, **options)
+        try:
+            reply = self._connections.next()[1].Rerank(request, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise EmbedError.from_rpc(exc, self.target) from None
+        return [(r.index, r.score) for r in reply.results]
+
     def embed_stream(self, inputs: Iterable[str | Sequence[str]], *, in_flight: int = 16,
                      reconnect_within: float = 60.0, **options) -> Iterator[np.ndarray]:
         """Answers for `inputs` in input order: a vector for each string, a 2-D array for each list

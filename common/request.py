@@ -13,6 +13,7 @@ class Task(IntEnum):
     request record, token-budget batches, the answer record."""
 
     EMBED = 0  # pooled vectors, one per output
+    SCORE = 1  # a head's outputs (a reranker's logit, a classifier's), one row per sequence
 
 
 class Lane(IntEnum):

@@ -8,6 +8,7 @@ import sys
 
 USAGE = """usage: pollen serve [flags]            serve embeddings over gRPC and HTTP (pollen serve --help)
        pollen embed TEXT... [flags]    embed texts with a running server (pollen embed --help)
+       pollen rerank QUERY DOC... [flags]  rank documents with a running reranker (pollen rerank --help)
        pollen download MODEL [flags]   fetch a Hub model into the Hugging Face cache (pollen download --help)
        pollen bulk IN OUT [flags]      embed a Parquet corpus on Ray, no server (pollen bulk --help)"""
 
@@ -21,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
         from pollen.client.command import main as embed  # the client side only: no torch, no server
 
         return embed(argv[1:])
+    if argv[0] == "rerank":
+        from pollen.client.rerank_command import main as rerank
+
+        return rerank(argv[1:])
     if argv[0] == "download":
         return download(argv[1:])
     if argv[0] == "bulk":

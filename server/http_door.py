@@ -1,4 +1,5 @@
-"""The HTTP door: OpenAI-compatible /v1/embeddings, plus /v1/models, /health and /metrics.
+"""The HTTP door: OpenAI-compatible /v1/embeddings, Cohere- and Jina-shaped /v1/rerank and
+/v2/rerank (server/http_rerank.py), plus /v1/models, /health and /metrics.
 
 A JSON body is decoded by msgspec straight into `EmbeddingsBody` (a wrong type is refused with
 the path of the field), mapped onto a pb.EmbedRequest and answered by the same
@@ -12,7 +13,7 @@ JSON forms of the encodings (`encoding`, ours; `encoding_format`, OpenAI's):
 - "base64": the row's raw little-endian bytes in that encoding (for float32 exactly what OpenAI
   sends); int8 rows carry `scale` here too.
 
-With API keys (server/auth.py), /v1/embeddings and /v1/models need `Authorization: Bearer KEY`,
+With API keys (server/auth.py), /v1/embeddings, the rerank routes and /v1/models need `Authorization: Bearer KEY`,
 and /metrics does too with --metrics-auth; /health never does. A request without a valid key is
 answered 401 with WWW-Authenticate before its body is decoded.
 """
@@ -33,6 +34,7 @@ from pollen.common.errors import ECHO_CHARS, RequestError, cut, echo
 from pollen.common.request import TRUNCATE_BY_NAME
 from pollen.server.auth import REALM
 from pollen.server.http11 import Request, Response
+from pollen.server.http_rerank import BadBody, RerankBody, to_rerank_answer, to_rerank_request
 from pollen.server.metrics import count_request
 from pollen.server.service import EmbedderService
 from pollen.v1 import embedder_pb2 as pb
@@ -69,7 +71,7 @@ class EmbeddingsBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _DECODER = msgspec.json.Decoder(EmbeddingsBody)
-_BODY_FIELDS = frozenset(EmbeddingsBody.__struct_fields__)
+_BODY_FIELDS = frozenset(EmbeddingsBody.__struct_fields__) | frozenset(RerankBody.__struct_fields__)
 # The choices of each Literal field (`Literal[...] | None` included), named in refusals.
 _CHOICES = {f.name: get_args(t) for f in msgspec.structs.fields(EmbeddingsBody)
             for t in (f.type, *get_args(f.type)) if get_origin(t) is Literal}
@@ -86,7 +88,9 @@ _HTTP_STATUS = {
     grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.UNAVAILABLE: 503,
 }
-_ROUTES = {"/v1/embeddings": "POST", "/v1/models": "GET", "/health": "GET", "/metrics": "GET"}
+_ROUTES = {"/v1/embeddings": "POST", "/v1/rerank": "POST", "/v2/rerank": "POST", "/v1/models": "GET",
+           "/health": "GET", "/metrics": "GET"}
+_RERANK = ("/v1/rerank", "/v2/rerank")
 _AT_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 # msgspec's own words around a value it quotes are short: a longer message is a long value quoted.
 _MSGSPEC_CHARS = 60 + ECHO_CHARS
@@ -137,7 +141,7 @@ class HttpDoor:
         self.registry = registry  # what /metrics serializes (server/metrics.py, exposition)
         self.model = service.spec.name  # --served-model-name, else the checkpoint's (server/served_model.py)
         self.keys = service.keys
-        self.closed = {"/v1/embeddings", "/v1/models"} | ({"/metrics"} if service.cfg.metrics_auth else set())
+        self.closed = {"/v1/embeddings", "/v1/models", *_RERANK} | ({"/metrics"} if service.cfg.metrics_auth else set())
         self.created = int(time.time())
         self.serving = False  # mirrors the gRPC health status: set by server/frontend.py
 
@@ -159,9 +163,13 @@ class HttpDoor:
             return response
         if request.path == "/v1/embeddings":
             return await self.embeddings(request)
+        if request.path in _RERANK:
+            return await self.rerank(request)
         if request.path == "/v1/models":
             return Response(200, _ENCODER.encode({"object": "list", "data": [
-                {"id": self.model, "object": "model", "created": self.created, "owned_by": "pollen"}]}))
+                {"id": self.model, "object": "model", "created": self.created, "owned_by": "pollen",
+                 "task": self.service.ranker.task, "dimensions": self.service.spec.hidden_size,
+                 "max_tokens": self.service.spec.max_tokens}]}))
         if request.path == "/health":
             status = "SERVING" if self.serving else "NOT_SERVING"
             return Response(200 if self.serving else 503, _ENCODER.encode({"status": status}))
@@ -174,7 +182,7 @@ class HttpDoor:
         reason = self.keys.check(authorization)
         if reason is None:
             return None
-        if request.path == "/v1/embeddings":
+        if request.path == "/v1/embeddings" or request.path in _RERANK:
             count_request(DOOR, grpc.StatusCode.UNAUTHENTICATED.name)
         response = error_response(401, reason, code="invalid_api_key")
         response.headers["WWW-Authenticate"] = REALM + (', error="invalid_token"' if authorization else "")
@@ -189,12 +197,29 @@ class HttpDoor:
         try:
             answer = await self.service.embed(message, DOOR, headers=request.headers)
         except RequestError as exc:
-            status = _HTTP_STATUS.get(exc.code, 500)
-            if status >= 500 and exc.code != grpc.StatusCode.UNAVAILABLE:
-                log.warning("HTTP embeddings failed with %s: %s", exc.code.name, exc.message)
-            message, param = http_wording(exc.message)
-            return error_response(status, message, code=exc.code.name.lower(), param=param)
+            return self.refused(exc, "embeddings")
         return Response(200, _ENCODER.encode(to_openai(answer, encoding_format, self.model)))
+
+
+    async def rerank(self, request: Request) -> Response:
+        try:
+            message = to_rerank_request(request.body)
+        except BadBody as exc:
+            count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name)
+            return error_response(400, exc.message, code="invalid_request", param=exc.param)
+        try:
+            answer = await self.service.rerank(message, DOOR)
+        except RequestError as exc:
+            return self.refused(exc, "rerank")
+        return Response(200, _ENCODER.encode(to_rerank_answer(answer, message)))
+
+    @staticmethod
+    def refused(exc: RequestError, route: str) -> Response:
+        status = _HTTP_STATUS.get(exc.code, 500)
+        if status >= 500 and exc.code != grpc.StatusCode.UNAVAILABLE:
+            log.warning("HTTP %s failed with %s: %s", route, exc.code.name, exc.message)
+        message, param = http_wording(exc.message)
+        return error_response(status, message, code=exc.code.name.lower(), param=param)
 
 
 def to_embed_request(request: Request) -> tuple[pb.EmbedRequest, str]:

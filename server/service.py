@@ -31,6 +31,7 @@ from pollen.server.admission import Admission
 from pollen.server.config import ServeConfig
 from pollen.server.flood_guard import FloodGuard
 from pollen.server.metrics import count_request
+from pollen.server.rerank import Ranker
 from pollen.server.router import Router
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
@@ -114,7 +115,7 @@ async def authorize(context, keys: auth.ApiKeys, method: str) -> None:
                          None)
     reason = keys.check(authorization)
     if reason is not None:
-        if method in ("Embed", "EmbedStream"):
+        if method in ("Embed", "EmbedStream", "Rerank"):
             count_request("grpc", grpc.StatusCode.UNAUTHENTICATED.name)
         _refused_log.warning("%s from %s refused UNAUTHENTICATED: %s", method, context.peer(), reason)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
@@ -192,6 +193,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         self.spec = spec
         self.admission = admission
         self.router = router
+        self.ranker = Ranker(spec, admission, router, cfg.max_documents_per_request)
         self.frontend = frontend  # this process's index among the frontends
         self.keys = auth.inherited()  # API keys both doors ask for (none: no authentication)
         # server/otel.py's RequestTracer with --otlp-endpoint (the frontend sets it: server/tracing.py)
@@ -209,6 +211,8 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         CLOCK_MONOTONIC ns by which the request must reach the model (0: none); the request's own
         timeout_ms, counted from now, applies as well. span: the request's server/otel.py
         RequestSpan when tracing, told when admission is done."""
+        if self.ranker.task != "embed":
+            self.ranker.check_model("", "embed", "Embed")
         if request.timeout_ms:
             own = time.monotonic_ns() + request.timeout_ms * 1_000_000
             deadline_ns = min(deadline_ns, own) if deadline_ns else own
@@ -328,7 +332,32 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             max_queued_tokens=self.cfg.max_queued_tokens, max_request_bytes=self.cfg.max_request_bytes,
             vocab_size=self.spec.vocab_size, workers=self.cfg.workers, device=self.cfg.device,
             frontends=self.cfg.frontends, frontend=self.frontend,
-            prompts=dict(self.spec.prompts), matryoshka_dimensions=list(self.spec.matryoshka_dimensions))
+            prompts=dict(self.spec.prompts), matryoshka_dimensions=list(self.spec.matryoshka_dimensions),
+            task=self.ranker.task, labels=list(getattr(self.spec, "labels", ())))
+
+    async def Rerank(self, request, context):
+        if self.draining:
+            await self.at_door()
+        await refuse_unusable(context, request, "Rerank", counted=True)
+        remaining = context.time_remaining()
+        deadline_ns = time.monotonic_ns() + int(remaining * 1e9) if remaining is not None else 0
+        return await unary(context, "Rerank", self.rerank(request, "grpc", deadline_ns))
+
+    async def rerank(self, request: pb.RerankRequest, door: str, deadline_ns: int = 0) -> pb.RerankResponse:
+        """One rerank request through either door (server/rerank.py), counted in the door's metrics."""
+        try:
+            response = await self.ranker.rerank(request, deadline_ns)
+        except RequestError as exc:
+            count_request(door, exc.code.name)
+            raise
+        except asyncio.CancelledError:
+            count_request(door, grpc.StatusCode.CANCELLED.name)
+            raise
+        except Exception:
+            count_request(door, grpc.StatusCode.INTERNAL.name)
+            raise
+        count_request(door, "ok", len(request.documents), response.usage.prompt_tokens)
+        return response
 
 
 async def abort(context, exc: RequestError):

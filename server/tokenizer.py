@@ -161,6 +161,12 @@ class TextTokenizer:
             out.append(self.wrap(ids))
         return out
 
+    def first_ids(self, texts: list[str], room: int, field: str = "texts") -> list[np.ndarray]:
+        """Each text's first `room` tokens, without special tokens, tokenizing only about what
+        fits (the pieces of a rerank pair: server/rerank.py)."""
+        self._check_texts(texts, field)
+        return [ids[:room] for ids, _ in self._heads("", texts, room)]
+
     def encode_windows(self, texts: list[str], limit: int, prompt: str = "") -> list[list[np.ndarray]]:
         """CHUNK_MEAN: each text as one sequence when it fits, else as overlapping windows.
 

@@ -165,7 +165,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "dimensions", "max_tokens", "pooling", "encodings", "max_texts_per_request", "max_batch_tokens", "max_queued_tokens", "max_request_bytes", "vocab_size", "workers", "device", "prompts", "matryoshka_dimensions", "frontends", "frontend")
+    __slots__ = ("model", "dimensions", "max_tokens", "pooling", "encodings", "max_texts_per_request", "max_batch_tokens", "max_queued_tokens", "max_request_bytes", "vocab_size", "workers", "device", "prompts", "matryoshka_dimensions", "frontends", "frontend", "task", "labels")
     class PromptsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +189,8 @@ class InfoResponse(_message.Message):
     MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     FRONTENDS_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dimensions: int
     max_tokens: int
@@ -205,4 +207,60 @@ class InfoResponse(_message.Message):
     matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
     frontends: int
     frontend: int
-    def __init__(self, model: _Optional[str] = ..., dimensions: _Optional[int] = ..., max_tokens: _Optional[int] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., encodings: _Optional[_Iterable[_Union[Encoding, str]]] = ..., max_texts_per_request: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_queued_tokens: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., workers: _Optional[int] = ..., device: _Optional[str] = ..., prompts: _Optional[_Mapping[str, str]] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., frontends: _Optional[int] = ..., frontend: _Optional[int] = ...) -> None: ...
+    task: str
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., dimensions: _Optional[int] = ..., max_tokens: _Optional[int] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., encodings: _Optional[_Iterable[_Union[Encoding, str]]] = ..., max_texts_per_request: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_queued_tokens: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., workers: _Optional[int] = ..., device: _Optional[str] = ..., prompts: _Optional[_Mapping[str, str]] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., frontends: _Optional[int] = ..., frontend: _Optional[int] = ..., task: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RerankRequest(_message.Message):
+    __slots__ = ("id", "query", "documents", "top_n", "return_documents", "instruction", "raw_scores", "truncate", "max_tokens", "priority", "timeout_ms", "model", "max_document_tokens")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_N_FIELD_NUMBER: _ClassVar[int]
+    RETURN_DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
+    RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_DOCUMENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    query: str
+    documents: _containers.RepeatedScalarFieldContainer[str]
+    top_n: int
+    return_documents: bool
+    instruction: str
+    raw_scores: bool
+    truncate: Truncate
+    max_tokens: int
+    priority: Priority
+    timeout_ms: int
+    model: str
+    max_document_tokens: int
+    def __init__(self, id: _Optional[str] = ..., query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ..., instruction: _Optional[str] = ..., raw_scores: _Optional[bool] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., max_tokens: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ..., max_document_tokens: _Optional[int] = ...) -> None: ...
+
+class RerankResult(_message.Message):
+    __slots__ = ("index", "score", "document")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENT_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    score: float
+    document: str
+    def __init__(self, index: _Optional[int] = ..., score: _Optional[float] = ..., document: _Optional[str] = ...) -> None: ...
+
+class RerankResponse(_message.Message):
+    __slots__ = ("id", "results", "usage", "timing", "model")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    results: _containers.RepeatedCompositeFieldContainer[RerankResult]
+    usage: Usage
+    timing: Timing
+    model: str
+    def __init__(self, id: _Optional[str] = ..., results: _Optional[_Iterable[_Union[RerankResult, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...

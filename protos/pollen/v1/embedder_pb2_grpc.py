@@ -54,6 +54,11 @@ class EmbedderStub:
                 request_serializer=pollen_dot_v1_dot_embedder__pb2.InfoRequest.SerializeToString,
                 response_deserializer=pollen_dot_v1_dot_embedder__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.Rerank = channel.unary_unary(
+                '/pollen.v1.Embedder/Rerank',
+                request_serializer=pollen_dot_v1_dot_embedder__pb2.RerankRequest.SerializeToString,
+                response_deserializer=pollen_dot_v1_dot_embedder__pb2.RerankResponse.FromString,
+                _registered_method=True)
 
 
 class EmbedderServicer:
@@ -90,6 +95,14 @@ class EmbedderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rerank(self, request, context):
+        """Score documents against a query with a reranker (a cross-encoder, Qwen3-Reranker): the
+        results sorted by score, best first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EmbedderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +125,11 @@ def add_EmbedderServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=pollen_dot_v1_dot_embedder__pb2.InfoRequest.FromString,
                     response_serializer=pollen_dot_v1_dot_embedder__pb2.InfoResponse.SerializeToString,
+            ),
+            'Rerank': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rerank,
+                    request_deserializer=pollen_dot_v1_dot_embedder__pb2.RerankRequest.FromString,
+                    response_serializer=pollen_dot_v1_dot_embedder__pb2.RerankResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +240,33 @@ class Embedder:
             '/pollen.v1.Embedder/Info',
             pollen_dot_v1_dot_embedder__pb2.InfoRequest.SerializeToString,
             pollen_dot_v1_dot_embedder__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rerank(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pollen.v1.Embedder/Rerank',
+            pollen_dot_v1_dot_embedder__pb2.RerankRequest.SerializeToString,
+            pollen_dot_v1_dot_embedder__pb2.RerankResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,187 @@
+"""Reranking in the frontend: a query and its documents as pairs in the model's own pair form,
+admitted as token-id sequences on the path embeddings take (lanes, deadlines, token-budget
+batches, the rings), and the model head's outputs turned into sorted scores.
+
+The pair forms:
+- a cross-encoder's tokenizer's own template (BERT `[CLS] q [SEP] d [SEP]`, RoBERTa and XLM-R
+  `<s> q </s></s> d </s>`), read by post-processing a pair of one-letter texts. Where the model
+  has token types (BERT), a token of type 1 travels as its id plus `spec.type_offset`: the
+  worker's embedding table holds word + type rows for both types (worker/models/bert.py).
+- Qwen3-Reranker's prompt, as its model card builds it: the system text, `<Instruct>`,
+  `<Query>` and `<Document>` lines, and the empty think block after.
+
+The query is tokenized once per request and never cut; each document gets the room the query
+and the special tokens leave under the limit, and is tokenized only about that far
+(server/tokenizer.py first_ids).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from pollen.common import status
+from pollen.common.errors import RequestError, echo, invalid
+from pollen.common.model_spec import ModelSpec
+from pollen.common.request import LANES, RequestOptions, Task
+from pollen.server.admission import Admission
+from pollen.server.request import Request
+from pollen.server.router import Router
+from pollen.server.tokenizer import TextTokenizer
+from pollen.v1 import embedder_pb2 as pb
+
+QWEN3_DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+QWEN3_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+                "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
+QWEN3_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+INSTRUCTION_MAX_CHARS = 4096
+_KINDS = {"embed": "an embedding model", "rerank": "a reranker", "classify": "a classifier"}
+
+
+@dataclass(frozen=True, slots=True)
+class PairForm:
+    """Token ids around and between the two texts, with the second text's id offset."""
+
+    before: np.ndarray
+    between: np.ndarray
+    after: np.ndarray
+    second_offset: int
+
+    @classmethod
+    def of(cls, tokenizer, type_offset: int) -> PairForm:
+        a, b = (tokenizer.encode(t, add_special_tokens=False) for t in ("a", "b"))
+        enc = tokenizer.post_process(a, b)
+        ids = np.asarray(enc.ids, np.int64) + type_offset * np.asarray(enc.type_ids, np.int64)
+        seq = [-1 if s is None else s for s in enc.sequence_ids]
+        first, second = seq.index(0), seq.index(1)
+        end_first = len(seq) - seq[::-1].index(0)
+        end_second = len(seq) - seq[::-1].index(1)
+        return cls(ids[:first].astype(np.int32), ids[end_first:second].astype(np.int32),
+                   ids[end_second:].astype(np.int32), type_offset * enc.type_ids[second])
+
+    @property
+    def special(self) -> int:
+        return len(self.before) + len(self.between) + len(self.after)
+
+
+class PairBuilder:
+    def __init__(self, spec: ModelSpec, tokenizer: TextTokenizer):
+        self.tokenizer = tokenizer
+        self.qwen3 = bool(getattr(spec, "reranker_template", False))
+        if self.qwen3:
+            raw = tokenizer.tokenizer
+            self.prefix = np.asarray(raw.encode(QWEN3_PREFIX, add_special_tokens=False).ids, np.int32)
+            self.suffix = np.asarray(raw.encode(QWEN3_SUFFIX, add_special_tokens=False).ids, np.int32)
+        else:
+            self.form = PairForm.of(tokenizer.tokenizer, getattr(spec, "type_offset", 0))
+
+    def pairs(self, query: str, documents: list[str], instruction: str, limit: int, truncate: int,
+              max_document_tokens: int = 0) -> list[np.ndarray]:
+        """One token-id sequence per document, each at most `limit` tokens, its document at most
+        `max_document_tokens` (0: no more than the limit)."""
+        if not query:
+            raise invalid("query is empty: give the text to rank the documents against")
+        if truncate == pb.TRUNCATE_START:
+            raise invalid("truncate TRUNCATE_START does not apply to Rerank: a pair over the limit has its "
+                          "document's end cut (TRUNCATE_END), or is refused (TRUNCATE_NONE)")
+        if self.qwen3:
+            if len(instruction) > INSTRUCTION_MAX_CHARS:
+                raise invalid(f"instruction has {len(instruction)} characters, over {INSTRUCTION_MAX_CHARS}")
+            head_text = (f"<Instruct>: {instruction or QWEN3_DEFAULT_INSTRUCTION}\n<Query>: {query}\n"
+                         "<Document>:")  # the document's text follows after a space, tokenized apart
+            head = np.concatenate([self.prefix, self.tokenizer.first_ids([head_text], limit + 1, "query")[0]])
+            before, between, after, offset = head, np.zeros(0, np.int32), self.suffix, 0
+            special = len(self.suffix)
+        else:
+            if instruction:
+                raise invalid("instruction applies to Qwen3-Reranker models, not to this cross-encoder")
+            q = self.tokenizer.first_ids([query], limit + 1, "query")[0]
+            f = self.form
+            before, between, after, offset = np.concatenate([f.before, q]), f.between, f.after, f.second_offset
+            special = f.special - len(f.before)
+        room = limit - len(before) - special
+        if room < 1:
+            raise invalid(f"query leaves no room for a document: with the pair's other tokens it takes "
+                          f"{len(before) + special if len(before) <= limit else f'more than {limit}'} of the "
+                          f"{limit} tokens a pair may have; shorten the query or raise max_tokens")
+        if max_document_tokens and max_document_tokens < room:
+            room, truncate = max_document_tokens, pb.TRUNCATE_END
+        texts = [" " + d if d else d for d in documents] if self.qwen3 else documents
+        docs = self.tokenizer.first_ids(texts, room + 1, "documents")
+        out = []
+        for i, ids in enumerate(docs):
+            if len(ids) > room:
+                if truncate == pb.TRUNCATE_NONE:
+                    raise invalid(f"documents[{i}] has more than the {room} tokens the query leaves it under the "
+                                  f"limit of {limit} a pair; shorten it or set truncate to TRUNCATE_END")
+                ids = ids[:room]
+            out.append(np.concatenate([before, between, ids + offset, after]).astype(np.int32))
+        return out
+
+
+def scores(rows: np.ndarray, raw: bool) -> np.ndarray:
+    """The relevance score of each pair from its head's output (one logit): the sigmoid, as
+    sentence-transformers' CrossEncoder applies it, or the logit itself with `raw`."""
+    logits = rows[:, 0].astype(np.float64)
+    return logits if raw else 1.0 / (1.0 + np.exp(-logits))
+
+
+def ranked(request: pb.RerankRequest, values: np.ndarray) -> list[pb.RerankResult]:
+    """Results best first (ties in input order), cut to top_n."""
+    order = np.argsort(-values, kind="stable")
+    if request.HasField("top_n"):
+        order = order[:request.top_n]
+    return [pb.RerankResult(index=int(i), score=float(values[i]),
+                            document=request.documents[i] if request.return_documents else "") for i in order]
+
+
+class Ranker:
+    """Rerank requests from either door: checked, made pairs, routed, scored."""
+
+    def __init__(self, spec: ModelSpec, admission: Admission, router: Router, max_documents: int):
+        self.spec, self.admission, self.router = spec, admission, router
+        self.max_documents = max_documents
+        self.task = getattr(spec, "task", "embed")
+        self.builder = PairBuilder(spec, admission.tokenizer) if self.task == "rerank" else None
+
+    def check_model(self, model: str, task: str, method: str) -> None:
+        """`model` (empty: any) is the served one, and serves `task`; else INVALID_ARGUMENT naming
+        the models that can."""
+        served = f"{self.spec.name} ({self.task})"
+        if model and model != self.spec.name:
+            raise invalid(f"model {echo(model)} is not served here; the models served: {served}")
+        if self.task != task:
+            raise invalid(f"model {self.spec.name} is {_KINDS[self.task]}: {method} needs {_KINDS[task]}, and "
+                          f"none is served here; the models served: {served}")
+
+    async def rerank(self, request: pb.RerankRequest, deadline_ns: int = 0) -> pb.RerankResponse:
+        self.check_model(request.model, "rerank", "Rerank")
+        n = len(request.documents)
+        if not n:
+            raise invalid("documents is empty: give at least one document to rank")
+        if n > self.max_documents:
+            raise invalid(f"documents has {n} entries, over the server's --max-documents-per-request of "
+                          f"{self.max_documents}; split the request")
+        if request.HasField("top_n") and request.top_n == 0:
+            raise invalid("top_n must be at least 1 (leave it unset for every document)")
+        if request.timeout_ms:
+            own = time.monotonic_ns() + request.timeout_ms * 1_000_000
+            deadline_ns = min(deadline_ns, own) if deadline_ns else own
+        limit = self.admission.limit(request.max_tokens)
+        truncate = request.truncate if request.HasField("truncate") else pb.TRUNCATE_END
+        chars = len(request.query) + len(request.instruction) + sum(map(len, request.documents))
+        seqs = await self.admission.run(chars, self.builder.pairs, request.query, list(request.documents),
+                                        request.instruction, limit, truncate, request.max_document_tokens)
+        options = RequestOptions(Task.SCORE, 0, False, pb.ENCODING_FLOAT32, LANES[request.priority], deadline_ns)
+        admitted = Request(seqs, options, None, sum(map(len, seqs)))
+        result = await self.router.route(admitted)
+        if result.status:
+            raise RequestError(status.code_of(result.status, grpc.StatusCode.INTERNAL),
+                               result.body.decode(errors="replace"))
+        rows = np.frombuffer(result.body, np.float32).reshape(result.rows, result.dims)
+        return pb.RerankResponse(
+            id=request.id, results=ranked(request, scores(rows, request.raw_scores)),
+            usage=pb.Usage(prompt_tokens=admitted.tokens), model=self.spec.name,
+            timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us))
