@@ -35,6 +35,11 @@ _LEGACY_POOLING_KEYS = {
 _KNOWN_ST_MODULES = ("Transformer", "Pooling", "Normalize")
 # config.json's sizes: each a positive integer, and together no larger than the weights hold
 # (_check_weights), so a lying config is refused here rather than by an allocation in the worker.
+# Sequence-classification heads (rerank with one label, classify with more), by architecture:
+# the token each pools (BERT's pooler and RoBERTa's head read <s>/[CLS]; Qwen3's the last token).
+CLASSIFIER_POOLING = {"BertForSequenceClassification": "cls", "RobertaForSequenceClassification": "cls",
+                      "XLMRobertaForSequenceClassification": "cls", "Qwen3ForSequenceClassification": "last"}
+TASKS = ("embed", "rerank", "classify")
 _SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
               "intermediate_size", "vocab_size", "max_position_embeddings")
 
@@ -60,6 +65,26 @@ class ModelSpec:
     default_prompt_name: str = ""
     # Matryoshka sizes the checkpoint declares; empty: any size from MIN_MATRYOSHKA_DIMS up.
     matryoshka_dimensions: tuple = ()
+    # "embed": pooled vectors; "rerank": one score per row; "classify": one logit per label.
+    task: str = "embed"
+    labels: tuple = ()  # a classify head's id2label names in id order; () for one output
+    # Added by the frontend to each token id of a pair's second segment: the worker reads an id
+    # i >= type_offset as word i - type_offset of token type 1 (BERT cross-encoders); 0: no types.
+    type_offset: int = 0
+    # Qwen3-Reranker: the frontend wraps each pair in the model card's prompt, and the score is
+    # logit("yes") - logit("no") at the last token; yes_no_ids holds those two token ids.
+    reranker_template: bool = False
+    yes_no_ids: tuple = ()
+
+    @property
+    def output_dims(self) -> int:
+        """Float32 values the engine writes per row: the pooled width for an embedder, 1 for a
+        reranker, one per label for a classifier."""
+        if self.task == "rerank":
+            return 1
+        if self.task == "classify":
+            return len(self.labels)
+        return self.hidden_size
 
 
 def read_model_spec(path: str, pooling: str | None = None, attention: str | None = None) -> ModelSpec:
@@ -72,6 +97,10 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
     model_type = config.get("model_type")
     family, causal, default_pooling = _family(path, config)
     _check_weights(path, config)
+    head = _read_head(path, config, family)
+    if head is not None and pooling not in (None, head["pooling"]):
+        raise UnsupportedModel(f"{path}: a {head['task']} head reads the {head['pooling']!r} token; "
+                               f"pooling {pooling!r} is not offered")
 
     modules = _read_json(path, "modules.json", list) or []
     _check_modules(path, modules)
@@ -80,6 +109,8 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
         if pooling not in _POOLING_NAMES.values():
             raise UnsupportedModel(f"pooling {pooling!r} is not one of {sorted(set(_POOLING_NAMES.values()))}")
         chosen_pooling = pooling
+    if head is not None:
+        chosen_pooling = head["pooling"]  # the head was trained on that token, whatever other files say
     if attention is not None:
         if attention not in ATTENTION_MODES:
             raise UnsupportedModel(f"attention {attention!r} is not one of {ATTENTION_MODES}")
@@ -102,7 +133,53 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
         # A config key "pollen_native_int8": true forces the pplx int8 path on any checkpoint (tests).
         native_int8=model_type == "bidirectional_pplx_qwen3" or bool(config.get("pollen_native_int8")),
         prompts=prompts, default_prompt_name=default_prompt,
-        matryoshka_dimensions=_matryoshka_sizes(path, config, hidden))
+        matryoshka_dimensions=() if head else _matryoshka_sizes(path, config, hidden),
+        **{key: value for key, value in (head or {}).items() if key != "pooling"})
+
+
+def _read_head(path: str, config: dict, family: str) -> dict | None:
+    """The ModelSpec fields of a model with a head (task, labels, type_offset, reranker fields)
+    and the token its head pools; None for an embedder."""
+    architectures = config.get("architectures") or []
+    arch = next((a for a in architectures if a in CLASSIFIER_POOLING), None)
+    if arch is not None:
+        labels = _labels(path, config)
+        head = {"task": "classify" if labels else "rerank", "labels": labels, "pooling": CLASSIFIER_POOLING[arch]}
+        if family == "bert" and int(config.get("type_vocab_size", 2)) > 1:
+            head["type_offset"] = int(config["vocab_size"])
+        return head
+    if "Qwen3ForCausalLM" in architectures and "reranker" in _display_name(path).lower():
+        return {"task": "rerank", "pooling": "last", "reranker_template": True, "yes_no_ids": _yes_no_ids(path)}
+    return None
+
+
+def _labels(path: str, config: dict) -> tuple:
+    """id2label names in id order when the head has more than one output, else ()."""
+    id2label = config.get("id2label") or {}
+    # As transformers reads it: id2label's size when there is one.
+    count = len(id2label) if id2label else config.get("num_labels", 2)
+    if type(count) is not int or count < 1:
+        raise UnsupportedModel(f"{path}: config.json num_labels must be a positive integer, got {count!r}")
+    if count == 1:
+        return ()
+    names = {int(key): str(name) for key, name in id2label.items()}
+    return tuple(names.get(i, f"LABEL_{i}") for i in range(count))
+
+
+def _yes_no_ids(path: str) -> tuple[int, int]:
+    """The token ids of "yes" and "no" in the checkpoint's tokenizer.json: a Qwen3-Reranker's
+    score is the difference of their logits."""
+    check_tokenizer(path)
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    ids = tuple(tokenizer.token_to_id(word) for word in ("yes", "no"))
+    if None in ids:
+        raise UnsupportedModel(f"{path}: a Qwen3 reranker's tokenizer.json needs the tokens 'yes' and 'no'")
+    vocab = int(read_config(path)["vocab_size"])
+    if max(ids) >= vocab:
+        raise UnsupportedModel(f"{path}: token ids {ids} of 'yes' and 'no' exceed vocab_size {vocab}")
+    return ids
 
 
 def _family(path: str, config: dict) -> tuple[str, bool, str]:

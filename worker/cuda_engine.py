@@ -8,9 +8,10 @@ One batch's life (batch N+1 is submitted before batch N's result is awaited):
           a few hundred bytes, i.e. queries, skip this hop and go straight to the compute stream)
     GPU   compute stream waits on the event, copies staging -> the static inputs (one D2D),
           replays the graph captured for the batch's bucket (or runs eagerly): the forward,
-          pooling, and L2 normalization of the flagged rows; then copies the rows D2H straight
-          into the caller's `out` (the batch's records in the response rings, memory the worker
-          registered with CUDA, so the copy is a true asynchronous DMA), records an event. On the
+          pooling, and L2 normalization of the flagged rows (a reranker's or classifier's head
+          instead); then copies the rows D2H straight into the caller's `out` (the batch's
+          records in the response rings, memory the worker registered with CUDA, so the copy is
+          a true asynchronous DMA), records an event. On the
           interactive lane the small copies (inputs up, rows down) call the CUDA runtime
           directly (worker/cudart.py), which costs a lone query less host time than torch's copy_
     CPU   LazyTensor.result() waits on that event: the bytes are in the ring
@@ -57,7 +58,7 @@ from pollen.common.request import LANES, Lane
 from pollen.worker import cudart
 from pollen.worker.lazy import LazyTensor
 from pollen.worker.models.base import EmbeddingModel
-from pollen.worker.models.pooling import normalize_rows, pool_rows
+from pollen.worker.models.pooling import pool_rows
 from pollen.worker.packed import ONE_TEXT_SHARED_MAX, PackedBatch, warm_up_batch
 from pollen.worker.sm_partition import BulkPartition, bulk_sm_count, green_contexts_supported
 
@@ -132,7 +133,7 @@ class CudaEngine:
         self.model = model
         self.device = torch.device(device)
         self.pooling = model.spec.pooling
-        self.hidden = model.spec.hidden_size
+        self.hidden = model.spec.output_dims  # the width of the rows written: pooled, or a head's
         # float32 attention takes a per-sequence loop that reads cu_seqlens on the host (see
         # worker/models/attention.py): it cannot be captured, so float32 runs eagerly.
         self.graphs_on = cuda_graphs and next(model.parameters()).dtype != torch.float32
@@ -282,7 +283,8 @@ class CudaEngine:
     def forward(self, inputs: list[torch.Tensor], longest: int) -> torch.Tensor:
         ids, pos, index, cu, first, last, count, norm = inputs
         hidden = self.model.hidden_states(ids, pos, cu, longest)
-        return normalize_rows(pool_rows(hidden, index, first, last, count, self.pooling), norm)
+        # The head (if any) is part of the graph, after pooling (EmbeddingModel.output_rows).
+        return self.model.output_rows(pool_rows(hidden, index, first, last, count, self.pooling), norm)
 
     def capture(self, shape, lane_index: Lane = Lane.INTERACTIVE) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture a lane's graph for `shape`, on its stream. Its inputs are the lane's static

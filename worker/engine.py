@@ -14,7 +14,7 @@ import torch
 
 from pollen.common.request import Lane
 from pollen.worker.models.base import EmbeddingModel
-from pollen.worker.models.pooling import normalize_rows, pool_rows
+from pollen.worker.models.pooling import pool_rows
 from pollen.worker.packed import PackedBatch, warm_up_batch
 
 
@@ -36,10 +36,12 @@ class Engine(Protocol):
 
     def submit(self, batch: PackedBatch, out=None, normalize: np.ndarray | None = None,
                lane: Lane = Lane.INTERACTIVE) -> PendingRows:
-        """Start the batch. `out` is a float32 [batch.rows, hidden] array, or a list of them whose
-        rows add up to the batch's, filled in order (for the worker, views of the batch's records
-        in the response rings, shared_mem/records.py); None: the engine's own rows. `normalize`
-        holds one int per row: non-zero rows are L2-normalized on the engine's device."""
+        """Start the batch. `out` is a float32 [batch.rows, spec.output_dims] array (the pooled
+        width for an embedder, a head's outputs for a reranker or classifier), or a list of them
+        whose rows add up to the batch's, filled in order (for the worker, views of the batch's
+        records in the response rings, shared_mem/records.py); None: the engine's own rows.
+        `normalize` holds one int per row: non-zero rows of an embedder are L2-normalized on the
+        engine's device (a head's rows never are: EmbeddingModel.output_rows)."""
 
     def between_batches(self, interactive_waiting: bool, interactive_in_flight: bool, now_ns: int) -> bool:
         """The engine's own work between the loop's turns; True while interactive launches must
@@ -93,8 +95,8 @@ class EagerEngine:
                                               batch.max_seqlen)
             rows = pool_rows(hidden, t(batch.pool_index), t(batch.pool_first), t(batch.pool_last),
                              t(batch.pool_count), self.pooling)
-            if normalize is not None:
-                rows = normalize_rows(rows, t(np.asarray(normalize, dtype=np.int32)))
+            flags = None if normalize is None else t(np.asarray(normalize, dtype=np.int32))
+            rows = self.model.output_rows(rows, flags)
             if out is None:
                 return ReadyRows(rows.numpy())
             at = 0

@@ -74,7 +74,7 @@ class Worker:
     def __init__(self, cfg: WorkerConfig, engine: Engine, spec):
         self.cfg = cfg
         self.engine = engine
-        self.hidden = spec.hidden_size
+        self.hidden = spec.output_dims  # the width of every row: pooled, or a head's outputs
         self.native_int8 = spec.native_int8
         self.ready_info = json.dumps({"pid": os.getpid(), "index": cfg.index, "device": cfg.device, "gpu": cfg.gpu,
                                       "dtype": cfg.dtype, "threads": cfg.threads, "model": spec.name,

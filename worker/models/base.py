@@ -8,7 +8,7 @@ from pollen.common.engine_options import EngineOptions
 from pollen.common.model_spec import ModelSpec
 from pollen.worker.models.ops import Ops
 from pollen.worker.models.packing import positions as packed_positions
-from pollen.worker.models.pooling import pool
+from pollen.worker.models.pooling import normalize_rows, pool
 
 
 class EmbeddingModel(torch.nn.Module):
@@ -20,6 +20,9 @@ class EmbeddingModel(torch.nn.Module):
     one document), so the same forward serves every request kind and every CUDA graph bucket.
     max_seqlen is a Python int so that shape checks and kernels need no device-to-host sync.
 
+    A reranker or classifier has an `output_head` (worker/models/heads.py) that `head` applies to
+    the pooled rows; an embedder has None, and `head` hands its rows back as they are.
+
     A model is built (on the meta device) with the `Ops` the loader chose for its device, dtype
     and EngineOptions, and builds its attention from them: the forward never chooses a kernel.
     """
@@ -29,19 +32,46 @@ class EmbeddingModel(torch.nn.Module):
     # Checkpoint name prefixes to try: a BertModel saves "embeddings...", a BertForMaskedLM
     # "bert.embeddings...". The loader picks the prefix under which the most names exist.
     hf_prefixes: tuple[str, ...] = ("",)
+    output_head: torch.nn.Module | None  # set by each model's __init__ (worker/models/heads.make_head)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
                       max_seqlen: int) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-        """Convenience for tests and tools: one pooled float32 vector per sequence, not normalized."""
+        """Convenience for tests and tools: one output row per sequence (pooled and, for a model
+        with a head, through it), float32, not normalized."""
         pos = packed_positions(cu_seqlens, input_ids.shape[0])
         hidden = self.hidden_states(input_ids, pos, cu_seqlens, max_seqlen)
-        return pool(hidden, cu_seqlens, self.spec.pooling)
+        return self.head(pool(hidden, cu_seqlens, self.spec.pooling))
+
+    def head(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Pooled float32 rows [R, hidden] -> float32 [R, spec.output_dims]: the head's logits, or
+        the rows themselves for an embedder."""
+        return pooled if self.output_head is None else self.output_head(pooled)
+
+    def output_rows(self, pooled: torch.Tensor, normalize: torch.Tensor | None) -> torch.Tensor:
+        """What an engine writes for pooled rows: a head's logits (normalizing scores would mean
+        nothing, so the flags are not read), or an embedder's rows with those whose `normalize`
+        flag [R] is non-zero L2-normalized (None: none)."""
+        if self.output_head is not None:
+            return self.output_head(pooled)
+        return pooled if normalize is None else normalize_rows(pooled, normalize)
 
     def after_load(self, options: EngineOptions) -> None:
         """Rewrite the loaded weights into the form the forward wants (the loader calls it once)."""
+        self.head_after_load()
+
+    def head_after_load(self) -> None:
+        """The head's own rewrite (float32 weights, a reranker's folded row)."""
+        if self.output_head is not None:
+            self.output_head.after_load()
+
+    def head_weight_map(self) -> dict[str, list]:
+        """hf_weight_map's entries for the head: under "output_head.", names as heads.py gives them."""
+        if self.output_head is None:
+            return {}
+        return {f"output_head.{ours}": names for ours, names in self.output_head.hf_weight_map().items()}
 
     def hf_weight_map(self) -> dict[str, list[str]]:
         """Our parameter name -> checkpoint tensor names (without prefix).

@@ -1,6 +1,11 @@
 """Packed BERT-style encoder (BERT, RoBERTa, XLM-R): post-LayerNorm layers, bidirectional attention.
 
 Checkpoint layout follows HF BertModel; loader.py fills our parameters through hf_weight_map().
+
+A cross-encoder's pair carries its token types in its ids (spec.type_offset, set to vocab_size
+when the model has two token types): an id i >= vocab_size is word i - vocab_size of type 1.
+after_load turns the word table into one of 2 x vocab_size rows, word + type[0] then word +
+type[1], so the embedding stays one lookup plus the position row, summed in HF's order.
 """
 
 from __future__ import annotations
@@ -9,9 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pollen.common.engine_options import EngineOptions
 from pollen.common.model_spec import ModelSpec, position_offset
 from pollen.worker.models.attention import VarlenAttention
 from pollen.worker.models.base import EmbeddingModel
+from pollen.worker.models.heads import make_head
 from pollen.worker.models.ops import Ops
 
 
@@ -56,6 +63,8 @@ class BertEncoder(EmbeddingModel):
         )
         self.position_offset = position_offset(config)
         self.max_positions = config["max_position_embeddings"] - self.position_offset
+        self.output_head = make_head(spec, config)
+        self.typed_words = False  # whether after_load summed the token types into the word table
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
                       max_seqlen: int) -> torch.Tensor:
@@ -63,15 +72,32 @@ class BertEncoder(EmbeddingModel):
             # Checked on the host int: an out-of-range position is a device assert on CUDA.
             raise ValueError(f"sequence of {max_seqlen} tokens exceeds {self.max_positions} positions")
         pos = positions + self.position_offset
-        # Every token has type 0 (single-text input); same summation order as HF.
-        x = self.word(input_ids) + self.token_type.weight[0] + self.position(pos)
+        if self.typed_words:  # the ids carry the token type (see the module docstring)
+            x = self.word(input_ids) + self.position(pos)
+        else:  # every token has type 0 (single-text input); same summation order as HF
+            x = self.word(input_ids) + self.token_type.weight[0] + self.position(pos)
         x = self.emb_norm(x)
         for layer in self.layers:
             x = layer(x, cu_seqlens, max_seqlen)
         return x
 
+    @torch.no_grad()
+    def after_load(self, options: EngineOptions) -> None:
+        """A cross-encoder's word table with its token types summed in (the module docstring)."""
+        self.head_after_load()
+        if not self.spec.type_offset:
+            return
+        words, types = self.word.weight, self.token_type.weight
+        if self.spec.type_offset != words.shape[0]:
+            raise AssertionError(f"type_offset {self.spec.type_offset} is not the vocabulary's {words.shape[0]} "
+                                 "rows. This is a bug.")
+        table = torch.cat([words + types[0], words + types[1]])
+        self.word.weight = nn.Parameter(table, requires_grad=False)
+        self.typed_words = True
+
     def hf_weight_map(self) -> dict[str, list[str]]:
-        m = {
+        m = self.head_weight_map()
+        m |= {
             "word.weight": ["embeddings.word_embeddings.weight"],
             "position.weight": ["embeddings.position_embeddings.weight"],
             "token_type.weight": ["embeddings.token_type_embeddings.weight"],

@@ -17,6 +17,7 @@ from pollen.worker import kernels
 from pollen.worker.models.attention import backend as attention_backend
 from pollen.worker.models.base import EmbeddingModel
 from pollen.worker.models.bert import BertEncoder
+from pollen.worker.models.checkpoint import HeadTensor, full_name
 from pollen.worker.models.ops import Ops, reference_ops
 from pollen.worker.models.qwen3 import Qwen3Encoder
 
@@ -61,12 +62,12 @@ def _load_weights(model: EmbeddingModel, path: str) -> None:
     if set(params) != set(wanted) or any(True for _ in model.buffers()):
         raise AssertionError(f"{type(model).__name__}.hf_weight_map does not cover its parameters. This is a bug.")
 
-    # Pooler, MLM head, position_ids buffers etc. are simply never asked for.
+    # An MLM head, position_ids buffers etc. are simply never asked for.
     def found(prefix: str) -> int:
-        return sum(prefix + n in files for names in wanted.values() for n in names)
+        return sum(full_name(n, prefix) in files for names in wanted.values() for n in names)
 
     prefix = max(model.hf_prefixes, key=found)
-    missing = [prefix + n for names in wanted.values() for n in names if prefix + n not in files]
+    missing = [full_name(n, prefix) for names in wanted.values() for n in names if full_name(n, prefix) not in files]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise UnsupportedModel(f"{path}: checkpoint lacks {len(missing)} tensors: {shown}")
@@ -74,20 +75,31 @@ def _load_weights(model: EmbeddingModel, path: str) -> None:
     with contextlib.ExitStack() as stack, torch.no_grad():
         handles = {}
 
-        def tensor(name: str) -> torch.Tensor:
-            file = files[prefix + name]
+        def tensor(name: str | HeadTensor) -> torch.Tensor:
+            stored = full_name(name, prefix)
+            file = files[stored]
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
-            return handles[file].get_tensor(prefix + name)
+            if isinstance(name, HeadTensor) and name.index is not None:
+                return _row(handles[file], stored, name.index, path)
+            return handles[file].get_tensor(stored)
 
         for ours, names in wanted.items():
             t = torch.cat([tensor(n) for n in names]) if len(names) > 1 else tensor(names[0])
             if t.shape != params[ours].shape:
                 raise UnsupportedModel(
-                    f"{path}: tensor {prefix + names[0]} has shape {tuple(t.shape)}, "
+                    f"{path}: tensor {full_name(names[0], prefix)} has shape {tuple(t.shape)}, "
                     f"config.json implies {tuple(params[ours].shape)}"
                 )
             params[ours].copy_(t)  # converts dtype and moves to the model's device
+
+
+def _row(handle, name: str, index: int, path: str) -> torch.Tensor:
+    """Row `index` of a stored tensor as [1, ...], read without the rest of it."""
+    part = handle.get_slice(name)
+    if not 0 <= index < part.get_shape()[0]:
+        raise UnsupportedModel(f"{path}: tensor {name} has {part.get_shape()[0]} rows; row {index} was asked for")
+    return part[index:index + 1]
 
 
 def _tensor_files(path: str) -> dict[str, str]:

@@ -19,6 +19,7 @@ from pollen.common.model_spec import ModelSpec
 from pollen.worker import kernels
 from pollen.worker.models.attention import VarlenAttention
 from pollen.worker.models.base import EmbeddingModel
+from pollen.worker.models.heads import make_head
 from pollen.worker.models.ops import Ops, rope_cache
 
 
@@ -62,6 +63,7 @@ class Qwen3Encoder(EmbeddingModel):
             for _ in range(config["num_hidden_layers"])
         )
         self.norm = RMSNormWeight(hidden)
+        self.output_head = make_head(spec, config)  # reads the final norm's output, as HF's heads do
         self._rope: torch.Tensor | None = None  # built on first use, on the weights' device
         self.attention = VarlenAttention.of(ops, head_dim)
         # Short sequences: QK-norm, RoPE and attention in one kernel per layer (launches are their cost).
@@ -102,7 +104,8 @@ class Qwen3Encoder(EmbeddingModel):
         rms_norm(x) @ (W * g).T, so the query kernels can scale rows after the product
         (worker/kernels/skinny.py). The norms keep a weight of ones, so every path sees one model.
         options.fold_norms off keeps the checkpoint's weights as they are, and the query kernels off
-        (they need the fold): for comparing numerics."""
+        (they need the fold): for comparing numerics. The head, if any, takes its own rewrite."""
+        self.head_after_load()
         self.folded = options.fold_norms
         self.query_kernels = self.folded and self.ops.skinny_linear is not None
         if not self.folded:
@@ -156,7 +159,8 @@ class Qwen3Encoder(EmbeddingModel):
         return x
 
     def hf_weight_map(self) -> dict[str, list[str]]:
-        m = {"embed.weight": ["embed_tokens.weight"], "norm.weight": ["norm.weight"]}
+        m = self.head_weight_map()
+        m |= {"embed.weight": ["embed_tokens.weight"], "norm.weight": ["norm.weight"]}
         for i, layer in enumerate(self.layers):
             ours, hf = f"layers.{i}.", f"layers.{i}."
             m[ours + "attn_norm.weight"] = [hf + "input_layernorm.weight"]
