@@ -168,7 +168,7 @@ class HttpDoor:
         if request.path == "/v1/models":
             return Response(200, _ENCODER.encode({"object": "list", "data": [
                 {"id": self.model, "object": "model", "created": self.created, "owned_by": "pollen",
-                 "task": self.service.ranker.task, "dimensions": self.service.spec.hidden_size,
+                 "task": self.service.ranker.task, "dimensions": self.service.spec.output_dims,
                  "max_tokens": self.service.spec.max_tokens}]}))
         if request.path == "/health":
             status = "SERVING" if self.serving else "NOT_SERVING"

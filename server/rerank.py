@@ -52,14 +52,13 @@ class PairForm:
     @classmethod
     def of(cls, tokenizer, type_offset: int) -> PairForm:
         a, b = (tokenizer.encode(t, add_special_tokens=False) for t in ("a", "b"))
+        if len(a.ids) != 1 or len(b.ids) != 1:
+            raise ValueError("the tokenizer makes more than one token of 'a' or 'b': its pair form cannot be read")
         enc = tokenizer.post_process(a, b)
         ids = np.asarray(enc.ids, np.int64) + type_offset * np.asarray(enc.type_ids, np.int64)
-        seq = [-1 if s is None else s for s in enc.sequence_ids]
-        first, second = seq.index(0), seq.index(1)
-        end_first = len(seq) - seq[::-1].index(0)
-        end_second = len(seq) - seq[::-1].index(1)
-        return cls(ids[:first].astype(np.int32), ids[end_first:second].astype(np.int32),
-                   ids[end_second:].astype(np.int32), type_offset * enc.type_ids[second])
+        first, second = (i for i, special in enumerate(enc.special_tokens_mask) if not special)
+        return cls(ids[:first].astype(np.int32), ids[first + 1:second].astype(np.int32),
+                   ids[second + 1:].astype(np.int32), type_offset * enc.type_ids[second])
 
     @property
     def special(self) -> int:

@@ -326,7 +326,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             await self.at_door()
         await refuse_unusable(context, request, "Info")
         return pb.InfoResponse(
-            model=self.spec.name, dimensions=self.spec.hidden_size, max_tokens=self.spec.max_tokens,
+            model=self.spec.name, dimensions=self.spec.output_dims, max_tokens=self.spec.max_tokens,
             pooling=_POOLING.get(self.spec.pooling, pb.POOLING_UNSPECIFIED), encodings=list(encodings.SUPPORTED),
             max_texts_per_request=self.cfg.max_texts_per_request, max_batch_tokens=self.cfg.max_batch_tokens,
             max_queued_tokens=self.cfg.max_queued_tokens, max_request_bytes=self.cfg.max_request_bytes,

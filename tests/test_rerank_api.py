@@ -176,3 +176,37 @@ def test_client_and_command(reranker, reference):
     answer = json.loads(out)
     assert answer["model"] == "tiny-rerank" and len(answer["results"]) == len(DOCS)
     assert abs(answer["results"][0]["score"] - reference[0].max()) <= 1e-4
+
+
+def test_qwen3_reranker_served_equals_the_model_card_recipe(tmp_path):
+    """A tiny random Qwen3-Reranker (a causal LM; the tokenizer of tests/test_rerank_models.py)
+    through the server, against HF's logit(yes) - logit(no) at the last token of the model card's
+    whole prompt, tokenized in one piece; the empty instruction is the card's default."""
+    import torch
+    import transformers as tf
+
+    from tests.test_rerank_models import RERANK_CASES, prompt, qwen3_config, randomize, save_reranker_tokenizer
+
+    torch.manual_seed(3)
+    path = tmp_path / "tiny-Qwen3-Reranker"
+    hf = tf.Qwen3ForCausalLM(qwen3_config())
+    randomize(hf)
+    hf.eval().save_pretrained(str(path))
+    tok = save_reranker_tokenizer(path)
+    yes, no = tok.token_to_id("yes"), tok.token_to_id("no")
+    srv = ServerProcess("--model", str(path)).start()
+    try:
+        with grpc.insecure_channel(srv.listen) as channel:
+            stub = pb_grpc.EmbedderStub(channel)
+            for instruction, query, doc in RERANK_CASES:
+                default = instruction.startswith("Given a web search query")
+                reply = stub.Rerank(pb.RerankRequest(query=query, documents=[doc, doc + " yes"], raw_scores=True,
+                                                     instruction="" if default else instruction), timeout=60)
+                ours = {r.index: r.score for r in reply.results}
+                for i, text in enumerate((doc, doc + " yes")):
+                    with torch.no_grad():
+                        logits = hf(input_ids=torch.tensor([tok.encode(prompt(instruction, query, text)).ids])).logits
+                    expected = float(logits[0, -1, yes] - logits[0, -1, no])
+                    assert abs(ours[i] - expected) <= 1e-4, (instruction, query, text, ours[i], expected)
+    finally:
+        assert srv.terminate() == 0
