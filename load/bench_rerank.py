@@ -1,0 +1,205 @@
+"""Reranking through `pollen serve --device cuda` against what a user would otherwise run, in the
+same run, on the same pairs (random weights in the real shapes: load/rerank_models.py):
+
+    python load/bench_rerank.py --bert-tokenizer DIR --qwen3-tokenizer tokenizer.json [--shapes a,b]
+
+throughput: REQUESTS gRPC Rerank calls of 1 query x DOCS documents of about 200 tokens, texts
+            (the server tokenizes), IN_FLIGHT at once: pairs/s and tokens/s; against
+            sentence-transformers' CrossEncoder in bf16 at its best batch size (for Qwen3-Reranker,
+            which CrossEncoder does not load, the model card's transformers recipe, batched with
+            left padding, at its best batch size).
+one call:   one Rerank of 1 query x 100 documents, sequentially: p50 / p99, against the CUDA
+            engine's own time for that batch (the same pairs, packed, bf16, graphs as served).
+Writes load/results/rerank-<kind>.md (load/results_file.py).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+
+import grpc
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from load import corpus  # noqa: E402
+from load.rerank_models import RERANK_SHAPES, make_reranker  # noqa: E402
+from load.results_file import add_out_argument, device_kind, write_result  # noqa: E402
+from pollen.v1 import embedder_pb2 as pb  # noqa: E402
+from pollen.v1 import embedder_pb2_grpc as pb_grpc  # noqa: E402
+from tests.conftest import ServerProcess  # noqa: E402
+
+DOCS, REQUESTS, IN_FLIGHT = 100, 40, 4
+BATCH_SIZES = (32, 64, 128, 256)
+
+
+def workload(seed: int = 3) -> tuple[list[str], list[str]]:
+    """REQUESTS queries, and DOCS documents of about 200 tokens (about 150 words) for each."""
+    rng = np.random.default_rng(seed)
+    words = " ".join(corpus.documents(400)).split()
+    docs = [" ".join(words[i:i + 150]) for i in rng.integers(0, len(words) - 150, DOCS * REQUESTS)]
+    return corpus.queries(REQUESTS), docs
+
+
+async def server_throughput(target: str, queries: list[str], docs: list[str]) -> tuple[float, int]:
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.EmbedderStub(channel)
+        requests = [pb.RerankRequest(query=q, documents=docs[i * DOCS:(i + 1) * DOCS]) for i, q in enumerate(queries)]
+        await stub.Rerank(requests[0])  # warm
+        slots, tokens = asyncio.Semaphore(IN_FLIGHT), 0
+
+        async def one(r):
+            nonlocal tokens
+            async with slots:
+                tokens += (await stub.Rerank(r, timeout=120)).usage.prompt_tokens
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(r) for r in requests))
+        return time.perf_counter() - t0, tokens
+
+
+def one_call_latency(target: str, query: str, docs: list[str], n: int = 40) -> dict:
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.EmbedderStub(channel)
+        request = pb.RerankRequest(query=query, documents=docs[:DOCS])
+        for _ in range(5):
+            stub.Rerank(request, timeout=60)
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            stub.Rerank(request, timeout=60)
+            times.append(time.perf_counter() - t0)
+    ms = np.array(times) * 1e3
+    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99))}
+
+
+def engine_batch_ms(path: str, query: str, docs: list[str], n: int = 40) -> float:
+    from pollen.common.model_spec import read_model_spec
+    from pollen.server.rerank import PairBuilder
+    from pollen.server.tokenizer import TextTokenizer
+    from pollen.worker.cuda_engine import CudaEngine
+    from pollen.worker.models.loader import load_model
+    from pollen.worker.packed import pack
+
+    spec = read_model_spec(path)
+    seqs = PairBuilder(spec, TextTokenizer(path, spec.max_tokens)).pairs(query, docs[:DOCS], "", spec.max_tokens,
+                                                                          pb.TRUNCATE_END)
+    engine = CudaEngine(load_model(path, device="cuda", dtype=torch.bfloat16), "cuda", max_batch_tokens=65536,
+                        graph_max_tokens=8192)
+    engine.warm_up()
+    batch = pack(seqs)
+    for _ in range(5):
+        engine.submit(batch).result()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        engine.submit(batch).result()
+        times.append(time.perf_counter() - t0)
+    del engine
+    torch.cuda.empty_cache()
+    return float(np.median(times) * 1e3)
+
+
+def reference_pairs_per_s(path: str, shape: str, pairs: list[tuple[str, str]]) -> tuple[float, int]:
+    """The best pairs/s over BATCH_SIZES, and that batch size."""
+    if RERANK_SHAPES[shape]["kind"] == "qwen3":
+        score = qwen3_recipe(path)
+    else:
+        from sentence_transformers import CrossEncoder
+
+        model = CrossEncoder(path, device="cuda", model_kwargs={"torch_dtype": torch.bfloat16})
+
+        def score(batch, size):
+            return model.predict(batch, batch_size=size, show_progress_bar=False)
+    best = (0.0, 0)
+    for size in BATCH_SIZES:
+        score(pairs[:size], size)  # warm
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        score(pairs, size)
+        torch.cuda.synchronize()
+        best = max(best, (len(pairs) / (time.perf_counter() - t0), size))
+    torch.cuda.empty_cache()
+    return best
+
+
+def qwen3_recipe(path: str):
+    """Qwen3-Reranker's model-card code: the prompt, left-padded batches, logit(yes) - logit(no)."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from pollen.server.rerank import QWEN3_DEFAULT_INSTRUCTION, QWEN3_PREFIX, QWEN3_SUFFIX
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(path, "tokenizer.json"), padding_side="left",
+                                  pad_token="<|endoftext|>")
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.bfloat16).cuda().eval()
+    yes, no = tok.convert_tokens_to_ids("yes"), tok.convert_tokens_to_ids("no")
+
+    @torch.no_grad()
+    def score(pairs, size):
+        out = []
+        for i in range(0, len(pairs), size):
+            texts = [f"{QWEN3_PREFIX}<Instruct>: {QWEN3_DEFAULT_INSTRUCTION}\n<Query>: {q}\n<Document>: {d}"
+                     f"{QWEN3_SUFFIX}" for q, d in pairs[i:i + size]]
+            batch = tok(texts, padding=True, return_tensors="pt").to("cuda")
+            logits = model(**batch).logits[:, -1]
+            out.append((logits[:, yes] - logits[:, no]).float().cpu())
+        return torch.cat(out)
+    return score
+
+
+def bench_shape(shape: str, args) -> dict:
+    path = make_reranker(shape, args.root, args.bert_tokenizer, args.qwen3_tokenizer)
+    queries, docs = workload()
+    srv = ServerProcess("--model", path, "--device", "cuda", "--warmup-seconds", "10").start(timeout=600)
+    try:
+        seconds, tokens = asyncio.run(server_throughput(srv.listen, queries, docs))
+        latency = one_call_latency(srv.listen, queries[0], docs)
+    finally:
+        srv.terminate()
+    pairs = [(q, d) for i, q in enumerate(queries) for d in docs[i * DOCS:(i + 1) * DOCS]]
+    ref, size = reference_pairs_per_s(path, shape, pairs)
+    engine_ms = engine_batch_ms(path, queries[0], docs)
+    n = len(pairs)
+    row = {"shape": shape, "pairs": n, "pollen_pairs_per_s": n / seconds, "pollen_tokens_per_s": tokens / seconds,
+           "reference_pairs_per_s": ref, "reference_batch_size": size, "speedup": n / seconds / ref,
+           "one_call_p50_ms": latency["p50_ms"], "one_call_p99_ms": latency["p99_ms"], "engine_ms": engine_ms,
+           "one_call_over_engine": latency["p50_ms"] / engine_ms}
+    print(row, flush=True)
+    return row
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| shape | pollen pairs/s | pollen tokens/s | reference pairs/s (batch) | x | 1x100 p50 / p99 ms | "
+             "engine ms | p50 / engine |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['pollen_pairs_per_s']:,.0f} | {r['pollen_tokens_per_s']:,.0f} | "
+                     f"{r['reference_pairs_per_s']:,.0f} ({r['reference_batch_size']}) | {r['speedup']:.2f} | "
+                     f"{r['one_call_p50_ms']:.1f} / {r['one_call_p99_ms']:.1f} | {r['engine_ms']:.1f} | "
+                     f"{r['one_call_over_engine']:.2f} |")
+    return ("Reference: sentence-transformers CrossEncoder in bf16 (Qwen3-Reranker: the model card's "
+            f"transformers recipe in bf16), best of batch sizes {BATCH_SIZES}. pollen: {REQUESTS} gRPC Rerank "
+            f"calls of 1 query x {DOCS} documents (texts), {IN_FLIGHT} in flight, client and server on one "
+            "machine.\n\n" + "\n".join(lines))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=",".join(RERANK_SHAPES))
+    p.add_argument("--bert-tokenizer", required=True, help="a BERT tokenizer directory (the MiniLM one)")
+    p.add_argument("--qwen3-tokenizer", required=True, help="the real Qwen3 tokenizer.json")
+    p.add_argument("--root", default="/tmp/pollen-rerank-ckpt")
+    add_out_argument(p, "rerank")
+    args = p.parse_args()
+    rows = [bench_shape(s, args) for s in args.shapes.split(",")]
+    text = markdown(rows)
+    print(text)
+    write_result("rerank", device_kind(), "Reranking through `pollen serve --device cuda`", text,
+                 {"rows": rows, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}, args.out)
+
+
+if __name__ == "__main__":
+    main()
