@@ -4,7 +4,8 @@ same run, on the same pairs (random weights in the real shapes: load/rerank_mode
     python load/bench_rerank.py --bert-tokenizer DIR --qwen3-tokenizer tokenizer.json [--shapes a,b]
 
 throughput: REQUESTS gRPC Rerank calls of 1 query x DOCS documents of about 200 tokens, texts
-            (the server tokenizes), IN_FLIGHT at once: pairs/s and tokens/s; against
+            (the server tokenizes), IN_FLIGHT at once over CONNECTIONS connections: pairs/s and
+            tokens/s; against
             sentence-transformers' CrossEncoder in bf16 at its best batch size (for Qwen3-Reranker,
             which CrossEncoder does not load, the model card's transformers recipe, batched with
             left padding, at its best batch size).
@@ -33,7 +34,7 @@ from pollen.v1 import embedder_pb2 as pb  # noqa: E402
 from pollen.v1 import embedder_pb2_grpc as pb_grpc  # noqa: E402
 from tests.conftest import ServerProcess  # noqa: E402
 
-DOCS, REQUESTS, IN_FLIGHT = 100, 40, 4
+DOCS, REQUESTS, IN_FLIGHT, CONNECTIONS = 100, 80, 16, 8
 BATCH_SIZES = (32, 64, 128, 256)
 
 
@@ -46,20 +47,26 @@ def workload(seed: int = 3) -> tuple[list[str], list[str]]:
 
 
 async def server_throughput(target: str, queries: list[str], docs: list[str]) -> tuple[float, int]:
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.EmbedderStub(channel)
-        requests = [pb.RerankRequest(query=q, documents=docs[i * DOCS:(i + 1) * DOCS]) for i, q in enumerate(queries)]
-        await stub.Rerank(requests[0])  # warm
-        slots, tokens = asyncio.Semaphore(IN_FLIGHT), 0
+    """CONNECTIONS channels (the kernel spreads connections over the frontends, as pollen's client
+    opens several), IN_FLIGHT calls at once over them."""
+    channels = [grpc.aio.insecure_channel(target, options=[("pollen.bench.connection", i)]) for i in range(CONNECTIONS)]
+    stubs = [pb_grpc.EmbedderStub(c) for c in channels]
+    requests = [pb.RerankRequest(query=q, documents=docs[i * DOCS:(i + 1) * DOCS]) for i, q in enumerate(queries)]
+    await asyncio.gather(*(s.Rerank(requests[0]) for s in stubs))  # warm
+    slots, tokens = asyncio.Semaphore(IN_FLIGHT), 0
 
-        async def one(r):
-            nonlocal tokens
-            async with slots:
-                tokens += (await stub.Rerank(r, timeout=120)).usage.prompt_tokens
+    async def one(i, r):
+        nonlocal tokens
+        async with slots:
+            reply = await stubs[i % CONNECTIONS].Rerank(r, timeout=120)
+        tokens += reply.usage.prompt_tokens  # after the await: `tokens += await ...` would lose counts
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(r) for r in requests))
-        return time.perf_counter() - t0, tokens
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+    seconds = time.perf_counter() - t0
+    for channel in channels:
+        await channel.close()
+    return seconds, tokens
 
 
 def one_call_latency(target: str, query: str, docs: list[str], n: int = 40) -> dict:
@@ -182,8 +189,8 @@ def markdown(rows: list[dict]) -> str:
                      f"{r['one_call_over_engine']:.2f} |")
     return ("Reference: sentence-transformers CrossEncoder in bf16 (Qwen3-Reranker: the model card's "
             f"transformers recipe in bf16), best of batch sizes {BATCH_SIZES}. pollen: {REQUESTS} gRPC Rerank "
-            f"calls of 1 query x {DOCS} documents (texts), {IN_FLIGHT} in flight, client and server on one "
-            "machine.\n\n" + "\n".join(lines))
+            f"calls of 1 query x {DOCS} documents (texts), {IN_FLIGHT} in flight over {CONNECTIONS} connections, "
+            "client and server on one machine.\n\n" + "\n".join(lines))
 
 
 def main() -> None:

@@ -16,6 +16,8 @@ and the special tokens leave under the limit, and is tokenized only about that f
 """
 from __future__ import annotations
 
+import asyncio
+import re
 import time
 from dataclasses import dataclass
 
@@ -37,6 +39,8 @@ QWEN3_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requir
                 "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
 QWEN3_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 INSTRUCTION_MAX_CHARS = 4096
+# A request's documents are tokenized in groups of at least this many characters each.
+GROUP_MIN_CHARS = 16 << 10
 _KINDS = {"embed": "an embedding model", "rerank": "a reranker", "classify": "a classifier"}
 
 
@@ -80,6 +84,13 @@ class PairBuilder:
               max_document_tokens: int = 0) -> list[np.ndarray]:
         """One token-id sequence per document, each at most `limit` tokens, its document at most
         `max_document_tokens` (0: no more than the limit)."""
+        frame = self.frame(query, instruction, limit, truncate, max_document_tokens)
+        return frame.pairs(self.tokenizer, documents)
+
+    def frame(self, query: str, instruction: str, limit: int, truncate: int,
+              max_document_tokens: int = 0) -> PairFrame:
+        """What every pair of the request shares: the query's part, tokenized once, and the room
+        left for a document."""
         if not query:
             raise invalid("query is empty: give the text to rank the documents against")
         if truncate == pb.TRUNCATE_START:
@@ -107,16 +118,36 @@ class PairBuilder:
                           f"{limit} tokens a pair may have; shorten the query or raise max_tokens")
         if max_document_tokens and max_document_tokens < room:
             room, truncate = max_document_tokens, pb.TRUNCATE_END
+        return PairFrame(before, between, after, offset, room, limit, truncate, self.qwen3)
+
+
+@dataclass(frozen=True, slots=True)
+class PairFrame:
+    before: np.ndarray   # the pair's tokens before the document (the query's part)
+    between: np.ndarray
+    after: np.ndarray
+    offset: int          # added to the document's ids (its token type)
+    room: int            # tokens a document may have
+    limit: int
+    truncate: int
+    qwen3: bool          # the document's text follows a space (Qwen3-Reranker's prompt)
+
+    def pairs(self, tokenizer: TextTokenizer, documents: list[str], first: int = 0) -> list[np.ndarray]:
+        """The pairs of `documents` (the request's from index `first`)."""
         texts = [" " + d if d else d for d in documents] if self.qwen3 else documents
-        docs = self.tokenizer.first_ids(texts, room + 1, "documents")
+        try:
+            docs = tokenizer.first_ids(texts, self.room + 1, "documents")
+        except RequestError as exc:  # name the document by its index in the request
+            raise invalid(re.sub(r"documents\[(\d+)\]", lambda m: f"documents[{int(m.group(1)) + first}]",
+                                 exc.message)) from None
         out = []
-        for i, ids in enumerate(docs):
-            if len(ids) > room:
-                if truncate == pb.TRUNCATE_NONE:
-                    raise invalid(f"documents[{i}] has more than the {room} tokens the query leaves it under the "
-                                  f"limit of {limit} a pair; shorten it or set truncate to TRUNCATE_END")
-                ids = ids[:room]
-            out.append(np.concatenate([before, between, ids + offset, after]).astype(np.int32))
+        for i, ids in enumerate(docs, first):
+            if len(ids) > self.room:
+                if self.truncate == pb.TRUNCATE_NONE:
+                    raise invalid(f"documents[{i}] has more than the {self.room} tokens the query leaves it under "
+                                  f"the limit of {self.limit} a pair; shorten it or set truncate to TRUNCATE_END")
+                ids = ids[:self.room]
+            out.append(np.concatenate([self.before, self.between, ids + self.offset, self.after]).astype(np.int32))
         return out
 
 
@@ -139,8 +170,10 @@ def ranked(request: pb.RerankRequest, values: np.ndarray) -> list[pb.RerankResul
 class Ranker:
     """Rerank requests from either door: checked, made pairs, routed, scored."""
 
-    def __init__(self, spec: ModelSpec, admission: Admission, router: Router, max_documents: int):
+    def __init__(self, spec: ModelSpec, admission: Admission, router: Router, max_documents: int,
+                 threads: int = 1):
         self.spec, self.admission, self.router = spec, admission, router
+        self.threads = threads
         self.max_documents = max_documents
         self.task = getattr(spec, "task", "embed")
         self.builder = PairBuilder(spec, admission.tokenizer) if self.task == "rerank" else None
@@ -154,6 +187,16 @@ class Ranker:
         if self.task != task:
             raise invalid(f"model {self.spec.name} is {_KINDS[self.task]}: {method} needs {_KINDS[task]}, and "
                           f"none is served here; the models served: {served}")
+
+    async def document_pairs(self, frame: PairFrame, documents: list[str]) -> list[np.ndarray]:
+        """The documents' pairs, tokenized in up to --tokenizer-threads groups at once (the
+        tokenizer releases the GIL): a request's 100 documents take a fraction of one thread's time."""
+        groups = max(1, min(self.threads, sum(map(len, documents)) // GROUP_MIN_CHARS))
+        size = -(-len(documents) // groups)
+        parts = await asyncio.gather(*(
+            self.admission.run(sum(map(len, documents[i:i + size])), frame.pairs, self.admission.tokenizer,
+                               documents[i:i + size], i) for i in range(0, len(documents), size)))
+        return [seq for part in parts for seq in part]
 
     async def rerank(self, request: pb.RerankRequest, deadline_ns: int = 0) -> pb.RerankResponse:
         self.check_model(request.model, "rerank", "Rerank")
@@ -170,9 +213,8 @@ class Ranker:
             deadline_ns = min(deadline_ns, own) if deadline_ns else own
         limit = self.admission.limit(request.max_tokens)
         truncate = request.truncate if request.HasField("truncate") else pb.TRUNCATE_END
-        chars = len(request.query) + len(request.instruction) + sum(map(len, request.documents))
-        seqs = await self.admission.run(chars, self.builder.pairs, request.query, list(request.documents),
-                                        request.instruction, limit, truncate, request.max_document_tokens)
+        frame = self.builder.frame(request.query, request.instruction, limit, truncate, request.max_document_tokens)
+        seqs = await self.document_pairs(frame, list(request.documents))
         options = RequestOptions(Task.SCORE, 0, False, pb.ENCODING_FLOAT32, LANES[request.priority], deadline_ns)
         admitted = Request(seqs, options, None, sum(map(len, seqs)))
         result = await self.router.route(admitted)

@@ -193,7 +193,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         self.spec = spec
         self.admission = admission
         self.router = router
-        self.ranker = Ranker(spec, admission, router, cfg.max_documents_per_request)
+        self.ranker = Ranker(spec, admission, router, cfg.max_documents_per_request, cfg.tokenizer_threads)
         self.frontend = frontend  # this process's index among the frontends
         self.keys = auth.inherited()  # API keys both doors ask for (none: no authentication)
         # server/otel.py's RequestTracer with --otlp-endpoint (the frontend sets it: server/tracing.py)

@@ -91,7 +91,7 @@ def test_rapid_reset_is_refused_past_the_stream_bound_and_closed(server):
     # gRPC counts a reset stream until it has torn it down: past --grpc-max-streams-per-connection
     # the flood's streams are refused, and the frontend never holds a pile of them; the guard
     # closes the connection within a second.
-    assert attacker["refused"] > attacker["streams"] / 4, attacker
+    assert attacker["refused"] > 1_000, attacker
     assert attacker["closed_after_s"] is not None and attacker["closed_after_s"] < 1.5, attacker
 
 
@@ -102,7 +102,7 @@ def test_open_streams_past_the_bound_are_refused(server):
     # Every stream past the bound is refused, until the guard closes the connection that made
     # the server refuse thousands of them.
     assert attacker["streams"] >= 20_000 or attacker["closed_after_s"] is not None, attacker
-    assert attacker["refused"] >= min(attacker["streams"] - 100 - 64, 5_000), attacker
+    assert attacker["refused"] >= min(attacker["streams"] - 1000 - 64, 5_000), attacker
 
 
 def test_stream_and_pending_bounds_are_flags():
@@ -110,7 +110,7 @@ def test_stream_and_pending_bounds_are_flags():
     from pollen.server.frontend import grpc_options
 
     cfg = ServeConfig.from_args([], environ={})
-    assert (cfg.grpc_max_streams_per_connection, cfg.grpc_max_pending_calls) == (100, 4096)
+    assert (cfg.grpc_max_streams_per_connection, cfg.grpc_max_pending_calls) == (1000, 4096)
     cfg = ServeConfig.from_args(["--grpc-max-streams-per-connection", "7"], environ={"POLLEN_GRPC_MAX_PENDING_CALLS": "9"})
     options = dict(grpc_options(cfg))
     assert options["grpc.max_concurrent_streams"] == 7
