@@ -143,20 +143,22 @@ def message_bytes(message) -> int:
 def metered(behavior, guard: FloodGuard, client_streaming: bool, server_streaming: bool):
     """`behavior` crediting its peer, in the flood guard (server/flood_guard.py), with the bytes of
     each message read and answered."""
-    def reading(requests, peer: str):
-        async def read():
-            async for request in requests:
-                guard.read(peer, message_bytes(request))
-                yield request
-        return read()
+    async def reading(requests, peer: str):
+        async for request in requests:
+            guard.read(peer, message_bytes(request))
+            yield request
+
+    def received(request, peer: str):
+        """The request (a client stream: its messages) credited as it is read."""
+        if client_streaming:
+            return reading(request, peer)
+        guard.read(peer, message_bytes(request))
+        return request
 
     if server_streaming:
         async def metered_stream(request, context):
             peer = context.peer()
-            if client_streaming:
-                request = reading(request, peer)
-            else:
-                guard.read(peer, message_bytes(request))
+            request = received(request, peer)
             try:
                 async for response in behavior(request, context):
                     guard.answered(peer, response.ByteSize())
@@ -167,10 +169,7 @@ def metered(behavior, guard: FloodGuard, client_streaming: bool, server_streamin
 
     async def metered_call(request, context):
         peer = context.peer()
-        if client_streaming:
-            request = reading(request, peer)
-        else:
-            guard.read(peer, message_bytes(request))
+        request = received(request, peer)
         response = None
         try:
             response = await behavior(request, context)

@@ -162,13 +162,13 @@ def test_clients_whose_bytes_are_calls_are_never_closed(server):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     def large(stub):
-        for _ in range(40):
-            stub.Embed(pb.EmbedRequest(texts=[BIG_TEXT] * 8, truncate=pb.TRUNCATE_END), timeout=60)
+        for _ in range(20):
+            stub.Embed(pb.EmbedRequest(texts=[BIG_TEXT] * 8, truncate=pb.TRUNCATE_END), timeout=120)
 
     def streamed(stub):
-        requests = (pb.EmbedRequest(id=str(i), texts=["a streamed text"] * 4) for i in range(3_000))
-        answers = list(stub.EmbedStream(requests, timeout=60))
-        assert len(answers) == 3_000 and not any(a.HasField("error") for a in answers)
+        requests = (pb.EmbedRequest(id=str(i), texts=["a streamed text"] * 4) for i in range(1_500))
+        answers = list(stub.EmbedStream(requests, timeout=180))
+        assert len(answers) == 1_500 and not any(a.HasField("error") for a in answers)
 
     def cancelled(stub):
         for _ in range(2_000):
