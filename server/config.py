@@ -89,7 +89,7 @@ class ServeConfig:
     http_unread_bytes: int = _flag(NETWORK, 256 << 20, "bytes of HTTP answers that clients have not read yet, over "
                                    "all of a frontend's connections; an answer over 64 KiB that would pass it is "
                                    "refused 503 with Retry-After", shown="256 MiB")
-    grpc_max_streams_per_connection: int = _flag(NETWORK, 1000, "gRPC calls one connection may have open at once "
+    grpc_max_streams_per_connection: int = _flag(NETWORK, 4096, "gRPC calls one connection may have open at once "
                                                  "(HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS): a gRPC client queues "
                                                  "the calls past it, a stream opened past it, or while those "
                                                  "reset are still being torn down, is refused REFUSED_STREAM")
