@@ -2,6 +2,7 @@
 and its options (shared_mem/records.py carries them in the request record's header)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -39,6 +40,14 @@ class RequestOptions:
     encoding: int = pb.ENCODING_FLOAT32
     lane: Lane = Lane.INTERACTIVE
     deadline_ns: int = 0          # CLOCK_MONOTONIC ns by which it must reach the model; 0: none
+
+    @staticmethod
+    def deadline(deadline_ns: int, timeout_ms: int) -> int:
+        """The earlier of `deadline_ns` (0: none) and a request's own timeout_ms from now (0: none)."""
+        if not timeout_ms:
+            return deadline_ns
+        own = time.monotonic_ns() + timeout_ms * 1_000_000
+        return min(deadline_ns, own) if deadline_ns else own
 
     def expired(self, now_ns: int) -> bool:
         """The deadline passed: the request is dropped wherever it waits (never once batched)."""

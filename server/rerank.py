@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 
-from pollen.common import status
 from pollen.common.errors import RequestError, echo, invalid
 from pollen.common.model_spec import ModelSpec
 from pollen.common.request import LANES, RequestOptions, Task
@@ -72,13 +69,13 @@ class PairForm:
 class PairBuilder:
     def __init__(self, spec: ModelSpec, tokenizer: TextTokenizer):
         self.tokenizer = tokenizer
-        self.qwen3 = bool(getattr(spec, "reranker_template", False))
+        self.qwen3 = spec.reranker_template
         if self.qwen3:
             raw = tokenizer.tokenizer
             self.prefix = np.asarray(raw.encode(QWEN3_PREFIX, add_special_tokens=False).ids, np.int32)
             self.suffix = np.asarray(raw.encode(QWEN3_SUFFIX, add_special_tokens=False).ids, np.int32)
         else:
-            self.form = PairForm.of(tokenizer.tokenizer, getattr(spec, "type_offset", 0))
+            self.form = PairForm.of(tokenizer.tokenizer, spec.type_offset)
 
     def pairs(self, query: str, documents: list[str], instruction: str, limit: int, truncate: int,
               max_document_tokens: int = 0) -> list[np.ndarray]:
@@ -175,7 +172,7 @@ class Ranker:
         self.spec, self.admission, self.router = spec, admission, router
         self.threads = threads
         self.max_documents = max_documents
-        self.task = getattr(spec, "task", "embed")
+        self.task = spec.task
         self.builder = PairBuilder(spec, admission.tokenizer) if self.task == "rerank" else None
 
     def check_model(self, model: str, task: str, method: str) -> None:
@@ -208,19 +205,14 @@ class Ranker:
                           f"{self.max_documents}; split the request")
         if request.HasField("top_n") and request.top_n == 0:
             raise invalid("top_n must be at least 1 (leave it unset for every document)")
-        if request.timeout_ms:
-            own = time.monotonic_ns() + request.timeout_ms * 1_000_000
-            deadline_ns = min(deadline_ns, own) if deadline_ns else own
+        deadline_ns = RequestOptions.deadline(deadline_ns, request.timeout_ms)
         limit = self.admission.limit(request.max_tokens)
         truncate = request.truncate if request.HasField("truncate") else pb.TRUNCATE_END
         frame = self.builder.frame(request.query, request.instruction, limit, truncate, request.max_document_tokens)
         seqs = await self.document_pairs(frame, list(request.documents))
         options = RequestOptions(Task.SCORE, 0, False, pb.ENCODING_FLOAT32, LANES[request.priority], deadline_ns)
         admitted = Request(seqs, options, None, sum(map(len, seqs)))
-        result = await self.router.route(admitted)
-        if result.status:
-            raise RequestError(status.code_of(result.status, grpc.StatusCode.INTERNAL),
-                               result.body.decode(errors="replace"))
+        result = await self.router.answer(admitted)
         rows = np.frombuffer(result.body, np.float32).reshape(result.rows, result.dims)
         return pb.RerankResponse(
             id=request.id, results=ranked(request, scores(rows, request.raw_scores)),

@@ -15,6 +15,7 @@ import time
 
 import grpc
 
+from pollen.common import status
 from pollen.common.errors import RequestError
 from pollen.server.channel import WorkerChannel
 from pollen.server.config import ServeConfig
@@ -50,6 +51,14 @@ class Router:
     def queued_tokens(self) -> int:
         """Tokens admitted and not yet answered, over the whole server."""
         return self.state.queued_total()
+
+    async def answer(self, request: Request) -> records.ResultRecord:
+        """route(), a worker's refusal (its status) raised as the RequestError it stands for."""
+        result = await self.route(request)
+        if result.status:
+            raise RequestError(status.code_of(result.status, grpc.StatusCode.INTERNAL),
+                               result.body.decode(errors="replace"))
+        return result
 
     async def route(self, request: Request) -> records.ResultRecord:
         """The worker's answer to an admitted request (its parts' answers joined)."""

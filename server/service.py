@@ -25,6 +25,7 @@ from google.protobuf import message_factory
 from pollen.common import encodings, status
 from pollen.common.errors import RequestError, cut, echo, invalid
 from pollen.common.model_spec import ModelSpec
+from pollen.common.request import RequestOptions
 from pollen.common.throttled_log import ThrottledLog
 from pollen.server import auth, metrics
 from pollen.server.admission import Admission
@@ -212,9 +213,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         RequestSpan when tracing, told when admission is done."""
         if self.ranker.task != "embed":
             self.ranker.check_model("", "embed", "Embed")
-        if request.timeout_ms:
-            own = time.monotonic_ns() + request.timeout_ms * 1_000_000
-            deadline_ns = min(deadline_ns, own) if deadline_ns else own
+        deadline_ns = RequestOptions.deadline(deadline_ns, request.timeout_ms)
         try:
             admitted = await self.admission.admit(request, deadline_ns)
         except asyncio.CancelledError:
@@ -222,10 +221,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             raise
         if span is not None:
             span.admitted()
-        result = await self.router.route(admitted)
-        if result.status:
-            raise RequestError(status.code_of(result.status, grpc.StatusCode.INTERNAL),
-                               result.body.decode(errors="replace"))
+        result = await self.router.answer(admitted)
         body, scales = result.body, ()
         if result.encoding == pb.ENCODING_INT8:
             body, scale_array = encodings.split_int8(body, result.rows, result.dims)
@@ -260,17 +256,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         header dict; `method` names the gRPC call); the tracer calls back here with the `span`."""
         if span is None and self.tracer is not None:
             return await self.tracer.trace(self.embed, request, door, headers, method, deadline_ns=deadline_ns)
-        try:
-            response = await self.respond(request, deadline_ns, span)
-        except RequestError as exc:
-            count_request(door, exc.code.name)
-            raise
-        except asyncio.CancelledError:  # the client left (or we stop): counted, not answered
-            count_request(door, grpc.StatusCode.CANCELLED.name)
-            raise
-        except Exception:
-            count_request(door, grpc.StatusCode.INTERNAL.name)
-            raise
+        response = await counted(door, self.respond(request, deadline_ns, span))
         count_request(door, "ok", response.rows, response.usage.prompt_tokens)
         return response
 
@@ -278,9 +264,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         if self.draining:
             await self.at_door()
         await refuse_unusable(context, request, "Embed", counted=True)
-        remaining = context.time_remaining()
-        deadline_ns = time.monotonic_ns() + int(remaining * 1e9) if remaining is not None else 0
-        return await unary(context, "Embed", self.embed(request, "grpc", deadline_ns=deadline_ns,
+        return await unary(context, "Embed", self.embed(request, "grpc", deadline_ns=call_deadline(context),
                                                         headers=context.invocation_metadata))
 
     async def EmbedStream(self, request_iterator, context):
@@ -332,31 +316,41 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             vocab_size=self.spec.vocab_size, workers=self.cfg.workers, device=self.cfg.device,
             frontends=self.cfg.frontends, frontend=self.frontend,
             prompts=dict(self.spec.prompts), matryoshka_dimensions=list(self.spec.matryoshka_dimensions),
-            task=self.ranker.task, labels=list(getattr(self.spec, "labels", ())))
+            task=self.spec.task, labels=list(self.spec.labels))
 
     async def Rerank(self, request, context):
         if self.draining:
             await self.at_door()
         await refuse_unusable(context, request, "Rerank", counted=True)
-        remaining = context.time_remaining()
-        deadline_ns = time.monotonic_ns() + int(remaining * 1e9) if remaining is not None else 0
-        return await unary(context, "Rerank", self.rerank(request, "grpc", deadline_ns))
+        return await unary(context, "Rerank", self.rerank(request, "grpc", call_deadline(context)))
 
     async def rerank(self, request: pb.RerankRequest, door: str, deadline_ns: int = 0) -> pb.RerankResponse:
         """One rerank request through either door (server/rerank.py), counted in the door's metrics."""
-        try:
-            response = await self.ranker.rerank(request, deadline_ns)
-        except RequestError as exc:
-            count_request(door, exc.code.name)
-            raise
-        except asyncio.CancelledError:
-            count_request(door, grpc.StatusCode.CANCELLED.name)
-            raise
-        except Exception:
-            count_request(door, grpc.StatusCode.INTERNAL.name)
-            raise
+        response = await counted(door, self.ranker.rerank(request, deadline_ns))
         count_request(door, "ok", len(request.documents), response.usage.prompt_tokens)
         return response
+
+
+def call_deadline(context) -> int:
+    """The gRPC call's deadline as CLOCK_MONOTONIC ns (0: none)."""
+    remaining = context.time_remaining()
+    return time.monotonic_ns() + int(remaining * 1e9) if remaining is not None else 0
+
+
+async def counted(door: str, work):
+    """`work`'s answer; a refusal, a cancel (the client left, or we stop) or a failure counted in
+    the door's requests by its status (the caller counts the answer, with its rows and tokens)."""
+    try:
+        return await work
+    except RequestError as exc:
+        count_request(door, exc.code.name)
+        raise
+    except asyncio.CancelledError:
+        count_request(door, grpc.StatusCode.CANCELLED.name)
+        raise
+    except Exception:
+        count_request(door, grpc.StatusCode.INTERNAL.name)
+        raise
 
 
 async def abort(context, exc: RequestError):
