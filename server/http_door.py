@@ -23,18 +23,19 @@ import base64
 import logging
 import re
 import time
-from typing import Annotated, Literal, get_args, get_origin
+from typing import Annotated, Literal
 
 import grpc
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pollen.common import encodings
-from pollen.common.errors import ECHO_CHARS, RequestError, cut, echo
+from pollen.common.errors import RequestError, cut, echo
 from pollen.common.request import TRUNCATE_BY_NAME
 from pollen.server.auth import REALM
 from pollen.server.http11 import Request, Response
-from pollen.server.http_rerank import BadBody, RerankBody, to_rerank_answer, to_rerank_request
+from pollen.server.http_body import Rejected, choices, decode
+from pollen.server.http_rerank import RerankBody, to_rerank_answer, to_rerank_request
 from pollen.server.metrics import count_request
 from pollen.server.service import EmbedderService
 from pollen.v1 import embedder_pb2 as pb
@@ -73,8 +74,7 @@ class EmbeddingsBody(msgspec.Struct, forbid_unknown_fields=True):
 _DECODER = msgspec.json.Decoder(EmbeddingsBody)
 _BODY_FIELDS = frozenset(EmbeddingsBody.__struct_fields__) | frozenset(RerankBody.__struct_fields__)
 # The choices of each Literal field (`Literal[...] | None` included), named in refusals.
-_CHOICES = {f.name: get_args(t) for f in msgspec.structs.fields(EmbeddingsBody)
-            for t in (f.type, *get_args(f.type)) if get_origin(t) is Literal}
+_CHOICES = choices(EmbeddingsBody)
 _ENCODER = msgspec.json.Encoder()
 _LONG_INPUTS = {"truncate": pb.LONG_INPUT_TRUNCATE, "chunk_mean": pb.LONG_INPUT_CHUNK_MEAN}
 _PRIORITIES = {"interactive": pb.PRIORITY_INTERACTIVE, "bulk": pb.PRIORITY_BULK}
@@ -91,9 +91,6 @@ _HTTP_STATUS = {
 _ROUTES = {"/v1/embeddings": "POST", "/v1/rerank": "POST", "/v2/rerank": "POST", "/v1/models": "GET",
            "/health": "GET", "/metrics": "GET"}
 _RERANK = ("/v1/rerank", "/v2/rerank")
-_AT_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
-# msgspec's own words around a value it quotes are short: a longer message is a long value quoted.
-_MSGSPEC_CHARS = 60 + ECHO_CHARS
 
 
 # The service words its refusals in the proto's names; over HTTP the same things are spelled as
@@ -124,15 +121,6 @@ def error_response(status: int, message: str, *, code: str | None = None, param:
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     headers = {"Retry-After": "1"} if status in (429, 503) else {}
     return Response(status, _ENCODER.encode(body), headers=headers)
-
-
-class Rejected(Exception):
-    """A request the door refuses before it reaches the service."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
 
 
 class HttpDoor:
@@ -204,7 +192,7 @@ class HttpDoor:
     async def rerank(self, request: Request) -> Response:
         try:
             message = to_rerank_request(request.body)
-        except BadBody as exc:
+        except Rejected as exc:
             count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name)
             return error_response(400, exc.message, code="invalid_request", param=exc.param)
         try:
@@ -225,21 +213,7 @@ class HttpDoor:
 def to_embed_request(request: Request) -> tuple[pb.EmbedRequest, str]:
     """The HTTP request as an EmbedRequest and its encoding_format; Rejected, naming the field,
     when it cannot be."""
-    # The Content-Type is not checked: the body must parse as JSON whatever it says (curl's -d
-    # sends form-urlencoded), and a body that does not is refused with the parser's reason.
-    try:
-        body = _DECODER.decode(request.body)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        match = _AT_PATH.search(text)
-        param = match.group(1) if match else None
-        # msgspec quotes the bad value (an enum value, an unknown field's name) whole: cut it.
-        text = cut(text[:match.start()], _MSGSPEC_CHARS) + match.group() if match else cut(text, _MSGSPEC_CHARS)
-        if param in _CHOICES:  # msgspec names the bad value; name the good ones too
-            text += f" (one of: {', '.join(_CHOICES[param])})"
-        raise Rejected(f"invalid request body: {text}", param) from None
-    except msgspec.DecodeError as exc:
-        raise Rejected(f"the body is not valid JSON: {cut(str(exc), _MSGSPEC_CHARS)}") from None
+    body = decode(_DECODER, request.body, _CHOICES)
     message = pb.EmbedRequest(
         dimensions=body.dimensions or 0, normalize=body.normalize, encoding=encodings.BY_NAME[body.encoding],
         max_tokens=body.max_tokens, prompt_name=body.prompt_name, prompt=body.prompt,

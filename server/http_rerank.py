@@ -15,12 +15,11 @@ from typing import Literal
 
 import msgspec
 
-from pollen.common.errors import cut
 from pollen.common.request import TRUNCATE_BY_NAME
+from pollen.server.http_body import Rejected, choices, decode
 from pollen.v1 import embedder_pb2 as pb
 
 _PRIORITIES = {"interactive": pb.PRIORITY_INTERACTIVE, "bulk": pb.PRIORITY_BULK}
-_MSGSPEC_CHARS = 160
 
 
 class DocumentObject(msgspec.Struct):
@@ -43,30 +42,18 @@ class RerankBody(msgspec.Struct):
 
 
 _DECODER = msgspec.json.Decoder(RerankBody)
-
-
-class BadBody(Exception):
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.message, self.param = message, param
+_CHOICES = choices(RerankBody)
 
 
 def to_rerank_request(body_bytes: bytes) -> pb.RerankRequest:
-    """The body as a RerankRequest; BadBody naming the field when it cannot be."""
-    try:
-        body = _DECODER.decode(body_bytes)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        param = text.rpartition("`$.")[2].rstrip("`").split("[")[0] if "`$." in text else None
-        raise BadBody(f"invalid request body: {cut(text, _MSGSPEC_CHARS)}", param) from None
-    except msgspec.DecodeError as exc:
-        raise BadBody(f"the body is not valid JSON: {cut(str(exc), _MSGSPEC_CHARS)}") from None
+    """The body as a RerankRequest; Rejected naming the field when it cannot be."""
+    body = decode(_DECODER, body_bytes, _CHOICES)
     for name in ("top_n", "max_tokens_per_doc", "max_tokens", "timeout_ms"):
         value = getattr(body, name)
         if value is not None and not 0 <= value < 1 << 32:
-            raise BadBody(f"{name} must be a count of 0 or more, got {value}", name)
+            raise Rejected(f"{name} must be a count of 0 or more, got {value}", name)
     if body.max_tokens_per_doc == 0:
-        raise BadBody("max_tokens_per_doc must be at least 1 (leave it out for no bound)", "max_tokens_per_doc")
+        raise Rejected("max_tokens_per_doc must be at least 1 (leave it out for no bound)", "max_tokens_per_doc")
     message = pb.RerankRequest(
         query=body.query, documents=[d if isinstance(d, str) else d.text for d in body.documents],
         model=body.model, return_documents=body.return_documents, instruction=body.instruction,
