@@ -44,9 +44,9 @@ TICK_S = 0.1
 IN_BYTES_PER_S = 128 << 10
 OUT_SHARE = 4
 # ... and must have been answered more than this share of its unexplained bytes: a flood makes
-# the server answer nearly every frame (a rapid reset about 1 byte back per 10, a ping flood 1 per
-# 1 to 3), while the bytes of large calls that end before the server reads them (their deadline
-# passed in flight) are answered with flow control's frames, about 1 byte per 28.
+# the server answer nearly every frame (a RST_STREAM for each stream refused, an ack for each
+# ping), while the bytes of large calls that end before the server reads them (their deadline
+# passed in flight) are answered only with flow control's frames, a smaller share than this.
 ANSWERED_SHARE = 16
 # Credit per message read or answered, over its own bytes: a call's HEADERS (HPACK-compressed
 # after the first), the message's DATA frame and length prefix, trailers, WINDOW_UPDATEs.
