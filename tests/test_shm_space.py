@@ -120,9 +120,19 @@ def test_a_full_dev_shm_after_the_start_kills_nothing_and_a_restart_waits_for_ro
 
         # A worker restart while another program takes every byte freed: refused, said, retried.
         filler.keep()
+        # The server's segments are held open here, so the pages the dead worker's rings free stay
+        # taken whatever the order in which the supervisor and the frontend let go of them and the
+        # supervisor asks for new ones (a ready worker is restarted at once: the filler alone would
+        # race it). They are let go once the refusals are seen, and the filler takes their room.
+        held = [os.open(os.path.join(filler.shm, name), os.O_RDONLY) for name in os.listdir(filler.shm)
+                if name.startswith("pollen-") and os.path.isfile(os.path.join(filler.shm, name))]
         (worker,) = srv.worker_pids()
         os.kill(worker, signal.SIGKILL)
-        wait_for(lambda: log.read_text().count("cannot be restarted") >= 2, 40, "two refused restarts")
+        try:
+            wait_for(lambda: log.read_text().count("cannot be restarted") >= 2, 40, "two refused restarts")
+        finally:
+            for fd in held:
+                os.close(fd)
         refused = [line for line in log.read_text().splitlines() if "cannot be restarted" in line]
         assert "worker 0 cannot be restarted: no space in /dev/shm for a 0.3 MiB segment" in refused[0], refused
         assert "--shm-size" in refused[0] and "trying again in" in refused[0]
