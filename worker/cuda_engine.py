@@ -150,7 +150,7 @@ class CudaEngine:
         partition = None
         if self.bulk_sms:
             try:
-                partition = BulkPartition(self.device, self.bulk_sms)
+                partition = BulkPartition.shared(self.device, self.bulk_sms)
             except RuntimeError as exc:  # the default asks only where torch has the API; a driver may still refuse
                 if bulk_sms > 0:
                     raise
@@ -373,13 +373,15 @@ class CudaEngine:
     def keep(self, lane_index: Lane, shape: tuple[int, int, int], graph) -> None:
         """A graph captured for `shape` on a lane: its batches stop running eagerly or padded."""
         lane = self.lanes[lane_index]
+        self.counts[2] += shape not in lane.graphs
         lane.graphs[shape] = graph
         lane.wanted.pop(shape, None)
         lane.padded.pop(shape, None)
-        self.counts[2] = sum(len(each.graphs) for each in self.lanes)
 
     def keep_counts_in(self, counts: np.ndarray) -> None:
-        counts[:] = self.counts
+        """Add its counts to `counts` and count there from now on (a worker with several models
+        gives every engine the same array: the figures are the worker's)."""
+        counts += self.counts
         self.counts = counts
 
     def run_on_lane(self, lane: DeviceLane, slot: int, used: int, batch: PackedBatch, graph, out):
