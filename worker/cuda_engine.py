@@ -129,7 +129,7 @@ class CudaEngine:
 
     def __init__(self, model: EmbeddingModel, device: str, max_batch_tokens: int = 16384,
                  cuda_graphs: bool = True, graph_max_tokens: int | None = None, defer_capture: bool = False,
-                 bulk_sms: int = 0):
+                 bulk_sms: int = 0, interactive_step: int = 0):
         self.model = model
         self.device = torch.device(device)
         self.pooling = model.spec.pooling
@@ -157,7 +157,10 @@ class CudaEngine:
                 print(f"pollen: no CUDA green context of {self.bulk_sms} SMs ({exc}); the bulk lane uses every SM",
                       file=sys.stderr, flush=True)
                 self.bulk_sms = 0
-        self.lanes = (DeviceLane(self.device, cap, high), DeviceLane(self.device, cap, low, partition))
+        # interactive_step lowers the interactive lane's priority by that many steps, never to the
+        # bulk lane's (worker/main.py: a reranker beside an embedder, whose queries go first).
+        interactive = min(high + interactive_step, low - 1) if high < low else high
+        self.lanes = (DeviceLane(self.device, cap, interactive), DeviceLane(self.device, cap, low, partition))
         # The interactive lane's small copies skip torch's copy_ (worker/cudart.py); None: copy_ throughout.
         self.runtime = cudart.find()
         self.registered: list[int] = []  # host addresses we page-locked (register_host_memory)

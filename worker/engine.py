@@ -127,8 +127,8 @@ class EagerEngine:
 
 
 def make_engine(model: EmbeddingModel, device: str, **options) -> Engine:
-    """options (max_batch_tokens, cuda_graphs, graph_max_tokens, defer_capture, bulk_sms) matter
-    to the CUDA engine only."""
+    """options (max_batch_tokens, cuda_graphs, graph_max_tokens, defer_capture, bulk_sms,
+    interactive_step) matter to the CUDA engine only."""
     if device.startswith("cuda"):
         from pollen.worker.cuda_engine import CudaEngine
 

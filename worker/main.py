@@ -28,15 +28,21 @@ def load(cfg: WorkerConfig) -> list[ModelSlot]:
     # cuda: main() narrowed CUDA_VISIBLE_DEVICES to our one GPU, so it is always cuda:0 here.
     device = "cuda:0" if cfg.device == "cuda" else "cpu"
     slots = []
-    for index, path in enumerate(cfg.model.split(",")):
-        slots.append(load_one(cfg, index, path, device))
+    paths = cfg.model.split(",")
+    for index, path in enumerate(paths):
+        slots.append(load_one(cfg, index, path, device, several=len(paths) > 1))
     return slots
 
 
-def load_one(cfg: WorkerConfig, index: int, path: str, device: str) -> ModelSlot:
+def load_one(cfg: WorkerConfig, index: int, path: str, device: str, several: bool = False) -> ModelSlot:
     """One model and its engine (its own graphs, buffers and streams), warmed up; its memory:
     on CUDA what the GPU's allocator holds for it once warm (weights, buffers, captured graphs),
-    on the CPU its weights."""
+    on the CPU its weights.
+
+    Beside other models, a reranker's or classifier's interactive stream runs one priority step
+    below an embedder's (both above every bulk lane): one pair batch is many times a query's
+    work, and at equal priority the GPU interleaves their kernels one for one, so each of a
+    query's kernels would wait for one of the batch's."""
     import torch
 
     from pollen.worker.engine import make_engine
@@ -48,7 +54,7 @@ def load_one(cfg: WorkerConfig, index: int, path: str, device: str) -> ModelSlot
                        attention=cfg.attention, options=cfg.engine_options)
     engine = make_engine(model, device, max_batch_tokens=cfg.max_batch_tokens, cuda_graphs=cfg.cuda_graphs,
                          graph_max_tokens=cfg.graph_max_tokens or None, defer_capture=True,
-                         bulk_sms=cfg.bulk_sms)
+                         bulk_sms=cfg.bulk_sms, interactive_step=int(several and model.spec.task != "embed"))
     # First-call costs, and on CUDA the likely query graphs, before READY rather than on a client.
     # Several models share the warm-up budget.
     engine.warm_up(cfg.warmup_seconds / len(cfg.model.split(",")))
