@@ -39,7 +39,8 @@ TEXTS = [
 ]
 
 
-def make_tiny_mpnet(path, normalize=True, masked_lm=False, st_config=None, max_seq_length=384, seed=0):
+def make_tiny_mpnet(path, normalize=True, masked_lm=False, st_config=None, max_seq_length=384, seed=0,
+                    hidden=64, heads=4, pooling="mean_tokens"):
     """A tiny random MPNet with all-mpnet-base-v2's vocabulary layout (<s> <pad> </s> <unk>, then
     BERT's WordPiece vocabulary, then <mask>) and tokenizer, plus its sentence-transformers files."""
     import transformers as tf
@@ -48,8 +49,8 @@ def make_tiny_mpnet(path, normalize=True, masked_lm=False, st_config=None, max_s
     with open(os.path.join(default_model_path(), "vocab.txt"), encoding="utf-8") as f:
         words = [w for w in f.read().splitlines() if w]
     vocab = {token: i for i, token in enumerate(["<s>", "<pad>", "</s>", "<unk>", *words, "<mask>"])}
-    config = tf.MPNetConfig(vocab_size=len(vocab), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            intermediate_size=96, max_position_embeddings=514)
+    config = tf.MPNetConfig(vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=2,
+                            num_attention_heads=heads, intermediate_size=3 * hidden // 2, max_position_embeddings=514)
     model = (tf.MPNetForMaskedLM if masked_lm else tf.MPNetModel)(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -70,8 +71,8 @@ def make_tiny_mpnet(path, normalize=True, masked_lm=False, st_config=None, max_s
         (path / "2_Normalize").mkdir(exist_ok=True)
     (path / "modules.json").write_text(json.dumps(modules))
     (path / "1_Pooling").mkdir(exist_ok=True)
-    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64,
-                                                                "pooling_mode_mean_tokens": True}))
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": hidden,
+                                                                f"pooling_mode_{pooling}": True}))
     (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length,
                                                                 "do_lower_case": False}))
     if st_config:
@@ -160,9 +161,12 @@ def test_engine_matches_sentence_transformers(tmp_path, masked_lm):
     assert_rows_match(ours, st_encode(tmp_path / "m", TEXTS))
 
 
-def test_lengths_without_normalize(tmp_path):
-    """A folder with no Normalize module: the rows' lengths are sentence-transformers' too."""
-    make_tiny_mpnet(tmp_path / "m", normalize=False, seed=3)
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_lengths_without_normalize(tmp_path, pooling):
+    """A folder with no Normalize module (multi-qa-mpnet-base-dot-v1: CLS pooling, dot product):
+    the rows' lengths are sentence-transformers' too."""
+    make_tiny_mpnet(tmp_path / "m", normalize=False, seed=3, pooling={"mean": "mean_tokens", "cls": "cls_token"}[pooling])
+    assert read_model_spec(str(tmp_path / "m")).pooling == pooling
     ours, _ = pollen_rows(tmp_path / "m", TEXTS, normalize=False)
     ref = st_encode(tmp_path / "m", TEXTS)
     assert np.abs(np.linalg.norm(ref, axis=1) - 1).max() > 0.1  # really not unit vectors
