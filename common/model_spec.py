@@ -18,6 +18,11 @@ from dataclasses import dataclass
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
 # Qwen3 decoders: Qwen3-Embedding (causal) and pplx-embed-v1 (bidirectional attention).
 QWEN3_TYPES = ("qwen3", "bidirectional_pplx_qwen3")
+# MPNet: BERT's post-norm layers with a bucketed relative-position bias added to every layer's scores.
+MPNET_TYPES = ("mpnet",)
+# HF's MPNet buckets relative positions into 32 (compute_position_bias' fixed default), whatever
+# relative_attention_num_buckets says: that many rows of the bias table are read, the rest never.
+MPNET_BUCKETS = 32
 ATTENTION_MODES = ("causal", "bidirectional")
 SUPPORTED_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
 # sentence-transformers pooling names (new "pooling_mode" form) -> ours.
@@ -52,7 +57,7 @@ class UnsupportedModel(ValueError):
 class ModelSpec:
     path: str  # model directory (absolute)
     name: str  # human-readable, for logs and Info answers
-    family: str  # engine family: "bert" (BERT, RoBERTa, XLM-R encoders) or "qwen3"
+    family: str  # engine family: "bert" (BERT, RoBERTa, XLM-R encoders), "mpnet" or "qwen3"
     hidden_size: int  # dimension of pooled vectors
     max_tokens: int  # limit per text, special tokens included
     vocab_size: int
@@ -114,8 +119,9 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
     if attention is not None:
         if attention not in ATTENTION_MODES:
             raise UnsupportedModel(f"attention {attention!r} is not one of {ATTENTION_MODES}")
-        if family == "bert" and attention == "causal":
-            raise UnsupportedModel(f"{path}: BERT-family encoders are bidirectional; causal attention is not offered")
+        if family in ("bert", "mpnet") and attention == "causal":
+            raise UnsupportedModel(f"{path}: {config.get('model_type')} encoders are bidirectional; "
+                                   "causal attention is not offered")
         causal = attention == "causal"
 
     # Usable positions: RoBERTa-style models reserve the first pad_token_id + 1 rows.
@@ -186,7 +192,7 @@ def _family(path: str, config: dict) -> tuple[str, bool, str]:
     """(engine family, causal attention, default pooling) of a checked config."""
     model_type = config.get("model_type")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
-                "max_position_embeddings") if model_type in ENCODER_TYPES + QWEN3_TYPES else ():
+                "max_position_embeddings") if model_type in ENCODER_TYPES + MPNET_TYPES + QWEN3_TYPES else ():
         if key not in config:
             raise UnsupportedModel(f"{path}: config.json lacks {key!r}")
     for key in _SIZE_KEYS:
@@ -196,6 +202,9 @@ def _family(path: str, config: dict) -> tuple[str, bool, str]:
     if model_type in ENCODER_TYPES:
         _check_encoder_config(path, config)
         return "bert", False, "mean"
+    if model_type in MPNET_TYPES:
+        _check_mpnet_config(path, config)
+        return "mpnet", False, "mean"
     if model_type in QWEN3_TYPES:
         # pplx-embed-v1 reads bidirectionally and mean-pools; Qwen3-Embedding reads causally and
         # takes the last token (its tokenizer appends <|endoftext|> for that purpose).
@@ -203,7 +212,8 @@ def _family(path: str, config: dict) -> tuple[str, bool, str]:
         causal = model_type == "qwen3"
         return "qwen3", causal, "last" if causal else "mean"
     raise UnsupportedModel(
-        f"{path}: model_type {model_type!r} is not supported; supported: {ENCODER_TYPES + QWEN3_TYPES}")
+        f"{path}: model_type {model_type!r} is not supported; "
+        f"supported: {ENCODER_TYPES + MPNET_TYPES + QWEN3_TYPES}")
 
 
 # The smallest Matryoshka prefix offered when a checkpoint declares no sizes of its own.
@@ -245,9 +255,12 @@ def position_offset(config: dict) -> int:
 
     BERT numbers positions from 0. RoBERTa/XLM-R number them from pad_token_id + 1, because HF
     derives them as pad_token_id + cumsum(non-pad mask) (create_position_ids_from_input_ids).
+    MPNet does the same with a padding index fixed at 1, whatever pad_token_id says.
     """
     if config.get("model_type") in ("roberta", "xlm-roberta"):
         return int(config.get("pad_token_id", 1)) + 1
+    if config.get("model_type") in MPNET_TYPES:
+        return 2
     return 0
 
 
@@ -276,6 +289,18 @@ def _check_encoder_config(path: str, config: dict) -> None:
         raise UnsupportedModel(f"{path}: decoder / cross-attention BERT configs are not supported")
     if config["hidden_size"] % config["num_attention_heads"]:
         raise UnsupportedModel(f"{path}: hidden_size is not a multiple of num_attention_heads")
+
+
+def _check_mpnet_config(path: str, config: dict) -> None:
+    act = config.get("hidden_act", "gelu")
+    if act not in SUPPORTED_ACTS:
+        raise UnsupportedModel(f"{path}: hidden_act {act!r} is not supported; supported: {SUPPORTED_ACTS}")
+    if config["hidden_size"] % config["num_attention_heads"]:
+        raise UnsupportedModel(f"{path}: hidden_size is not a multiple of num_attention_heads")
+    buckets = config.get("relative_attention_num_buckets", MPNET_BUCKETS)
+    if type(buckets) is not int or buckets < MPNET_BUCKETS:
+        raise UnsupportedModel(f"{path}: relative_attention_num_buckets must be an integer of at least "
+                               f"{MPNET_BUCKETS} (MPNet reads {MPNET_BUCKETS} buckets), got {buckets!r}")
 
 
 def _check_qwen3_config(path: str, config: dict) -> None:

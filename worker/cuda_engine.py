@@ -135,8 +135,10 @@ class CudaEngine:
         self.pooling = model.spec.pooling
         self.hidden = model.spec.output_dims  # the width of the rows written: pooled, or a head's
         # float32 attention takes a per-sequence loop that reads cu_seqlens on the host (see
-        # worker/models/attention.py): it cannot be captured, so float32 runs eagerly.
-        self.graphs_on = cuda_graphs and next(model.parameters()).dtype != torch.float32
+        # worker/models/attention.py): it cannot be captured, so float32 runs eagerly, and so does
+        # any model whose forward reads the device on the host (EmbeddingModel.host_syncs).
+        self.graphs_on = (cuda_graphs and next(model.parameters()).dtype != torch.float32
+                          and not model.host_syncs)
         self.buckets = token_buckets(min(graph_max_tokens or max_batch_tokens, max_batch_tokens))
         self.max_positions = model.spec.max_tokens
         # Compact int32 layout of one batch: ids, positions, pool_index [T]; cu [S+1]; first, last,

@@ -93,6 +93,9 @@ class Ops:
     skinny_linear: Callable | None = None
     skinny_fits: Callable | None = None
     skinny_layer_wins: Callable | None = None
+    # MPNet's attention with its relative-position bias over packed sequences
+    # (worker/kernels/relative_attention.py; worker/models/relative_position.py uses it).
+    relative_attention: Callable | None = None
 
 
 def reference_ops(attention: str) -> Ops:
