@@ -14,10 +14,16 @@ import math
 import os
 from dataclasses import dataclass
 
+from pollen.common.modernbert_config import read_layout as read_modernbert_layout
+
 # One encoder serves all three; RoBERTa-style models only number positions differently.
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
 # Qwen3 decoders: Qwen3-Embedding (causal) and pplx-embed-v1 (bidirectional attention).
 QWEN3_TYPES = ("qwen3", "bidirectional_pplx_qwen3")
+# ModernBERT encoders (gte-modernbert, modernbert-embed): RoPE, GeGLU, global and sliding-window layers.
+MODERNBERT_TYPES = ("modernbert",)
+# Bidirectional encoders: causal attention is not offered.
+BIDIRECTIONAL_FAMILIES = ("bert", "modernbert")
 ATTENTION_MODES = ("causal", "bidirectional")
 SUPPORTED_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
 # sentence-transformers pooling names (new "pooling_mode" form) -> ours.
@@ -52,7 +58,7 @@ class UnsupportedModel(ValueError):
 class ModelSpec:
     path: str  # model directory (absolute)
     name: str  # human-readable, for logs and Info answers
-    family: str  # engine family: "bert" (BERT, RoBERTa, XLM-R encoders) or "qwen3"
+    family: str  # engine family: "bert" (BERT, RoBERTa, XLM-R encoders), "modernbert" or "qwen3"
     hidden_size: int  # dimension of pooled vectors
     max_tokens: int  # limit per text, special tokens included
     vocab_size: int
@@ -114,8 +120,8 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
     if attention is not None:
         if attention not in ATTENTION_MODES:
             raise UnsupportedModel(f"attention {attention!r} is not one of {ATTENTION_MODES}")
-        if family == "bert" and attention == "causal":
-            raise UnsupportedModel(f"{path}: BERT-family encoders are bidirectional; causal attention is not offered")
+        if family in BIDIRECTIONAL_FAMILIES and attention == "causal":
+            raise UnsupportedModel(f"{path}: {family} encoders are bidirectional; causal attention is not offered")
         causal = attention == "causal"
 
     # Usable positions: RoBERTa-style models reserve the first pad_token_id + 1 rows.
@@ -150,6 +156,10 @@ def _read_head(path: str, config: dict, family: str) -> dict | None:
         return head
     if "Qwen3ForCausalLM" in architectures and "reranker" in _display_name(path).lower():
         return {"task": "rerank", "pooling": "last", "reranker_template": True, "yes_no_ids": _yes_no_ids(path)}
+    # Any other classification head would be dropped, and its scores served as embeddings.
+    unknown = [a for a in architectures if str(a).endswith(("ForSequenceClassification", "ForTokenClassification"))]
+    if unknown:
+        raise UnsupportedModel(f"{path}: the classification head of {unknown[0]} is not supported")
     return None
 
 
@@ -186,7 +196,7 @@ def _family(path: str, config: dict) -> tuple[str, bool, str]:
     """(engine family, causal attention, default pooling) of a checked config."""
     model_type = config.get("model_type")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
-                "max_position_embeddings") if model_type in ENCODER_TYPES + QWEN3_TYPES else ():
+                "max_position_embeddings") if model_type in ENCODER_TYPES + QWEN3_TYPES + MODERNBERT_TYPES else ():
         if key not in config:
             raise UnsupportedModel(f"{path}: config.json lacks {key!r}")
     for key in _SIZE_KEYS:
@@ -202,8 +212,14 @@ def _family(path: str, config: dict) -> tuple[str, bool, str]:
         _check_qwen3_config(path, config)
         causal = model_type == "qwen3"
         return "qwen3", causal, "last" if causal else "mean"
-    raise UnsupportedModel(
-        f"{path}: model_type {model_type!r} is not supported; supported: {ENCODER_TYPES + QWEN3_TYPES}")
+    if model_type in MODERNBERT_TYPES:
+        try:
+            read_modernbert_layout(config)
+        except ValueError as e:
+            raise UnsupportedModel(f"{path}: {e}") from None
+        return "modernbert", False, "mean"
+    raise UnsupportedModel(f"{path}: model_type {model_type!r} is not supported; "
+                           f"supported: {ENCODER_TYPES + QWEN3_TYPES + MODERNBERT_TYPES}")
 
 
 # The smallest Matryoshka prefix offered when a checkpoint declares no sizes of its own.
