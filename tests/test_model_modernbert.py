@@ -29,17 +29,16 @@ from pollen.worker.models.loader import load_model
 from pollen.worker.packed import pack
 from tests.test_model_bert import write_st_files
 
-HIDDEN = 64
-
 MAX_TOKENS = 256
 _WORDS = ("search", "embedding", "server", "query", "the", "of", "and", "GPU", "token", "vector", "it's",
           "window", "1999", "3.5", "x86_64", "e-mail", "C++", "(note)", "don't", "rotary", "global", "local")
 
 
-def texts(count=12, seed=5):
-    """Mixed lengths: one-word texts, and texts of up to about 150 tokens (far past every window)."""
+def texts(count=12, seed=5, lengths=(1, 2, 3, 6, 9, 14, 20, 33, 48, 70, 95, 130)):
+    """Mixed lengths (in words): one-word texts, and by default texts of up to about 150 tokens
+    (far past every window)."""
     rng = random.Random(seed)
-    lengths = [1, 2, 3, 6, 9, 14, 20, 33, 48, 70, 95, 130]
+    lengths = list(lengths)
     return [" ".join(rng.choice(_WORDS) for _ in range(n)) for n in (lengths * (1 + count // len(lengths)))[:count]]
 
 
@@ -48,7 +47,7 @@ def corpus(seed=3, lines=2000):
     return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 14))) for _ in range(lines)]
 
 
-def write_tokenizer(path):
+def write_tokenizer(path, max_tokens=MAX_TOKENS):
     """ModernBERT's tokenizer pipeline (NFC, byte-level BPE with GPT-2's regex, [CLS] $A [SEP], a
     left-stripping [MASK]) trained on a small corpus; returns its vocabulary size."""
     from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
@@ -65,28 +64,29 @@ def write_tokenizer(path):
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "cls_token": "[CLS]", "sep_token": "[SEP]",
-        "pad_token": "[PAD]", "unk_token": "[UNK]", "mask_token": "[MASK]", "model_max_length": MAX_TOKENS,
+        "pad_token": "[PAD]", "unk_token": "[UNK]", "mask_token": "[MASK]", "model_max_length": max_tokens,
         "model_input_names": ["input_ids", "attention_mask"]}))
     return tok.get_vocab_size(), tok.token_to_id("[PAD]")
 
 
 def make_tiny_modernbert(path, pooling="mean", normalize=False, local_attention=8, every=3, biases=False,
-                         legacy=False, seed=0, **st_config):
+                         legacy=False, seed=0, max_tokens=MAX_TOKENS, shape=None, gain=1.5, **st_config):
     """Save a tiny random ModernBERT folder: weights, tokenizer, sentence-transformers files.
 
     Weights are drawn wider than ModernBERT's init (std 0.02 would leave attention near uniform,
     where a window changes little), norm weights and biases randomized. legacy: config.json in
     the original spelling (global_attn_every_n_layers, global/local_rope_theta) instead of
-    transformers 5's layer_types and rope_parameters.
+    transformers 5's layer_types and rope_parameters. shape: other sizes than the tiny ones.
     """
     import transformers as tf
 
     path.mkdir(parents=True, exist_ok=True)
-    vocab, pad = write_tokenizer(path)
+    vocab, pad = write_tokenizer(path, max_tokens)
     torch.manual_seed(seed)
+    sizes = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=96) | (shape or {})
     config = tf.ModernBertConfig(
-        vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=4, num_attention_heads=4, intermediate_size=96,
-        max_position_embeddings=MAX_TOKENS, local_attention=local_attention, global_attn_every_n_layers=every,
+        vocab_size=vocab, **sizes, max_position_embeddings=max_tokens, local_attention=local_attention,
+        global_attn_every_n_layers=every,
         global_rope_theta=80000.0, local_rope_theta=5000.0, norm_bias=biases, attention_bias=biases, mlp_bias=biases,
         pad_token_id=pad, bos_token_id=None, eos_token_id=None, cls_token_id=None, sep_token_id=None)
     model = tf.ModernBertModel(config).eval()
@@ -97,7 +97,7 @@ def make_tiny_modernbert(path, pooling="mean", normalize=False, local_attention=
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
             else:
-                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 * (1.0 if "embeddings" in name else 1.5))
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 * (1.0 if "embeddings" in name else gain))
     model.save_pretrained(str(path))
     if legacy:
         cfg = json.loads((path / "config.json").read_text())
@@ -106,8 +106,9 @@ def make_tiny_modernbert(path, pooling="mean", normalize=False, local_attention=
         (path / "config.json").write_text(json.dumps(cfg))
     write_st_files(path, pooling, normalize)
     pooling_file = path / "1_Pooling" / "config.json"  # sentence-transformers wants the width too
-    pooling_file.write_text(json.dumps({**json.loads(pooling_file.read_text()), "word_embedding_dimension": HIDDEN}))
-    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": MAX_TOKENS}))
+    width = {"word_embedding_dimension": sizes["hidden_size"]}
+    pooling_file.write_text(json.dumps({**json.loads(pooling_file.read_text()), **width}))
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_tokens}))
     if st_config:
         (path / "config_sentence_transformers.json").write_text(json.dumps(st_config))
     return str(path)
@@ -135,7 +136,8 @@ def assert_rows_match(ours, ref, cos_min=0.99999):
 
 
 @pytest.mark.parametrize("pooling,local_attention,every,biases,legacy", [
-    ("mean", 8, 3, False, False), ("cls", 16, 2, True, False), ("mean", 8, 2, False, True), ("cls", 8, 3, True, True)])
+    ("mean", 8, 3, False, False), ("cls", 16, 2, True, False), ("mean", 8, 2, False, True), ("cls", 8, 3, True, True),
+    ("mean", 128, 3, False, False)])  # ModernBERT's own window: the longest texts pass it
 def test_tiny_modernbert_matches_sentence_transformers(tmp_path, pooling, local_attention, every, biases, legacy):
     path = make_tiny_modernbert(tmp_path / "m", pooling, local_attention=local_attention, every=every,
                                 biases=biases, legacy=legacy)
@@ -146,7 +148,7 @@ def test_tiny_modernbert_matches_sentence_transformers(tmp_path, pooling, local_
     assert model.attention[False].window == local_attention // 2 and model.attention[True].window is None
     inputs = texts()
     seqs = pollen_ids(path, inputs)
-    assert max(len(s) for s in seqs) > 4 * local_attention  # far past the window
+    assert max(len(s) for s in seqs) > local_attention + 1  # past the window
     ref = reference(path, inputs)
     assert_rows_match(engine_rows(model, seqs), ref)
     # One packed batch in another order and cut into two: the same rows.
@@ -263,3 +265,35 @@ def test_bf16_close_to_fp32_reference(tmp_path):
     ref = reference(path, inputs)
     cos = (ours * ref).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
     assert cos.min() >= 0.999
+
+
+def test_pollen_serve_over_http_equals_sentence_transformers(tmp_path):
+    """The real server: plain rows with normalize false (the folder has no Normalize: lengths
+    too), a Matryoshka prefix, and a named prompt, each against sentence-transformers."""
+    import http.client
+
+    from tests.conftest import ServerProcess
+
+    prompts = {"query": "search_query: "}
+    path = make_tiny_modernbert(tmp_path / "m", "cls", local_attention=16, every=2, biases=True, prompts=prompts)
+    inputs = texts()
+
+    def embed(**options) -> np.ndarray:
+        conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+        body = {"input": inputs, "encoding_format": "float", **options}
+        conn.request("POST", "/v1/embeddings", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        payload = json.loads(reply.read())
+        conn.close()
+        assert reply.status == 200, payload
+        return np.array([row["embedding"] for row in payload["data"]], dtype=np.float32)
+
+    server = ServerProcess("--model", path).start()
+    try:
+        plain, cut, prompted = embed(normalize=False), embed(dimensions=32), embed(prompt_name="query")
+    finally:
+        assert server.terminate() == 0
+    assert_rows_match(plain, reference(path, inputs))
+    cut_ref = reference(path, inputs, truncate_dim=32)
+    assert_rows_match(cut, cut_ref / np.linalg.norm(cut_ref, axis=1, keepdims=True))
+    assert_rows_match(prompted, reference(path, inputs, prompt_name="query", normalize_embeddings=True))
