@@ -92,10 +92,11 @@ def test_bf16_cuda_rows_match_sentence_transformers_fp32(tmp_path, shape):
     from pollen.worker.cuda_engine import CudaEngine
 
     if shape == "tiny":
-        path = make_tiny_modernbert(tmp_path / "m", "cls", local_attention=16, every=2, biases=True)
+        path = make_tiny_modernbert(tmp_path / "m", "cls", local_attention=16, every=2, biases=True, gain=1.0)
         docs = texts()
     else:
-        path = make_tiny_modernbert(tmp_path / "m", "mean", local_attention=128, every=3, max_tokens=1024, shape=BASE)
+        path = make_tiny_modernbert(tmp_path / "m", "mean", local_attention=128, every=3, max_tokens=1024, shape=BASE,
+                                    gain=1.0)
         docs = texts(lengths=(1, 4, 9, 30, 60, 100, 150, 250, 400, 600))
     queries = texts(8, seed=7, lengths=(1, 2, 3, 4, 5, 6, 8, 10))
     batches = {"docs": (pollen_ids(path, docs), reference(path, docs)),
