@@ -14,6 +14,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from pollen.common.modernbert_config import read_layout as read_modernbert_layout
+
 # One encoder serves all three; RoBERTa-style models only number positions differently.
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
 # Qwen3 decoders: Qwen3-Embedding (causal) and pplx-embed-v1 (bidirectional attention).
@@ -23,6 +25,10 @@ MPNET_TYPES = ("mpnet",)
 # HF's MPNet buckets relative positions into 32 (compute_position_bias' fixed default), whatever
 # relative_attention_num_buckets says: that many rows of the bias table are read, the rest never.
 MPNET_BUCKETS = 32
+# ModernBERT encoders (gte-modernbert, modernbert-embed): RoPE, GeGLU, global and sliding-window layers.
+MODERNBERT_TYPES = ("modernbert",)
+# Bidirectional encoders: causal attention is not offered.
+BIDIRECTIONAL_FAMILIES = ("bert", "mpnet", "modernbert")
 ATTENTION_MODES = ("causal", "bidirectional")
 SUPPORTED_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
 # sentence-transformers pooling names (new "pooling_mode" form) -> ours.
@@ -57,7 +63,7 @@ class UnsupportedModel(ValueError):
 class ModelSpec:
     path: str  # model directory (absolute)
     name: str  # human-readable, for logs and Info answers
-    family: str  # engine family: "bert" (BERT, RoBERTa, XLM-R encoders), "mpnet" or "qwen3"
+    family: str  # engine family: "bert" (BERT, RoBERTa, XLM-R encoders), "mpnet", "modernbert" or "qwen3"
     hidden_size: int  # dimension of pooled vectors
     max_tokens: int  # limit per text, special tokens included
     vocab_size: int
@@ -119,9 +125,8 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
     if attention is not None:
         if attention not in ATTENTION_MODES:
             raise UnsupportedModel(f"attention {attention!r} is not one of {ATTENTION_MODES}")
-        if family in ("bert", "mpnet") and attention == "causal":
-            raise UnsupportedModel(f"{path}: {config.get('model_type')} encoders are bidirectional; "
-                                   "causal attention is not offered")
+        if family in BIDIRECTIONAL_FAMILIES and attention == "causal":
+            raise UnsupportedModel(f"{path}: {family} encoders are bidirectional; causal attention is not offered")
         causal = attention == "causal"
 
     # Usable positions: RoBERTa-style models reserve the first pad_token_id + 1 rows.
@@ -156,6 +161,10 @@ def _read_head(path: str, config: dict, family: str) -> dict | None:
         return head
     if "Qwen3ForCausalLM" in architectures and "reranker" in _display_name(path).lower():
         return {"task": "rerank", "pooling": "last", "reranker_template": True, "yes_no_ids": _yes_no_ids(path)}
+    # Any other classification head would be dropped, and its scores served as embeddings.
+    unknown = [a for a in architectures if str(a).endswith(("ForSequenceClassification", "ForTokenClassification"))]
+    if unknown:
+        raise UnsupportedModel(f"{path}: the classification head of {unknown[0]} is not supported")
     return None
 
 
@@ -191,8 +200,9 @@ def _yes_no_ids(path: str) -> tuple[int, int]:
 def _family(path: str, config: dict) -> tuple[str, bool, str]:
     """(engine family, causal attention, default pooling) of a checked config."""
     model_type = config.get("model_type")
+    known = ENCODER_TYPES + MPNET_TYPES + QWEN3_TYPES + MODERNBERT_TYPES
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
-                "max_position_embeddings") if model_type in ENCODER_TYPES + MPNET_TYPES + QWEN3_TYPES else ():
+                "max_position_embeddings") if model_type in known else ():
         if key not in config:
             raise UnsupportedModel(f"{path}: config.json lacks {key!r}")
     for key in _SIZE_KEYS:
@@ -211,9 +221,14 @@ def _family(path: str, config: dict) -> tuple[str, bool, str]:
         _check_qwen3_config(path, config)
         causal = model_type == "qwen3"
         return "qwen3", causal, "last" if causal else "mean"
-    raise UnsupportedModel(
-        f"{path}: model_type {model_type!r} is not supported; "
-        f"supported: {ENCODER_TYPES + MPNET_TYPES + QWEN3_TYPES}")
+    if model_type in MODERNBERT_TYPES:
+        try:
+            read_modernbert_layout(config)
+        except ValueError as e:
+            raise UnsupportedModel(f"{path}: {e}") from None
+        return "modernbert", False, "mean"
+    raise UnsupportedModel(f"{path}: model_type {model_type!r} is not supported; "
+                           f"supported: {ENCODER_TYPES + MPNET_TYPES + QWEN3_TYPES + MODERNBERT_TYPES}")
 
 
 # The smallest Matryoshka prefix offered when a checkpoint declares no sizes of its own.
