@@ -113,4 +113,4 @@ def test_bf16_cuda_rows_match_sentence_transformers_fp32(tmp_path, shape):
             first, second = engine.submit(pack(seqs)), engine.submit(pack(seqs))
             a, b = first.result().copy(), second.result().copy()
             assert min_cos(a, ref) >= 0.999 and min_cos(b, ref) >= 0.999, (name, graphs)
-            np.testing.assert_array_equal(a, b)
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)  # the same batch twice: the same rows (to float32 rounding)
