@@ -181,9 +181,13 @@ class Worker:
             self.submit(slot, slot.batcher.next_batch(), INTERACTIVE)
             return True
         launched = False
+        # An engine's own work (graph captures) waits for every model's interactive work, not only
+        # its own: a capture holds the worker's one thread, and with it every model's launches.
+        waiting = any(slot.batcher.lanes[INTERACTIVE] for slot in self.slots)
+        running = any(slot.open[INTERACTIVE] for slot in self.slots)
         for slot in self.slots:
             batcher, open_ = slot.batcher, slot.open
-            hold = slot.engine.between_batches(bool(batcher.lanes[INTERACTIVE]), bool(open_[INTERACTIVE]), now_ns)
+            hold = slot.engine.between_batches(waiting, running, now_ns)
             for lane in LANES:
                 if hold and lane == INTERACTIVE:
                     continue  # its batches in flight finish first, then the engine's work
