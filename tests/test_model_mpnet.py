@@ -46,7 +46,10 @@ def make_tiny_mpnet(path, normalize=True, masked_lm=False, st_config=None, max_s
     import transformers as tf
 
     torch.manual_seed(seed)
-    with open(os.path.join(default_model_path(), "vocab.txt"), encoding="utf-8") as f:
+    # MiniLM's WordPiece vocabulary: the bundled model's, or (on a GPU host without that package)
+    # the copy POLLEN_BERT_TOKENIZER_DIR names.
+    vocab_dir = os.environ.get("POLLEN_BERT_TOKENIZER_DIR") or default_model_path()
+    with open(os.path.join(vocab_dir, "vocab.txt"), encoding="utf-8") as f:
         words = [w for w in f.read().splitlines() if w]
     vocab = {token: i for i, token in enumerate(["<s>", "<pad>", "</s>", "<unk>", *words, "<mask>"])}
     config = tf.MPNetConfig(vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=2,
