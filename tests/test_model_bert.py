@@ -309,9 +309,9 @@ def test_unsupported_pooling_and_modules(tiny_dir):
     write_st_files(tiny_dir, pooling="max")
     with pytest.raises(UnsupportedModel, match="pooling mode 'max'"):
         read_model_spec(str(tiny_dir))
-    dense = {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}
-    write_st_files(tiny_dir, extra_modules=[dense])
-    with pytest.raises(UnsupportedModel, match="Dense"):
+    layer_norm = {"idx": 3, "name": "3", "path": "3_LayerNorm", "type": "sentence_transformers.models.LayerNorm"}
+    write_st_files(tiny_dir, normalize=False, extra_modules=[layer_norm])
+    with pytest.raises(UnsupportedModel, match="module 'sentence_transformers.models.LayerNorm' is not supported"):
         read_model_spec(str(tiny_dir))
 
 

@@ -3,7 +3,7 @@
 Each function here is the plain-torch reference. The loader chooses a model's `Ops` once
 (worker/models/loader.py, `choose_ops`): these references, or on CUDA, when Triton is importable
 and EngineOptions.triton is on, the fused kernels of worker/kernels/: one launch for residual-add +
-RMSNorm, one for QK-norm + RoPE, one for SiLU-gate, and the kernels that have no reference here
+RMSNorm, one for (QK-norm +) RoPE, one for SiLU-gate, and the kernels that have no reference here
 (short-sequence attention, the query products). A short query is bound by kernel launches, so
 every launch saved is latency saved. The references compute in float32
 and round once, like the kernels, so both agree to rounding.
@@ -11,6 +11,7 @@ and round once, like the kernels, so both agree to rounding.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import torch
@@ -41,28 +42,54 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def rope_cache(theta: float, head_dim: int, max_positions: int, device) -> torch.Tensor:
+def rope_inv_freq(theta: float, head_dim: int, scaling: dict | None = None) -> torch.Tensor:
+    """float32 [head_dim / 2]: RoPE's frequencies theta^(-2i / head_dim), as `scaling` (a config's
+    rope_parameters, common/model_spec.py) changes them: "linear" divides them all by its factor;
+    "llama3" divides the low ones (wavelengths past original / low_freq_factor) by its factor,
+    keeps the high ones (below original / high_freq_factor) and blends between the two."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    if kind == "llama3":
+        original = float(scaling["original_max_position_embeddings"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        wavelength = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelength - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        between = (wavelength >= original / high) & (wavelength <= original / low)
+        return torch.where(between, blended, scaled)
+    raise ValueError(f"RoPE type {kind!r} is not implemented (common/model_spec.py refuses it). This is a bug.")
+
+
+def rope_cache(theta: float, head_dim: int, max_positions: int, device, scaling: dict | None = None) -> torch.Tensor:
     """[max_positions, head_dim] float32: cos of each frequency in the first half, sin in the second."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    inv_freq = rope_inv_freq(theta, head_dim, scaling).to(device)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=device), inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
-def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cache: torch.Tensor,
-                 positions: torch.Tensor, heads: int, kv_heads: int, eps: float):
-    """Split the fused projection, RMS-normalize each q and k head, rotate both (RoPE, halves form).
+def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                 cache: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int, eps: float):
+    """Split the fused projection, RMS-normalize each q and k head (QK-norm; weights None: a model
+    without it), rotate both (RoPE, halves form).
 
-    qkv [T, (heads + 2 * kv_heads) * D] -> q [T, heads, D], k [T, kv_heads, D], v [T, kv_heads, D].
+    qkv [T, (heads + 2 * kv_heads) * D] -> q [T, heads, D], k [T, kv_heads, D], v [T, kv_heads, D];
+    D is the cache's width.
     """
     tokens = qkv.shape[0]
-    head_dim = q_weight.shape[0]
+    head_dim = cache.shape[1]
     q, k, v = qkv.view(tokens, heads + 2 * kv_heads, head_dim).split([heads, kv_heads, kv_heads], dim=1)
     cos_sin = cache[positions.long()]  # [T, D]
     cos, sin = cos_sin.chunk(2, dim=-1)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
 
-    def rotate(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x = rms_norm(x, weight, eps).float()
+    def rotate(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        x = (x if weight is None else rms_norm(x, weight, eps)).float()
         a, b = x.chunk(2, dim=-1)
         return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(qkv.dtype)
 
