@@ -315,6 +315,16 @@ def test_unsupported_pooling_and_modules(tiny_dir):
         read_model_spec(str(tiny_dir))
 
 
+def test_mean_pooling_without_the_prompt_is_refused(tiny_dir):
+    """include_prompt false: sentence-transformers leaves a prompt's tokens out of the mean, which
+    pollen does not; CLS and last-token pooling do not read them, so those stay served."""
+    cfg = json.loads((tiny_dir / "1_Pooling" / "config.json").read_text())
+    (tiny_dir / "1_Pooling" / "config.json").write_text(json.dumps({**cfg, "include_prompt": False}))
+    with pytest.raises(UnsupportedModel, match="include_prompt false"):
+        read_model_spec(str(tiny_dir))
+    assert read_model_spec(str(tiny_dir), pooling="cls").pooling == "cls"
+
+
 def test_spec_defaults_without_sentence_transformers_files(tiny_dir):
     shutil.rmtree(tiny_dir / "1_Pooling")
     (tiny_dir / "modules.json").unlink()
