@@ -14,6 +14,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from pollen.common.modernbert_config import read_layout as read_modernbert_layout
+
 # One encoder serves all four; RoBERTa-style models only number positions differently, and
 # DistilBERT has no token types and names its layers its own way.
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert")
@@ -21,6 +23,17 @@ ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert")
 QWEN3_TYPES = ("qwen3", "bidirectional_pplx_qwen3")
 # The same decoder layers without QK-norm: Qwen2 (q/k/v biases), Mistral and Llama.
 DECODER_TYPES = QWEN3_TYPES + ("qwen2", "mistral", "llama")
+# MPNet: BERT's post-norm layers with a bucketed relative-position bias added to every layer's scores.
+MPNET_TYPES = ("mpnet",)
+# HF's MPNet buckets relative positions into 32 (compute_position_bias' fixed default), whatever
+# relative_attention_num_buckets says: that many rows of the bias table are read, the rest never.
+MPNET_BUCKETS = 32
+# ModernBERT encoders (gte-modernbert, modernbert-embed): RoPE, GeGLU, global and sliding-window layers.
+MODERNBERT_TYPES = ("modernbert",)
+# Every model_type pollen serves.
+SUPPORTED_TYPES = ENCODER_TYPES + MPNET_TYPES + DECODER_TYPES + MODERNBERT_TYPES
+# Bidirectional encoders: causal attention is not offered.
+BIDIRECTIONAL_FAMILIES = ("bert", "mpnet", "modernbert")
 # model_types whose checkpoints carry remote code (auto_map) that pollen implements itself; any
 # other checkpoint with auto_map runs code of its own, which pollen neither runs nor reproduces.
 OWN_REMOTE_CODE_TYPES = ("bidirectional_pplx_qwen3",)
@@ -86,7 +99,7 @@ class DenseModule:
 class ModelSpec:
     path: str  # model directory (absolute)
     name: str  # human-readable, for logs and Info answers
-    family: str  # engine family: "bert" (BERT, RoBERTa, XLM-R, DistilBERT) or "qwen3" (the decoders)
+    family: str  # engine family: "bert" (BERT, RoBERTa, XLM-R, DistilBERT), "mpnet", "modernbert", "qwen3" (decoders)
     hidden_size: int  # width of the embeddings: the pooled rows', or the last Dense module's output
     max_tokens: int  # limit per text, special tokens included
     vocab_size: int
@@ -154,13 +167,13 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
     if attention is not None:
         if attention not in ATTENTION_MODES:
             raise UnsupportedModel(f"attention {attention!r} is not one of {ATTENTION_MODES}")
-        if family == "bert" and attention == "causal":
-            raise UnsupportedModel(f"{path}: BERT-family encoders are bidirectional; causal attention is not offered")
+        if family in BIDIRECTIONAL_FAMILIES and attention == "causal":
+            raise UnsupportedModel(f"{path}: {family} encoders are bidirectional; causal attention is not offered")
         causal = attention == "causal"
 
     # Usable positions: RoBERTa-style models reserve the first pad_token_id + 1 rows.
     positions = int(config["max_position_embeddings"]) - position_offset(config)
-    max_tokens = min(positions, _sliding_window(path, config) or positions)
+    max_tokens = positions
     st = _read_json(path, "sentence_bert_config.json") or {}
     if st.get("max_seq_length"):
         max_tokens = min(int(st["max_seq_length"]), max_tokens)
@@ -180,10 +193,10 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
         **{key: value for key, value in (head or {}).items() if key != "pooling"})
 
 
-def _sliding_window(path: str, config: dict) -> int | None:
-    """Mistral's attention window (transformers applies it whenever config.json sets one). A text
-    of at most that many tokens never reaches past it, so pollen serves texts up to the window with
-    plain causal attention, exactly; None: no window."""
+def sliding_window(path: str, config: dict) -> int | None:
+    """Mistral's attention window (transformers applies it whenever config.json sets one): a token
+    sees itself and the sliding_window - 1 tokens before it. None: no window (the other decoders'
+    configs carry one only with use_sliding_window, which is refused)."""
     if config.get("model_type") != "mistral":
         return None
     window = config.get("sliding_window")
@@ -205,8 +218,10 @@ def _read_head(path: str, config: dict, family: str) -> dict | None:
         return head
     if "Qwen3ForCausalLM" in architectures and "reranker" in _display_name(path).lower():
         return {"task": "rerank", "pooling": "last", "reranker_template": True, "yes_no_ids": _yes_no_ids(path)}
-    other = next((a for a in architectures if a.endswith("ForSequenceClassification")), None)
-    if other is not None:  # served as an embedder, its head would be silently dropped
+    # Any other classification head would be dropped, and its scores served as embeddings.
+    other = next((a for a in map(str, architectures) if a.endswith(("ForSequenceClassification",
+                                                                      "ForTokenClassification"))), None)
+    if other is not None:
         raise UnsupportedModel(f"{path}: the {other} head is not supported; supported heads: "
                                f"{', '.join(CLASSIFIER_POOLING)}")
     return None
@@ -246,7 +261,7 @@ def _family(path: str, config: dict) -> tuple[str, bool, str]:
     model_type = config.get("model_type")
     _check_remote_code(path, config)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
-                "max_position_embeddings") if model_type in ENCODER_TYPES + DECODER_TYPES else ():
+                "max_position_embeddings") if model_type in SUPPORTED_TYPES else ():
         if key not in config:
             raise UnsupportedModel(f"{path}: config.json lacks {key!r}")
     for key in _SIZE_KEYS:
@@ -256,6 +271,9 @@ def _family(path: str, config: dict) -> tuple[str, bool, str]:
     if model_type in ENCODER_TYPES:
         _check_encoder_config(path, config)
         return "bert", False, "mean"
+    if model_type in MPNET_TYPES:
+        _check_mpnet_config(path, config)
+        return "mpnet", False, "mean"
     if model_type in DECODER_TYPES:
         # pplx-embed-v1 reads bidirectionally and mean-pools. The others read causally, as
         # transformers builds them whatever flags their configs carry, and take the last token
@@ -263,8 +281,13 @@ def _family(path: str, config: dict) -> tuple[str, bool, str]:
         _check_decoder_config(path, config)
         causal = model_type != "bidirectional_pplx_qwen3"
         return "qwen3", causal, "last" if causal else "mean"
-    raise UnsupportedModel(
-        f"{path}: model_type {model_type!r} is not supported; supported: {ENCODER_TYPES + DECODER_TYPES}")
+    if model_type in MODERNBERT_TYPES:
+        try:
+            read_modernbert_layout(config)
+        except ValueError as e:
+            raise UnsupportedModel(f"{path}: {e}") from None
+        return "modernbert", False, "mean"
+    raise UnsupportedModel(f"{path}: model_type {model_type!r} is not supported; supported: {SUPPORTED_TYPES}")
 
 
 def _check_remote_code(path: str, config: dict) -> None:
@@ -329,9 +352,12 @@ def position_offset(config: dict) -> int:
 
     BERT numbers positions from 0. RoBERTa/XLM-R number them from pad_token_id + 1, because HF
     derives them as pad_token_id + cumsum(non-pad mask) (create_position_ids_from_input_ids).
+    MPNet does the same with a padding index fixed at 1, whatever pad_token_id says.
     """
     if config.get("model_type") in ("roberta", "xlm-roberta"):
         return int(config.get("pad_token_id", 1)) + 1
+    if config.get("model_type") in MPNET_TYPES:
+        return 2
     return 0
 
 
@@ -362,6 +388,18 @@ def _check_encoder_config(path: str, config: dict) -> None:
         raise UnsupportedModel(f"{path}: hidden_size is not a multiple of num_attention_heads")
 
 
+def _check_mpnet_config(path: str, config: dict) -> None:
+    act = config.get("hidden_act", "gelu")
+    if act not in SUPPORTED_ACTS:
+        raise UnsupportedModel(f"{path}: hidden_act {act!r} is not supported; supported: {SUPPORTED_ACTS}")
+    if config["hidden_size"] % config["num_attention_heads"]:
+        raise UnsupportedModel(f"{path}: hidden_size is not a multiple of num_attention_heads")
+    buckets = config.get("relative_attention_num_buckets", MPNET_BUCKETS)
+    if type(buckets) is not int or buckets < MPNET_BUCKETS:
+        raise UnsupportedModel(f"{path}: relative_attention_num_buckets must be an integer of at least "
+                               f"{MPNET_BUCKETS} (MPNet reads {MPNET_BUCKETS} buckets), got {buckets!r}")
+
+
 def _check_decoder_config(path: str, config: dict) -> None:
     act = config.get("hidden_act", "silu")
     if act != "silu":
@@ -371,6 +409,7 @@ def _check_decoder_config(path: str, config: dict) -> None:
         raise UnsupportedModel(f"{path}: sliding-window attention layers are not supported")
     if config.get("mlp_bias"):
         raise UnsupportedModel(f"{path}: MLP biases (mlp_bias) are not supported")
+    sliding_window(path, config)  # checked here, applied by the model's attention
     _check_rope(path, config)
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     if heads % kv_heads:

@@ -40,6 +40,7 @@ class RequestOptions:
     encoding: int = pb.ENCODING_FLOAT32
     lane: Lane = Lane.INTERACTIVE
     deadline_ns: int = 0          # CLOCK_MONOTONIC ns by which it must reach the model; 0: none
+    model: int = 0                # which of the server's models answers it (its index in --model's list)
 
     @staticmethod
     def deadline(deadline_ns: int, timeout_ms: int) -> int:

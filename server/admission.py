@@ -98,8 +98,9 @@ class ModelChecks:
 
 class Admission(ModelChecks):
     def __init__(self, spec: ModelSpec, tokenizer: TextTokenizer, executor: Executor, max_texts: int,
-                 default_truncate: str = "none"):
+                 default_truncate: str = "none", model: int = 0):
         super().__init__(spec, tokenizer)
+        self.model = model  # the model's index among the server's (RequestOptions.model)
         self.default_truncate = TRUNCATE_BY_NAME[default_truncate]
         self.executor = executor
         self.max_texts = max_texts
@@ -169,7 +170,7 @@ class Admission(ModelChecks):
             else:
                 seqs = await self.run(chars, self.tokenizer.encode, list(request.texts), truncate, limit, prompt)
         options = RequestOptions(Task.EMBED, request.dimensions, request.normalize, request.encoding,
-                                 LANES[request.priority], deadline_ns)
+                                 LANES[request.priority], deadline_ns, self.model)
         return Request(seqs, options, rows, sum(map(len, seqs)))
 
     async def admit_tokenize(self, request: pb.TokenizeRequest) -> list[np.ndarray]:

@@ -36,9 +36,17 @@ def response_ring_for(max_texts: int, hidden: int) -> int:
     return max(16 << 20, -(-2 * (record + Ring.RECORD_HEADER) // (1 << 20)) << 20)
 
 
-def check_limits(cfg: ServeConfig, spec: ModelSpec) -> None:
+def widest(specs: list[ModelSpec]) -> int:
+    """The most float32 values one answer row of any served model holds."""
+    return max(max(spec.hidden_size, spec.output_dims) for spec in specs)
+
+
+def check_limits(cfg: ServeConfig, specs: list[ModelSpec]) -> None:
     """Size what is automatic (the response rings) and refuse at start the settings that would
-    fail requests later."""
+    fail requests later, for every served model: the token budgets fit the longest model's limit
+    and the rings the widest model's rows."""
+    spec = max(specs, key=lambda s: s.max_tokens)  # the longest text any model reads
+    hidden = widest(specs)
     if not cfg.max_batch_tokens:
         cfg.max_batch_tokens = max(8192, spec.max_tokens)
     if not cfg.bulk_batch_tokens and cfg.device == "cuda":
@@ -52,14 +60,14 @@ def check_limits(cfg: ServeConfig, spec: ModelSpec) -> None:
         raise ValueError(f"--max-batch-tokens {cfg.max_batch_tokens} is below the model's limit of "
                          f"{spec.max_tokens} tokens: one long text could never be batched")
     if not cfg.response_ring_bytes:
-        cfg.response_ring_bytes = response_ring_for(cfg.max_texts_per_request, spec.hidden_size)
+        cfg.response_ring_bytes = response_ring_for(cfg.max_texts_per_request, hidden)
     # A batch's answer record must fit the response ring; the worker caps the rows of a batch for
     # it (records.max_batch_rows), and one sequence can cost a request's outputs and a row more
     # (the chunks of a document, or the last text of a request begun in an earlier batch).
-    batch_rows = records.max_batch_rows(Ring.max_record_for(cfg.response_ring_bytes), spec.hidden_size)
+    batch_rows = records.max_batch_rows(Ring.max_record_for(cfg.response_ring_bytes), hidden)
     if batch_rows < cfg.max_texts_per_request + 1:
         raise ValueError(f"--response-ring-bytes {cfg.response_ring_bytes} is too small for answers of up to "
-                         f"{cfg.max_texts_per_request} x {spec.hidden_size} float32 values (one batch record "
+                         f"{cfg.max_texts_per_request} x {hidden} float32 values (one batch record "
                          f"would hold only {batch_rows} rows; 0 sizes it)")
     # A request over half the request ring travels as several records, but one text cannot be cut.
     longest = records.REQUEST_HEADER + 4 + records.ROW_BYTES + 4 * spec.max_tokens
@@ -153,8 +161,8 @@ async def serve(cfg: ServeConfig, metrics_dir: str | None = None) -> None:
     if removed:
         log.info("removed %d shared-memory segments left by a dead server", len(removed))
     auth.hand_down(cfg)  # the API keys, read and checked once, go to the frontends' environment (server/auth.py)
-    spec = served_model.prepare(cfg)  # a Hub id becomes its local snapshot here, once (server/served_model.py)
-    check_limits(cfg, spec)
+    specs = served_model.prepare(cfg)  # a Hub id becomes its local snapshot here, once (server/served_model.py)
+    check_limits(cfg, specs)
     check_shm(cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -162,12 +170,13 @@ async def serve(cfg: ServeConfig, metrics_dir: str | None = None) -> None:
         loop.add_signal_handler(sig, stop.set)
     supervisor = Supervisor(cfg, metrics_dir)
     try:
-        log.info("loading %s on %d %s worker(s), %d frontend(s)", spec.name, cfg.workers, cfg.device, cfg.frontends)
+        names = ", ".join(spec.name for spec in specs)
+        log.info("loading %s on %d %s worker(s), %d frontend(s)", names, cfg.workers, cfg.device, cfg.frontends)
         starting = asyncio.ensure_future(supervisor.start())
         await asyncio.wait({starting, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
         if starting.done():
             starting.result()  # raises if the server could not start
-            log.info("serving %s on %s (gRPC)%s", spec.name, supervisor.listen,
+            log.info("serving %s on %s (gRPC)%s", names, supervisor.listen,
                      f" and {supervisor.http_listen} (HTTP)" if supervisor.http_listen else "")
             await stop.wait()
         else:

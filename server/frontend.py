@@ -31,16 +31,15 @@ from grpc_reflection.v1alpha import reflection
 from pollen.common import control
 from pollen.common.process import bootstrap, config_from_argv
 from pollen.server import metrics, tracing
-from pollen.server.admission import Admission
 from pollen.server.channel import WorkerChannel
 from pollen.server.config import FrontendConfig, ServeConfig
 from pollen.server.flood_guard import FloodGuard
 from pollen.server.http11 import HttpServer
 from pollen.server.http_door import HttpDoor, error_response
+from pollen.server.model_table import ModelTable
 from pollen.server.router import Router
-from pollen.server.served_model import served_spec
+from pollen.server.served_model import served_specs
 from pollen.server.service import GRPC_LIMIT_FACTOR, EmbedderService, add_to_server
-from pollen.server.tokenizer import TextTokenizer
 from pollen.shared_mem.ring_pair import RingPair
 from pollen.shared_mem.server_state import ServerState
 from pollen.v1 import embedder_pb2 as pb
@@ -110,14 +109,12 @@ class Frontend:
     def build(cls, fcfg: FrontendConfig) -> Frontend:
         """Wire the parts; nothing listens yet."""
         cfg = fcfg.serve
-        spec = served_spec(cfg)  # with --default-prompt-name and --served-model-name (server/served_model.py)
+        specs = served_specs(cfg)  # with --default-prompt-name and --served-model-name (server/served_model.py)
         state = ServerState.attach(fcfg.state)
         executor = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="pollen-tokenize")
-        tokenizer = TextTokenizer(cfg.model, spec.max_tokens, tiktoken=cfg.tiktoken)
-        admission = Admission(spec, tokenizer, executor, cfg.max_texts_per_request,
-                              default_truncate=cfg.default_truncate)
         channels = [WorkerChannel(w, fcfg.index, state, spin_us=cfg.frontend_spin_us) for w in range(cfg.workers)]
-        service = EmbedderService(cfg, spec, admission, Router(cfg, channels, state), fcfg.index)
+        router = Router(cfg, channels, state)
+        service = EmbedderService(cfg, ModelTable.build(cfg, specs, router, executor), router, fcfg.index)
         if cfg.grpc_flood_bytes and fcfg.listen and not fcfg.listen.startswith("unix:"):
             service.flood_guard = FloodGuard(int(fcfg.listen.rpartition(":")[2]), cfg.grpc_flood_bytes)
         service.tracer = tracing.start(cfg.otlp_endpoint, fcfg.index)  # None without --otlp-endpoint

@@ -54,7 +54,9 @@ class EmbeddingsBody(msgspec.Struct, forbid_unknown_fields=True):
     # OpenAI's fields. `input`: a string, a list of strings, one list of token ids, or a list of
     # token-id lists (ids as our Tokenize returns them, special tokens included).
     input: str | list[str | int | list[int]] | None = None
-    model: str | None = None           # accepted and ignored: this server serves one model
+    # A served model's name picks it; any other name (OpenAI's clients must send one, and most send
+    # one this server cannot know, such as text-embedding-3-small) gets the first embedding model.
+    model: str | None = None
     dimensions: Positive32 | None = None
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None            # accepted and ignored
@@ -127,7 +129,6 @@ class HttpDoor:
     def __init__(self, service: EmbedderService, registry):
         self.service = service
         self.registry = registry  # what /metrics serializes (server/metrics.py, exposition)
-        self.model = service.spec.name  # --served-model-name, else the checkpoint's (server/served_model.py)
         self.keys = service.keys
         self.closed = {"/v1/embeddings", "/v1/models", *_RERANK} | ({"/metrics"} if service.cfg.metrics_auth else set())
         self.created = int(time.time())
@@ -155,9 +156,9 @@ class HttpDoor:
             return await self.rerank(request)
         if request.path == "/v1/models":
             return Response(200, _ENCODER.encode({"object": "list", "data": [
-                {"id": self.model, "object": "model", "created": self.created, "owned_by": "pollen",
-                 "task": self.service.ranker.task, "dimensions": self.service.spec.output_dims,
-                 "max_tokens": self.service.spec.max_tokens}]}))
+                {"id": model.name, "object": "model", "created": self.created, "owned_by": "pollen",
+                 "task": model.task, "dimensions": model.spec.output_dims, "max_tokens": model.spec.max_tokens}
+                for model in self.service.models.models]}))
         if request.path == "/health":
             status = "SERVING" if self.serving else "NOT_SERVING"
             return Response(200 if self.serving else 503, _ENCODER.encode({"status": status}))
@@ -182,11 +183,13 @@ class HttpDoor:
         except Rejected as exc:
             count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name)
             return error_response(400, exc.message, code="invalid_request", param=exc.param)
+        if message.model not in self.service.models.by_name:
+            message.model = ""  # a name no served model has (EmbeddingsBody.model)
         try:
             answer = await self.service.embed(message, DOOR, headers=request.headers)
         except RequestError as exc:
             return self.refused(exc, "embeddings")
-        return Response(200, _ENCODER.encode(to_openai(answer, encoding_format, self.model)))
+        return Response(200, _ENCODER.encode(to_openai(answer, encoding_format, answer.model)))
 
 
     async def rerank(self, request: Request) -> Response:
@@ -217,7 +220,8 @@ def to_embed_request(request: Request) -> tuple[pb.EmbedRequest, str]:
     message = pb.EmbedRequest(
         dimensions=body.dimensions or 0, normalize=body.normalize, encoding=encodings.BY_NAME[body.encoding],
         max_tokens=body.max_tokens, prompt_name=body.prompt_name, prompt=body.prompt,
-        long_input=_LONG_INPUTS[body.long_input], priority=_PRIORITIES[body.priority], timeout_ms=body.timeout_ms)
+        long_input=_LONG_INPUTS[body.long_input], priority=_PRIORITIES[body.priority], timeout_ms=body.timeout_ms,
+        model=body.model or "")
     if body.truncate is not None:  # left unset, the server's default applies (server/admission.py)
         message.truncate = TRUNCATE_BY_NAME[body.truncate]
     if body.chunks is not None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pollen.common.errors import RequestError, echo, invalid
+from pollen.common.errors import RequestError, invalid
 from pollen.common.model_spec import ModelSpec
 from pollen.common.request import LANES, RequestOptions, Task
 from pollen.server.admission import Admission
@@ -38,7 +38,6 @@ QWEN3_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 INSTRUCTION_MAX_CHARS = 4096
 # A request's documents are tokenized in groups of at least this many characters each.
 GROUP_MIN_CHARS = 16 << 10
-_KINDS = {"embed": "an embedding model", "rerank": "a reranker", "classify": "a classifier"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,16 +174,6 @@ class Ranker:
         self.task = spec.task
         self.builder = PairBuilder(spec, admission.tokenizer) if self.task == "rerank" else None
 
-    def check_model(self, model: str, task: str, method: str) -> None:
-        """`model` (empty: any) is the served one, and serves `task`; else INVALID_ARGUMENT naming
-        the models that can."""
-        served = f"{self.spec.name} ({self.task})"
-        if model and model != self.spec.name:
-            raise invalid(f"model {echo(model)} is not served here; the models served: {served}")
-        if self.task != task:
-            raise invalid(f"model {self.spec.name} is {_KINDS[self.task]}: {method} needs {_KINDS[task]}, and "
-                          f"none is served here; the models served: {served}")
-
     async def document_pairs(self, frame: PairFrame, documents: list[str]) -> list[np.ndarray]:
         """The documents' pairs, tokenized in up to --tokenizer-threads groups at once (the
         tokenizer releases the GIL): a request's 100 documents take a fraction of one thread's time."""
@@ -196,7 +185,7 @@ class Ranker:
         return [seq for part in parts for seq in part]
 
     async def rerank(self, request: pb.RerankRequest, deadline_ns: int = 0) -> pb.RerankResponse:
-        self.check_model(request.model, "rerank", "Rerank")
+        """The request's documents ranked by this model (server/model_table.py chose it)."""
         n = len(request.documents)
         if not n:
             raise invalid("documents is empty: give at least one document to rank")
@@ -210,7 +199,8 @@ class Ranker:
         truncate = request.truncate if request.HasField("truncate") else pb.TRUNCATE_END
         frame = self.builder.frame(request.query, request.instruction, limit, truncate, request.max_document_tokens)
         seqs = await self.document_pairs(frame, list(request.documents))
-        options = RequestOptions(Task.SCORE, 0, False, pb.ENCODING_FLOAT32, LANES[request.priority], deadline_ns)
+        options = RequestOptions(Task.SCORE, 0, False, pb.ENCODING_FLOAT32, LANES[request.priority], deadline_ns,
+                                 self.admission.model)
         admitted = Request(seqs, options, None, sum(map(len, seqs)))
         result = await self.router.answer(admitted)
         rows = np.frombuffer(result.body, np.float32).reshape(result.rows, result.dims)

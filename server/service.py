@@ -24,15 +24,13 @@ from google.protobuf import message_factory
 
 from pollen.common import encodings, status
 from pollen.common.errors import RequestError, cut, echo, invalid
-from pollen.common.model_spec import ModelSpec
 from pollen.common.request import RequestOptions
 from pollen.common.throttled_log import ThrottledLog
 from pollen.server import auth, metrics
-from pollen.server.admission import Admission
 from pollen.server.config import ServeConfig
 from pollen.server.flood_guard import FloodGuard
 from pollen.server.metrics import count_request
-from pollen.server.rerank import Ranker
+from pollen.server.model_table import ModelTable, ServedModel
 from pollen.server.router import Router
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
@@ -188,12 +186,10 @@ def undecodable(request: Undecodable, method: str, where: str = "the request") -
 
 
 class EmbedderService(pb_grpc.EmbedderServicer):
-    def __init__(self, cfg: ServeConfig, spec: ModelSpec, admission: Admission, router: Router, frontend: int = 0):
+    def __init__(self, cfg: ServeConfig, models: ModelTable, router: Router, frontend: int = 0):
         self.cfg = cfg
-        self.spec = spec
-        self.admission = admission
+        self.models = models  # every served model by name (server/model_table.py)
         self.router = router
-        self.ranker = Ranker(spec, admission, router, cfg.max_documents_per_request, cfg.tokenizer_threads)
         self.frontend = frontend  # this process's index among the frontends
         self.keys = auth.inherited()  # API keys both doors ask for (none: no authentication)
         # server/otel.py's RequestTracer with --otlp-endpoint (the frontend sets it: server/tracing.py)
@@ -211,11 +207,10 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         CLOCK_MONOTONIC ns by which the request must reach the model (0: none); the request's own
         timeout_ms, counted from now, applies as well. span: the request's server/otel.py
         RequestSpan when tracing, told when admission is done."""
-        if self.ranker.task != "embed":
-            self.ranker.check_model("", "embed", "Embed")
+        model = self.models.pick(request.model, "embed", "Embed")
         deadline_ns = RequestOptions.deadline(deadline_ns, request.timeout_ms)
         try:
-            admitted = await self.admission.admit(request, deadline_ns)
+            admitted = await model.admission.admit(request, deadline_ns)
         except asyncio.CancelledError:
             metrics.DROPPED.labels(reason="cancelled").inc()  # the client left while we tokenized
             raise
@@ -229,7 +224,8 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         return pb.EmbedResponse(
             id=request.id, embeddings=body, rows=result.rows, dims=result.dims,
             encoding=result.encoding, usage=pb.Usage(prompt_tokens=admitted.tokens),
-            timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us), scales=scales)
+            timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us), scales=scales,
+            model=model.name)
 
     def drain(self) -> None:
         """The frontend stops: every stream stops reading (what each has read is still answered),
@@ -299,7 +295,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         return await unary(context, "Tokenize", self.tokenize(request))
 
     async def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
-        seqs = await self.admission.admit_tokenize(request)
+        seqs = await self.models.pick(request.model, None, "Tokenize").admission.admit_tokenize(request)
         return pb.TokenizeResponse(tokens=[pb.TokenIds(ids=s.tolist()) for s in seqs],
                                    counts=[len(s) for s in seqs],
                                    usage=pb.Usage(prompt_tokens=sum(len(s) for s in seqs)))
@@ -308,15 +304,17 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         if self.draining:
             await self.at_door()
         await refuse_unusable(context, request, "Info")
+        models = [model_info(model) for model in self.models.models]
+        first = models[0]
         return pb.InfoResponse(
-            model=self.spec.name, dimensions=self.spec.output_dims, max_tokens=self.spec.max_tokens,
-            pooling=_POOLING.get(self.spec.pooling, pb.POOLING_UNSPECIFIED), encodings=list(encodings.SUPPORTED),
+            model=first.name, dimensions=first.dimensions, max_tokens=first.max_tokens, pooling=first.pooling,
+            encodings=list(encodings.SUPPORTED),
             max_texts_per_request=self.cfg.max_texts_per_request, max_batch_tokens=self.cfg.max_batch_tokens,
             max_queued_tokens=self.cfg.max_queued_tokens, max_request_bytes=self.cfg.max_request_bytes,
-            vocab_size=self.spec.vocab_size, workers=self.cfg.workers, device=self.cfg.device,
+            vocab_size=first.vocab_size, workers=self.cfg.workers, device=self.cfg.device,
             frontends=self.cfg.frontends, frontend=self.frontend,
-            prompts=dict(self.spec.prompts), matryoshka_dimensions=list(self.spec.matryoshka_dimensions),
-            task=self.spec.task, labels=list(self.spec.labels))
+            prompts=dict(first.prompts), matryoshka_dimensions=list(first.matryoshka_dimensions),
+            task=first.task, labels=list(first.labels), models=models)
 
     async def Rerank(self, request, context):
         if self.draining:
@@ -326,9 +324,20 @@ class EmbedderService(pb_grpc.EmbedderServicer):
 
     async def rerank(self, request: pb.RerankRequest, door: str, deadline_ns: int = 0) -> pb.RerankResponse:
         """One rerank request through either door (server/rerank.py), counted in the door's metrics."""
-        response = await counted(door, self.ranker.rerank(request, deadline_ns))
+        response = await counted(door, self.ranked(request, deadline_ns))
         count_request(door, "ok", len(request.documents), response.usage.prompt_tokens)
         return response
+
+    async def ranked(self, request: pb.RerankRequest, deadline_ns: int) -> pb.RerankResponse:
+        return await self.models.pick(request.model, "rerank", "Rerank").ranker.rerank(request, deadline_ns)
+
+
+def model_info(model: ServedModel) -> pb.ModelInfo:
+    spec = model.spec
+    return pb.ModelInfo(name=spec.name, task=spec.task, dimensions=spec.output_dims, max_tokens=spec.max_tokens,
+                        pooling=_POOLING.get(spec.pooling, pb.POOLING_UNSPECIFIED), vocab_size=spec.vocab_size,
+                        prompts=dict(spec.prompts), matryoshka_dimensions=list(spec.matryoshka_dimensions),
+                        labels=list(spec.labels))
 
 
 def call_deadline(context) -> int:

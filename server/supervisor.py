@@ -164,7 +164,8 @@ class Supervisor:
 
     async def start(self) -> None:
         """Claim the addresses, start every child; return once all listen and every worker is ready."""
-        check_tokenizer(self.cfg.model)  # the frontends load it: a bad one is refused before any starts
+        for path in self.cfg.model_paths():  # the frontends load them: a bad one is refused before any starts
+            check_tokenizer(path)
         grpc_claim = claim(self.cfg.listen, "gRPC")
         self.claims.append(grpc_claim)
         self.listen = grpc_claim.address

@@ -2,10 +2,10 @@
 
 Request ring (frontend -> worker), kind REQUEST:
 
-    +--------+----------+-------------+--------+--------+-------+------+-------+----------+------+------+
-    | req_id | admit_ns | deadline_ns | n_seqs | n_rows | n_out | dims | flags | encoding | lane | task |
-    | u64    | u64      | u64         | u32    | u32    | u32   | u32  | u32   | u32      | u32  | u32  |
-    +--------+----------+-------------+--------+--------+-------+------+-------+----------+------+------+
+    +--------+----------+-------------+--------+--------+-------+------+-------+----------+------+------+-------+
+    | req_id | admit_ns | deadline_ns | n_seqs | n_rows | n_out | dims | flags | encoding | lane | task | model |
+    | u64    | u64      | u64         | u32    | u32    | u32   | u32  | u32   | u32      | u32  | u32  | u32   |
+    +--------+----------+-------------+--------+--------+-------+------+-------+----------+------+------+-------+
     | lengths: u32 * n_seqs                                                                              |
     | only when flags & FLAG_ROWS:  row_seq u32*n_rows | row_start u32*n_rows | row_stop u32*n_rows      |
     |                               row_out u32*n_rows | row_weight f32*n_rows                           |
@@ -15,7 +15,8 @@ Request ring (frontend -> worker), kind REQUEST:
     admit_ns and deadline_ns are CLOCK_MONOTONIC (system-wide on Linux), so the worker can report
     queue time and drop a request whose deadline passed before it reached the model; deadline_ns
     0 means none. flags bit 0: normalize; bit 1 (FLAG_ROWS): the row arrays follow. dims 0: the
-    model's full size. lane and task: common/request.py's Lane and Task.
+    model's full size. lane and task: common/request.py's Lane and Task; model: which of the
+    server's models answers it (its index in the --model list).
 
     Rows are what the model pools; outputs are what the answer holds. Without FLAG_ROWS every
     sequence is one row over all its tokens and one output (n_rows = n_out = n_seqs). With it,
@@ -94,7 +95,7 @@ FLAG_ROWS = 2
 # The statuses a RESULT (or a BATCH_RESULT entry) carries, google.rpc.Code numbers.
 from pollen.common.status import CANCELLED, DEADLINE_EXCEEDED, INTERNAL, OK  # noqa: E402,F401
 
-_REQUEST = struct.Struct("<QQQIIIIIIII")
+_REQUEST = struct.Struct("<QQQIIIIIIIII")
 _RESULT = struct.Struct("<QIIIIQQ")
 _CANCEL = struct.Struct("<Q")
 _LENGTH = struct.Struct("<I")
@@ -136,7 +137,7 @@ def encode_request(req_id: int, admit_ns: int, seqs: list[np.ndarray], options: 
         # dominates at this size, and this runs once per query).
         (seq,) = seqs
         head = _REQUEST.pack(req_id, admit_ns, options.deadline_ns, 1, 1, 1, options.dims, flags, options.encoding,
-                             options.lane, options.task)
+                             options.lane, options.task, options.model)
         return b"".join((head, _LENGTH.pack(len(seq)), seq.tobytes()))
     lengths = np.fromiter((len(s) for s in seqs), dtype="<u4", count=len(seqs))
     ids = np.concatenate(seqs).astype("<i4", copy=False) if seqs else np.empty(0, "<i4")
@@ -149,7 +150,7 @@ def encode_request(req_id: int, admit_ns: int, seqs: list[np.ndarray], options: 
                   ((rows.seq, "<u4"), (rows.start, "<u4"), (rows.stop, "<u4"), (rows.out, "<u4"),
                    (rows.weight, "<f4"))]
     head = _REQUEST.pack(req_id, admit_ns, options.deadline_ns, len(seqs), n_rows, n_out, options.dims, flags,
-                         options.encoding, options.lane, options.task)
+                         options.encoding, options.lane, options.task, options.model)
     return b"".join((head, *parts, ids.tobytes()))
 
 
@@ -166,7 +167,7 @@ class RequestRecord:
 
 def decode_request(view: memoryview) -> RequestRecord:
     (req_id, admit_ns, deadline_ns, n, n_rows, n_out, dims, flags, encoding, lane,
-     task) = _REQUEST.unpack_from(view, 0)
+     task, model) = _REQUEST.unpack_from(view, 0)
     offset = REQUEST_HEADER
     lengths = np.frombuffer(view, dtype="<u4", count=n, offset=offset).copy()
     offset += 4 * n
@@ -178,7 +179,8 @@ def decode_request(view: memoryview) -> RequestRecord:
             offset += 4 * n_rows
         rows = RowPlan(*arrays)
     ids = np.frombuffer(view, dtype="<i4", count=int(lengths.sum()), offset=offset).copy()
-    options = RequestOptions(Task(task), dims, bool(flags & FLAG_NORMALIZE), encoding, LANES[lane], deadline_ns)
+    options = RequestOptions(Task(task), dims, bool(flags & FLAG_NORMALIZE), encoding, LANES[lane], deadline_ns,
+                             model)
     return RequestRecord(req_id, admit_ns, options, lengths, ids, n_out, rows)
 
 

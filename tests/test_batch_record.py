@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import types
 from collections import deque
 
 import numpy as np
@@ -211,9 +212,9 @@ def test_a_response_ring_too_small_for_one_request_is_refused_at_start():
     from pollen.server.config import ServeConfig
 
     spec = read_model_spec(default_model_path())  # 384 values a row: 20 rows fit a 64 KiB ring's record
-    check_limits(ServeConfig(response_ring_bytes=64 << 10, max_texts_per_request=16), spec)
+    check_limits(ServeConfig(response_ring_bytes=64 << 10, max_texts_per_request=16), [spec])
     with pytest.raises(ValueError, match="--response-ring-bytes 65536 is too small"):
-        check_limits(ServeConfig(response_ring_bytes=64 << 10, max_texts_per_request=64), spec)
+        check_limits(ServeConfig(response_ring_bytes=64 << 10, max_texts_per_request=64), [spec])
 
 
 class FailingEngine:
@@ -242,14 +243,16 @@ def worker():
     from pollen.shared_mem.server_state import ServerState
     from pollen.worker.links import Link
     from pollen.worker.loop import Worker
+    from pollen.worker.model_slot import ModelSlot
 
     w = object.__new__(Worker)
     link = object.__new__(Link)
     link.frontend, link.gone = 0, False
     link.responses = Ring.create(64 << 10, prefix="pollentest")
     w.links = {0: link}
-    w.hidden, w.native_int8 = HIDDEN, False
-    w.open, w.batches, w.side_by_side = (deque(), deque()), 0, False
+    spec = types.SimpleNamespace(output_dims=HIDDEN, native_int8=False)  # what the loop reads of a model's spec
+    w.slots = [ModelSlot(0, spec, None, 0)]
+    w.batches, w.side_by_side, w.hold_records = 0, False, True
     w.state = ServerState.create(1, 1, prefix="pollentest")
     w.control, peer = control.pair()
     w.control_queue = deque()
@@ -275,16 +278,16 @@ def read_all(ring: Ring) -> list:
 
 
 def test_worker_fails_a_batch_alone_and_answers_requests_it_cuts(worker):
-    worker.engine = FailingEngine(poison=999)
+    worker.slots[0].engine = FailingEngine(poison=999)
     spread = make_job(1, [4, 4, 4])
     spread.rec.ids[4] = 999  # its second sequence poisons the batch that holds it
     fine = make_job(2, [3])
-    worker.submit([(fine, 0, 1), (spread, 0, 1)], 0)
-    worker.answer(worker.open[0].popleft())
-    worker.submit([(spread, 1, 2)], 0)
-    worker.answer(worker.open[0].popleft())
-    worker.submit([(spread, 2, 3)], 0)
-    worker.answer(worker.open[0].popleft())
+    worker.submit(worker.slots[0], [(fine, 0, 1), (spread, 0, 1)], 0)
+    worker.answer(worker.slots[0].open[0].popleft())
+    worker.submit(worker.slots[0], [(spread, 1, 2)], 0)
+    worker.answer(worker.slots[0].open[0].popleft())
+    worker.submit(worker.slots[0], [(spread, 2, 3)], 0)
+    worker.answer(worker.slots[0].open[0].popleft())
     got = read_all(worker.links[0].responses)
     kinds = [k for k, _ in got]
     assert kinds == [records.BATCH_RESULT, records.BATCH_RESULT, records.RESULT, records.BATCH_RESULT]
@@ -298,11 +301,11 @@ def test_worker_fails_a_batch_alone_and_answers_requests_it_cuts(worker):
 def test_worker_commits_its_open_record_when_the_ring_cannot_hold_two(worker):
     """Two open batch records do not fit this ring: the worker finishes the first batch before
     it holds the second one's record, instead of waiting on itself."""
-    worker.engine = FailingEngine(poison=-1)
+    worker.slots[0].engine = FailingEngine(poison=-1)
     rows = (worker.links[0].responses.max_record - records.raw_at(1)) // (4 * HIDDEN)  # over half the ring, with the error
     first, second = make_job(1, [1] * rows), make_job(2, [1] * rows)
-    worker.submit([(first, 0, rows)], 0)
-    assert len(worker.open[0]) == 1
+    worker.submit(worker.slots[0], [(first, 0, rows)], 0)
+    assert len(worker.slots[0].open[0]) == 1
     worker.write_error(make_job(3, [1]), "cancelled " * 20, records.CANCELLED)  # goes after the open record
     assert read_all(worker.links[0].responses) == []
     got = []
@@ -313,11 +316,11 @@ def test_worker_commits_its_open_record_when_the_ring_cannot_hold_two(worker):
 
     reader = threading.Thread(target=frontend)
     reader.start()
-    worker.submit([(second, 0, rows)], 0)  # room only once the first record is committed and read
+    worker.submit(worker.slots[0], [(second, 0, rows)], 0)  # room only once the first record is committed and read
     reader.join(10)
-    assert [b.shares[0].plan.spans[0][0] for b in worker.open[0]] == [second]
+    assert [b.shares[0].plan.spans[0][0] for b in worker.slots[0].open[0]] == [second]
     assert [k for k, _ in got] == [records.BATCH_RESULT, records.RESULT]
-    worker.answer(worker.open[0].popleft())
+    worker.answer(worker.slots[0].open[0].popleft())
     ((kind, (report, results)),) = read_all(worker.links[0].responses)
     assert report.rows == rows and results[0].req_id == 2
 
@@ -358,13 +361,13 @@ def test_side_by_side_a_bulk_batch_holds_no_record_and_never_delays_an_interacti
     """The interactive lane's record is held at launch and published when its batch is done,
     even while a bulk batch launched before it still runs: that one takes its record only when
     done (a held record would keep every later record in the ring unpublished)."""
-    engine = worker.engine = LaterEngine()
+    engine = worker.slots[0].engine = LaterEngine()
     worker.side_by_side = True
     ring = worker.links[0].responses
     bulk, query = make_job(1, [4] * 6, priority=1), make_job(2, [3])
-    worker.submit([(bulk, 0, 6)], Lane.BULK)
+    worker.submit(worker.slots[0], [(bulk, 0, 6)], Lane.BULK)
     assert ring.free_bytes() == ring.capacity  # nothing held for the bulk batch
-    worker.submit([(query, 0, 1)], Lane.INTERACTIVE)
+    worker.submit(worker.slots[0], [(query, 0, 1)], Lane.INTERACTIVE)
     assert ring.free_bytes() < ring.capacity
     engine.pending[1].finished = True
     assert worker.collect()
@@ -377,3 +380,29 @@ def test_side_by_side_a_bulk_batch_holds_no_record_and_never_delays_an_interacti
     ((kind, (_, results)),) = read_all(ring)
     assert [(r.req_id, r.status) for r in results] == [(1, records.OK)]
     assert np.frombuffer(results[0].body, "<f4").reshape(6, HIDDEN).tolist() == [[2.0] * HIDDEN] * 6
+
+
+def test_with_two_models_side_by_side_one_model_s_long_batch_never_holds_back_the_other_s_answer(worker):
+    """Two models on a CUDA-like worker: no batch holds its record at launch, so an embedder's
+    query launched after a reranker's long interactive batch is published as soon as it is done,
+    while that batch still runs (a held record would keep it unpublished behind that one)."""
+    from pollen.worker.model_slot import ModelSlot
+
+    first, second = LaterEngine(), LaterEngine()
+    worker.slots[0].engine = first
+    worker.slots.append(ModelSlot(1, worker.slots[0].spec, second, 0))
+    worker.side_by_side, worker.hold_records = True, False
+    ring = worker.links[0].responses
+    long_batch, query = make_job(1, [4] * 6), make_job(2, [3])
+    worker.submit(worker.slots[0], [(long_batch, 0, 6)], Lane.INTERACTIVE)
+    worker.submit(worker.slots[1], [(query, 0, 1)], Lane.INTERACTIVE)
+    assert ring.free_bytes() == ring.capacity  # nothing held for either
+    second.pending[0].finished = True
+    assert worker.collect()
+    ((kind, (_, results)),) = read_all(ring)
+    assert [(r.req_id, r.status) for r in results] == [(2, records.OK)]
+    assert not worker.collect()  # the first model's batch still runs
+    first.pending[0].finished = True
+    assert worker.collect()
+    ((kind, (_, results)),) = read_all(ring)
+    assert [(r.req_id, r.status) for r in results] == [(1, records.OK)]

@@ -6,8 +6,6 @@ half, worker/loop.py launch). No GPU here: the engine's bookkeeping runs as it i
 records its captures (the captures themselves are tests/test_cuda_engine.py's)."""
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
 
 from pollen.common.request import Lane
@@ -15,6 +13,7 @@ from pollen.worker import cuda_engine
 from pollen.worker.batcher import Batcher
 from pollen.worker.cuda_engine import CAPTURE_UNDER_LOAD_EVERY_NS, CAPTURE_UNDER_LOAD_HITS, CudaEngine
 from pollen.worker.loop import Worker
+from pollen.worker.model_slot import ModelSlot
 from tests.test_batch_record import make_job
 from tests.test_graph_cover import lane_with
 
@@ -70,11 +69,13 @@ def test_under_load_captures_are_at_most_one_per_interval():
 
 def test_while_the_engine_holds_interactive_launches_bulk_ones_go_on():
     w = object.__new__(Worker)
-    w.side_by_side, w.open = True, (deque(), deque())
-    w.batcher = Batcher(4096, 4096, 1 << 20)
+    holding = type("Holding", (), {"hold": True, "between_batches": lambda self, *args: self.hold})()
+    slot = ModelSlot(0, None, holding, 0, Batcher(4096, 4096, 1 << 20))
+    w.side_by_side, w.slots = True, [slot]
     w.launched = []
-    w.submit = lambda spans, lane: (w.launched.append(lane), w.open[lane].append(object()))
-    w.batcher.add(make_job(1, [5]))
-    w.batcher.add(make_job(2, [5], priority=Lane.BULK))
-    assert w.launch(hold_interactive=True) and w.launched == [Lane.BULK]
-    assert w.launch(hold_interactive=False) and w.launched == [Lane.BULK, Lane.INTERACTIVE]
+    w.submit = lambda slot, spans, lane: (w.launched.append(lane), slot.open[lane].append(object()))
+    slot.batcher.add(make_job(1, [5]))
+    slot.batcher.add(make_job(2, [5], priority=Lane.BULK))
+    assert w.launch(0) and w.launched == [Lane.BULK]
+    holding.hold = False
+    assert w.launch(0) and w.launched == [Lane.BULK, Lane.INTERACTIVE]

@@ -77,8 +77,9 @@ def dense_checkpoint(tmp_path) -> str:
 def decoder_checkpoint(tmp_path, model_type: str) -> str:
     from tests.test_model_decoders import make_decoder
 
-    # Heads of 64: the short-attention and query kernels take them.
-    extra = {"qwen2": {}, "mistral": {"sliding_window": 4096}, "llama": {"attention_bias": True}}[model_type]
+    # Heads of 64: the short-attention and query kernels take them. Mistral's window of 48 is
+    # shorter than the longer sequences (flash's causal window_size=(47, 0)).
+    extra = {"qwen2": {}, "mistral": {"sliding_window": 48}, "llama": {"attention_bias": True}}[model_type]
     make_decoder(tmp_path / "m", model_type, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=64, intermediate_size=512, max_position_embeddings=512, **extra)
     return str(tmp_path / "m")

@@ -35,7 +35,7 @@ def test_all_options_arrive_in_the_request():
     assert message == pb.EmbedRequest(
         texts=["a", "b"], dimensions=64, normalize=False, encoding=pb.ENCODING_INT8, truncate=pb.TRUNCATE_START,
         max_tokens=100, prompt_name="query", prompt="p: ", long_input=pb.LONG_INPUT_CHUNK_MEAN,
-        priority=pb.PRIORITY_BULK, timeout_ms=250)
+        priority=pb.PRIORITY_BULK, timeout_ms=250, model="m")
 
 
 def test_defaults_and_input_shapes():

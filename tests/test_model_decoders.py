@@ -103,13 +103,25 @@ def test_attention_bidirectional_matches_hf_with_an_all_true_mask(tmp_path, mode
                       lengths=True)
 
 
-def test_mistral_serves_texts_up_to_its_sliding_window(tmp_path):
-    """A text within the window never reaches past it, so the limit is the window (transformers
-    applies it whenever config.json sets one)."""
-    make_decoder(tmp_path / "m", "mistral", sliding_window=48)
-    assert read_model_spec(str(tmp_path / "m")).max_tokens == 48
-    make_decoder(tmp_path / "n", "mistral", sliding_window=None)
-    assert read_model_spec(str(tmp_path / "n")).max_tokens == 256
+@pytest.mark.parametrize("pooling", ["lasttoken", "mean"])
+def test_mistral_sliding_window_matches_sentence_transformers_past_the_window(tmp_path, pooling):
+    """A window of 8 against texts of 3 to about 100 tokens: each token sees itself and the 7
+    before it, as transformers' sliding-window causal mask reads config.json's sliding_window;
+    texts are served up to the position limit, not cut at the window."""
+    make_decoder(tmp_path / "hf", "mistral", sliding_window=8)
+    reference = save_st(tmp_path / "st", tmp_path / "hf", pooling)
+    spec = read_model_spec(str(tmp_path / "st"))
+    assert spec.max_tokens == 256
+    model = load_model(str(tmp_path / "st"))
+    assert model.attention.window == 7
+    sequences = token_ids(tmp_path / "st", TEXTS)
+    assert max(len(s) for s in sequences) > 8 * 4  # well past the window, through both layers
+    assert_rows_match(engine_rows(model, sequences), reference.encode(TEXTS), lengths=True)
+    # Without the window the rows past it differ: the test could fail.
+    unwindowed = load_model(str(tmp_path / "st"))
+    unwindowed.attention = type(model.attention)(model.attention.kind)
+    far = [i for i, s in enumerate(sequences) if len(s) > 8]
+    assert not np.allclose(engine_rows(unwindowed, sequences)[far], reference.encode(TEXTS)[far], atol=1e-3)
 
 
 @pytest.fixture
@@ -155,8 +167,9 @@ def post(srv, body: dict) -> np.ndarray:
 
 def test_http_answers_equal_sentence_transformers_for_a_mistral(tmp_path):
     """e5-mistral's form: last token, "<s> ... </s>", an instruction prompt for queries, none for
-    documents (the default prompt here), vectors unnormalized and cut to a Matryoshka size."""
-    make_decoder(tmp_path / "hf", "mistral", sliding_window=4096)
+    documents (the default prompt here), vectors unnormalized and cut to a Matryoshka size; a
+    sliding window shorter than the longer texts."""
+    make_decoder(tmp_path / "hf", "mistral", sliding_window=16)  # the longer texts reach past it
     path = tmp_path / "tiny-mistral"
     reference = save_st(path, tmp_path / "hf", "lasttoken", prompts=PROMPTS, default_prompt_name="document")
     srv = ServerProcess("--model", str(path)).start(timeout=60)

@@ -129,14 +129,16 @@ class CudaEngine:
 
     def __init__(self, model: EmbeddingModel, device: str, max_batch_tokens: int = 16384,
                  cuda_graphs: bool = True, graph_max_tokens: int | None = None, defer_capture: bool = False,
-                 bulk_sms: int = 0):
+                 bulk_sms: int = 0, interactive_step: int = 0):
         self.model = model
         self.device = torch.device(device)
         self.pooling = model.spec.pooling
         self.hidden = model.spec.output_dims  # the width of the rows written: pooled, or a head's
         # float32 attention takes a per-sequence loop that reads cu_seqlens on the host (see
-        # worker/models/attention.py): it cannot be captured, so float32 runs eagerly.
-        self.graphs_on = cuda_graphs and next(model.parameters()).dtype != torch.float32
+        # worker/models/attention.py): it cannot be captured, so float32 runs eagerly, and so does
+        # any model whose forward reads the device on the host (EmbeddingModel.host_syncs).
+        self.graphs_on = (cuda_graphs and next(model.parameters()).dtype != torch.float32
+                          and not model.host_syncs)
         self.buckets = token_buckets(min(graph_max_tokens or max_batch_tokens, max_batch_tokens))
         self.max_positions = model.spec.max_tokens
         # Compact int32 layout of one batch: ids, positions, pool_index [T]; cu [S+1]; first, last,
@@ -150,14 +152,17 @@ class CudaEngine:
         partition = None
         if self.bulk_sms:
             try:
-                partition = BulkPartition(self.device, self.bulk_sms)
+                partition = BulkPartition.shared(self.device, self.bulk_sms)
             except RuntimeError as exc:  # the default asks only where torch has the API; a driver may still refuse
                 if bulk_sms > 0:
                     raise
                 print(f"pollen: no CUDA green context of {self.bulk_sms} SMs ({exc}); the bulk lane uses every SM",
                       file=sys.stderr, flush=True)
                 self.bulk_sms = 0
-        self.lanes = (DeviceLane(self.device, cap, high), DeviceLane(self.device, cap, low, partition))
+        # interactive_step lowers the interactive lane's priority by that many steps, never to the
+        # bulk lane's (worker/main.py: a reranker beside an embedder, whose queries go first).
+        interactive = min(high + interactive_step, low - 1) if high < low else high
+        self.lanes = (DeviceLane(self.device, cap, interactive), DeviceLane(self.device, cap, low, partition))
         # The interactive lane's small copies skip torch's copy_ (worker/cudart.py); None: copy_ throughout.
         self.runtime = cudart.find()
         self.registered: list[int] = []  # host addresses we page-locked (register_host_memory)
@@ -373,13 +378,15 @@ class CudaEngine:
     def keep(self, lane_index: Lane, shape: tuple[int, int, int], graph) -> None:
         """A graph captured for `shape` on a lane: its batches stop running eagerly or padded."""
         lane = self.lanes[lane_index]
+        self.counts[2] += shape not in lane.graphs
         lane.graphs[shape] = graph
         lane.wanted.pop(shape, None)
         lane.padded.pop(shape, None)
-        self.counts[2] = sum(len(each.graphs) for each in self.lanes)
 
     def keep_counts_in(self, counts: np.ndarray) -> None:
-        counts[:] = self.counts
+        """Add its counts to `counts` and count there from now on (a worker with several models
+        gives every engine the same array: the figures are the worker's)."""
+        counts += self.counts
         self.counts = counts
 
     def run_on_lane(self, lane: DeviceLane, slot: int, used: int, batch: PackedBatch, graph, out):

@@ -48,10 +48,12 @@ class Engine(Protocol):
         wait for it."""
 
     def keep_counts_in(self, counts: np.ndarray) -> None:
-        """Keep its graph counts (shared_mem/server_state.py, GRAPH_COUNTS) in `counts` from now on."""
+        """Add its graph counts (shared_mem/server_state.py, GRAPH_COUNTS) to `counts` and keep
+        them there from now on (several engines may share one array)."""
 
     def register_host_memory(self, address: int, nbytes: int) -> None:
-        """A response ring's segment, once, before rows are copied into it."""
+        """A response ring's segment, once, before rows are copied into it (once per process: the
+        worker asks its first engine, and every engine on the device copies into it)."""
 
     def unregister_host_memory(self, address: int) -> None:
         """Before that segment goes."""
@@ -125,8 +127,8 @@ class EagerEngine:
 
 
 def make_engine(model: EmbeddingModel, device: str, **options) -> Engine:
-    """options (max_batch_tokens, cuda_graphs, graph_max_tokens, defer_capture, bulk_sms) matter
-    to the CUDA engine only."""
+    """options (max_batch_tokens, cuda_graphs, graph_max_tokens, defer_capture, bulk_sms,
+    interactive_step) matter to the CUDA engine only."""
     if device.startswith("cuda"):
         from pollen.worker.cuda_engine import CudaEngine
 

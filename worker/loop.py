@@ -10,6 +10,16 @@ launch order. The worker never waits for ring space while it holds a record open
 cannot read past it): when only a commit could make room, it finishes its open batches first
 (`Worker.room`).
 
+A worker holds every model the server serves, each in a slot of its own (worker/model_slot.py:
+engine, batcher, batches in flight); a request goes to the slot its record names. Each model's
+lanes keep their own batches in flight (on CUDA up to two per lane and model, on the model's own
+streams), so a busy model never holds another's batch behind its own: the GPU runs them side by
+side, the interactive streams at the higher priority. An engine that runs one batch at a time
+(the CPU) takes turns between the models with work, those with interactive work first. With
+several models on CUDA no batch holds its records at launch: a record held for one model's long
+batch would hold back, unpublished, every answer behind it in the ring (records publish in the
+order taken), the other model's queries too; each batch takes its records when it is done.
+
 The supervisor drives the links over the control link (common/control.py): add_link, drop_link
 (a frontend died: its requests are dropped), stop (finish what is held, then exit). The loop
 stores a heartbeat in the server state at every turn (shared_mem/server_state.py), so a worker
@@ -36,8 +46,9 @@ from pollen.shared_mem.ring import CommitFirst, Reservation, Ring
 from pollen.shared_mem.server_state import ServerState
 from pollen.worker.batch_answer import BatchAnswer
 from pollen.worker.batcher import Batcher, Job
-from pollen.worker.engine import Engine, PendingRows
+from pollen.worker.engine import PendingRows
 from pollen.worker.links import Link, wait_for_work
+from pollen.worker.model_slot import ModelSlot
 from pollen.worker.packed import pack
 
 INTERACTIVE, BULK = LANES  # Lane's members, bound once: each Lane.X costs an enum lookup per turn
@@ -56,13 +67,16 @@ class LinkShare:
 
 @dataclass(slots=True)
 class InFlight:
-    """A submitted batch: its lane, its links' shares, the engine's pending result (or the error submit raised)."""
+    """A submitted batch: its model, its lane, its links' shares, the engine's pending result (or
+    the error submit raised), and its place in launch order."""
 
+    slot: ModelSlot
     lane: Lane
     shares: list[LinkShare]
     pending: PendingRows | None
     error: Exception | None
     start_ns: int
+    seq: int
 
     @property
     def done(self) -> bool:
@@ -71,14 +85,13 @@ class InFlight:
 
 
 class Worker:
-    def __init__(self, cfg: WorkerConfig, engine: Engine, spec):
+    def __init__(self, cfg: WorkerConfig, slots: list[ModelSlot]):
         self.cfg = cfg
-        self.engine = engine
-        self.hidden = spec.output_dims  # the width of every row: pooled, or a head's outputs
-        self.native_int8 = spec.native_int8
+        self.slots = slots
+        models = [{"name": slot.spec.name, "task": slot.spec.task, "memory_bytes": slot.memory} for slot in slots]
         self.ready_info = json.dumps({"pid": os.getpid(), "index": cfg.index, "device": cfg.device, "gpu": cfg.gpu,
-                                      "dtype": cfg.dtype, "threads": cfg.threads, "model": spec.name,
-                                      "bulk_sms": engine.bulk_sms}).encode()
+                                      "dtype": cfg.dtype, "threads": cfg.threads, "model": slots[0].spec.name,
+                                      "models": models, "bulk_sms": slots[0].engine.bulk_sms}).encode()
         self.control = socket.socket(fileno=cfg.control_fd)
         self.control.setblocking(False)
         self.control_queue: deque[tuple[dict, list[int]]] = deque()  # read, not yet acted on
@@ -87,14 +100,25 @@ class Worker:
         # Rows per batch are capped so that a share's record always fits its ring. Sizing the ring
         # for the token budget instead would mean 2 x max_batch_tokens x hidden x 4 bytes (pinned,
         # on a GPU) for batches of one-token texts that real traffic never sends.
-        max_rows = records.max_batch_rows(Ring.max_record_for(cfg.response_ring_bytes), self.hidden)
-        self.batcher = Batcher(cfg.max_batch_tokens, cfg.bulk_batch_tokens, max_rows)
-        # Submitted, records not yet committed, per lane, oldest first. On an engine that runs the
-        # lanes side by side (CUDA) each lane keeps up to two batches in flight.
-        self.open: tuple[deque[InFlight], deque[InFlight]] = (deque(), deque())
-        self.side_by_side = engine.side_by_side
+        for slot in slots:
+            max_rows = records.max_batch_rows(Ring.max_record_for(cfg.response_ring_bytes), slot.hidden)
+            slot.batcher = Batcher(cfg.max_batch_tokens, cfg.bulk_batch_tokens, max_rows)
+        # On an engine that runs the lanes side by side (CUDA) each lane of each model keeps up to
+        # two batches in flight; otherwise one batch is in flight at a time.
+        self.side_by_side = slots[0].engine.side_by_side
+        # Records held at launch (module docstring): on one model's CUDA engine for interactive
+        # batches; on the CPU always (its batches are done once submitted).
+        self.hold_records = not self.side_by_side or len(slots) == 1
+        self.turn = 0  # the model whose turn it is on an engine that runs one batch at a time
         self.batches = 0
         self.stopping = False
+
+    def queued(self) -> bool:
+        """A request waits in some model's batcher."""
+        return any(slot.batcher for slot in self.slots)
+
+    def in_flight(self) -> bool:
+        return any(slot.busy() for slot in self.slots)
 
     # ---- the loop ----
 
@@ -102,7 +126,10 @@ class Worker:
         """The loop. Each turn adds the time of its phases to the server state (PHASES)."""
         self.state.set_ready(self.cfg.index, True)
         phase = self.state.phase_view(self.cfg.index)  # requests, launch, answer, wait (ns)
-        self.engine.keep_counts_in(self.state.counts_view(self.cfg.index))
+        counts = self.state.counts_view(self.cfg.index)
+        counts[:] = 0
+        for slot in self.slots:  # every engine adds its graph counts to the worker's
+            slot.engine.keep_counts_in(counts)
         now = time.monotonic_ns
         control_at = 0
         while True:
@@ -114,10 +141,8 @@ class Worker:
             self.drain_requests()
             self.drop_expired()
             t1 = now()
-            # The engine's own work (CUDA: graph captures, worker/cuda_engine.py) may hold interactive launches.
-            hold = self.engine.between_batches(bool(self.batcher.lanes[INTERACTIVE]), bool(self.open[INTERACTIVE]), t1)
             # Launch before collecting: batch N+1 is packed and launched while N still runs.
-            launched = self.launch(hold)
+            launched = self.launch(t1)
             t2 = now()
             answered = self.collect()
             t3 = now()
@@ -126,7 +151,7 @@ class Worker:
             phase[2] += t3 - t2
             if launched or answered:
                 continue
-            if self.stopping and not (self.open[INTERACTIVE] or self.open[BULK] or self.batcher):
+            if self.stopping and not (self.in_flight() or self.queued()):
                 return
             self.idle()
             phase[3] += now() - t3
@@ -134,7 +159,7 @@ class Worker:
     def idle(self) -> None:
         """Nothing to launch or answer this turn: wait for a running batch, or spin, then sleep,
         for new requests."""
-        if self.open[INTERACTIVE] or self.open[BULK]:
+        if self.in_flight():
             self.await_progress()
             return
         if self.spin_for_requests():
@@ -144,31 +169,46 @@ class Worker:
         if os.getppid() != self.cfg.parent_pid:
             raise SystemExit(0)  # the server is gone; nobody will read our answers
 
-    def launch(self, hold_interactive: bool) -> bool:
-        """Submit what the lanes take: side by side, each lane up to two batches in flight (none
-        of the interactive lane's while the engine holds them); otherwise one mixed batch
-        (interactive first, one bulk sequence beside it)."""
+    def launch(self, now_ns: int) -> bool:
+        """Submit what the lanes take: side by side, each model's lanes up to two batches in flight
+        (none of a model's interactive lane's while its engine holds them: its own work, such as
+        graph captures, worker/cuda_engine.py); otherwise one mixed batch at a time, of the next
+        model with work in turn, those with interactive work first."""
         if not self.side_by_side:
-            if self.batcher and not self.open[INTERACTIVE]:
-                self.submit(self.batcher.next_batch(), INTERACTIVE)
-                return True
-            return False
+            if self.in_flight() or not self.queued():
+                return False
+            slot = self.next_turn()
+            self.submit(slot, slot.batcher.next_batch(), INTERACTIVE)
+            return True
         launched = False
-        for lane in LANES:
-            if hold_interactive and lane == INTERACTIVE:
-                continue  # its batches in flight finish first, then the engine's work
-            if self.batcher.lanes[lane] and len(self.open[lane]) < 2:
-                self.submit(self.batcher.next_batch(lane), lane)
-                launched = True
+        for slot in self.slots:
+            batcher, open_ = slot.batcher, slot.open
+            hold = slot.engine.between_batches(bool(batcher.lanes[INTERACTIVE]), bool(open_[INTERACTIVE]), now_ns)
+            for lane in LANES:
+                if hold and lane == INTERACTIVE:
+                    continue  # its batches in flight finish first, then the engine's work
+                if batcher.lanes[lane] and len(open_[lane]) < 2:
+                    self.submit(slot, batcher.next_batch(lane), lane)
+                    launched = True
         return launched
 
+    def next_turn(self) -> ModelSlot:
+        """The model whose mixed batch goes next: after the last one served, the first with
+        interactive work, else the first with any (round robin: a busy model never starves another)."""
+        n = len(self.slots)
+        order = [self.slots[(self.turn + i) % n] for i in range(n)]
+        slot = next((s for s in order if s.batcher.lanes[INTERACTIVE]), None) or next(s for s in order if s.batcher)
+        self.turn = (slot.index + 1) % n
+        return slot
+
     def collect(self) -> bool:
-        """Answer the batches that are done, in launch order within each lane."""
+        """Answer the batches that are done, in launch order within each model's lane."""
         answered = False
-        for queue in self.open:
-            while queue and queue[0].done:
-                self.answer(queue.popleft())
-                answered = True
+        for slot in self.slots:
+            for queue in slot.open:
+                while queue and queue[0].done:
+                    self.answer(queue.popleft())
+                    answered = True
         return answered
 
     def await_progress(self) -> None:
@@ -176,7 +216,7 @@ class Worker:
         message for a moment (the worker owns its cores; a blocking wait would hold up an
         interactive request that arrives meanwhile behind a bulk batch)."""
         deadline = time.monotonic_ns() + 2_000_000
-        oldest = [queue[0] for queue in self.open if queue]
+        oldest = [queue[0] for slot in self.slots for queue in slot.open if queue]
         checks = [link.requests.has_data for link in self.links.values()]
         now = time.monotonic_ns
         while now() < deadline:
@@ -231,8 +271,9 @@ class Worker:
                 self.stopping = True
 
     def add_link(self, link: Link) -> None:
-        # The device copies each share's rows straight into its response ring's memory.
-        self.engine.register_host_memory(*link.responses.mapped_memory())
+        # The device copies each share's rows straight into its response ring's memory. Page-locking
+        # is the process's, not an engine's: the first model's engine does it for every model.
+        self.slots[0].engine.register_host_memory(*link.responses.mapped_memory())
         self.links[link.frontend] = link
         link.responses.write(records.READY, self.ready_info)
 
@@ -243,12 +284,14 @@ class Worker:
         if link is None:
             return
         self.links[frontend] = link  # the open batches still answer on it
-        for queue in self.open:
-            while queue:
-                self.answer(queue.popleft())
+        for slot in self.slots:
+            for queue in slot.open:
+                while queue:
+                    self.answer(queue.popleft())
         del self.links[frontend]
-        self.batcher.drop_source(frontend)
-        self.engine.unregister_host_memory(link.responses.mapped_memory()[0])
+        for slot in self.slots:
+            slot.batcher.drop_source(frontend)
+        self.slots[0].engine.unregister_host_memory(link.responses.mapped_memory()[0])
         link.close()
 
     # ---- requests ----
@@ -259,17 +302,30 @@ class Worker:
             while (item := ring.read()) is not None:
                 kind, view = item
                 if kind == records.REQUEST:
-                    self.batcher.add(Job.of(records.decode_request(view), link.frontend))
+                    self.add(Job.of(records.decode_request(view), link.frontend))
                 elif kind == records.CANCEL:
-                    job = self.batcher.cancel(records.decode_cancel(view), link.frontend)
-                    if job is not None:
-                        self.write_error(job, status.CANCELLED_BEFORE_MODEL, records.CANCELLED)
+                    req_id = records.decode_cancel(view)
+                    for slot in self.slots:
+                        job = slot.batcher.cancel(req_id, link.frontend)
+                        if job is not None:
+                            self.write_error(job, status.CANCELLED_BEFORE_MODEL, records.CANCELLED)
+                            break
                 del view  # the ring may reuse these bytes after release()
             ring.release()
 
+    def add(self, job: Job) -> None:
+        """A request into its model's batcher (a model this worker does not hold: the frontend's bug, answered)."""
+        model = job.rec.options.model
+        if model < len(self.slots):
+            self.slots[model].batcher.add(job)
+        else:
+            self.write_error(job, f"the request names model {model}; this worker holds {len(self.slots)}. "
+                                  "This is a bug.")
+
     def drop_expired(self) -> None:
         """Answer DEADLINE_EXCEEDED for requests whose deadline passed before they were batched."""
-        dropped = self.batcher.expire(time.monotonic_ns())
+        now_ns = time.monotonic_ns()
+        dropped = [job for slot in self.slots for job in slot.batcher.expire(now_ns)]
         for job in dropped:
             self.write_error(job, status.DEADLINE_PASSED, records.DEADLINE_EXCEEDED)
         for source in {job.source for job in dropped}:
@@ -277,19 +333,20 @@ class Worker:
 
     # ---- batches ----
 
-    def submit(self, spans: list[tuple[Job, int, int]], lane: Lane) -> InFlight:
-        """Plan each link's share of the batch and launch it. Its records are held now and the
-        engine copies the rows straight into them, except for a bulk batch beside interactive
-        ones: its records are taken when it is done (a held record would hold back the
-        interactive records behind it in the ring: records publish in the order taken)."""
+    def submit(self, slot: ModelSlot, spans: list[tuple[Job, int, int]], lane: Lane) -> InFlight:
+        """Plan each link's share of the batch and launch it on the model's engine. Its records are
+        held now and the engine copies the rows straight into them, except for a bulk batch beside
+        interactive ones, and any batch of a CUDA worker with several models (module docstring):
+        its records are taken when it is done (a held record would hold back the records behind it
+        in the ring: records publish in the order taken)."""
         start_ns = time.monotonic_ns()
         spans = sorted(spans, key=lambda span: span[0].source)  # each link's rows together
         shares = []
         for source, group in itertools.groupby(spans, key=lambda span: span[0].source):
             batch_tokens = sum(job.tokens(a, b) for job, a, b in spans) if not shares else 0
-            plan = BatchAnswer(list(group), self.hidden, self.native_int8, batch_tokens)
+            plan = BatchAnswer(list(group), slot.hidden, slot.spec.native_int8, batch_tokens)
             shares.append(LinkShare(self.links[source], plan, None))
-        held = lane == INTERACTIVE or not self.side_by_side
+        held = self.hold_records and (lane == INTERACTIVE or not self.side_by_side)
         for share in shares if held else ():
             share.record = self.reserve(share.link, share.plan)
         sequences = [job.rec.ids[job.offsets[i]:job.offsets[i + 1]] for job, a, b in spans for i in range(a, b)]
@@ -299,12 +356,12 @@ class Worker:
         outs = [share.plan.raw_rows(share.record.view) for share in shares] if held else None
         normalize = shares[0].plan.normalize if len(shares) == 1 else np.concatenate([s.plan.normalize for s in shares])
         try:
-            pending, error = self.engine.submit(pack(sequences, row_spans), out=outs, normalize=normalize,
+            pending, error = slot.engine.submit(pack(sequences, row_spans), out=outs, normalize=normalize,
                                                 lane=lane), None
         except Exception as exc:  # a failed batch fails its requests, not the worker
             pending, error = None, exc
-        batch = InFlight(lane, shares, pending, error, start_ns)
-        self.open[lane].append(batch)
+        batch = InFlight(slot, lane, shares, pending, error, start_ns, self.batches)
+        slot.open[lane].append(batch)
         self.batches += 1
         return batch
 
@@ -362,9 +419,11 @@ class Worker:
             try:
                 return take()
             except CommitFirst:  # only held records stand in the way: the held ones are interactive
-                if not self.open[INTERACTIVE]:
+                held = [slot.open[INTERACTIVE] for slot in self.slots if slot.open[INTERACTIVE]]
+                if not held:
                     raise
-                self.answer(self.open[INTERACTIVE].popleft())
+                oldest = min(held, key=lambda queue: queue[0].seq)  # the first record taken
+                self.answer(oldest.popleft())
             except TimeoutError:
                 self.state.beat(self.cfg.index, self.batches)  # waiting on a live frontend is progress
                 self.poll_control()
@@ -377,4 +436,5 @@ class Worker:
         self.state.set_ready(self.cfg.index, False)
         for link in self.links.values():
             link.close()
-        self.engine.close()
+        for slot in self.slots:
+            slot.engine.close()

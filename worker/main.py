@@ -2,7 +2,7 @@
 
 One worker per device. It sees and allocates on its one GPU (CUDA_VISIBLE_DEVICES narrowed before
 torch starts), runs on its share of the cores, names itself in its process title, dies with its
-parent, loads the model and pays its first-call costs, then runs the loop (worker/loop.py) over
+parent, loads every model (an engine each) and pays their first-call costs, then runs the loop (worker/loop.py) over
 its end of each frontend's ring pair (the control socket brings them).
 """
 from __future__ import annotations
@@ -16,26 +16,53 @@ import traceback
 from pollen.common import control
 from pollen.common.process import bootstrap, config_from_argv
 from pollen.common.worker_config import WorkerConfig
+from pollen.worker.model_slot import ModelSlot
 
 
-def load(cfg: WorkerConfig):
-    """The model on this worker's device and the engine that runs it, warmed up; (engine, spec)."""
+def load(cfg: WorkerConfig) -> list[ModelSlot]:
+    """Every model on this worker's device, each with the engine that runs it, warmed up, in
+    --model's order; each model's memory is logged (and the READY record reports it)."""
+    import torch
+
+    torch.set_num_threads(cfg.threads)
+    # cuda: main() narrowed CUDA_VISIBLE_DEVICES to our one GPU, so it is always cuda:0 here.
+    device = "cuda:0" if cfg.device == "cuda" else "cpu"
+    slots = []
+    paths = cfg.model.split(",")
+    for index, path in enumerate(paths):
+        slots.append(load_one(cfg, index, path, device, several=len(paths) > 1))
+    return slots
+
+
+def load_one(cfg: WorkerConfig, index: int, path: str, device: str, several: bool = False) -> ModelSlot:
+    """One model and its engine (its own graphs, buffers and streams), warmed up; its memory:
+    on CUDA what the GPU's allocator holds for it once warm (weights, buffers, captured graphs),
+    on the CPU its weights.
+
+    Beside other models, a reranker's or classifier's interactive stream runs one priority step
+    below an embedder's (both above every bulk lane): one pair batch is many times a query's
+    work, and at equal priority the GPU interleaves their kernels one for one, so each of a
+    query's kernels would wait for one of the batch's."""
     import torch
 
     from pollen.worker.engine import make_engine
     from pollen.worker.models.loader import load_model
 
-    torch.set_num_threads(cfg.threads)
-    # cuda: main() narrowed CUDA_VISIBLE_DEVICES to our one GPU, so it is always cuda:0 here.
-    device = "cuda:0" if cfg.device == "cuda" else "cpu"
-    model = load_model(cfg.model, device=device, dtype=getattr(torch, cfg.dtype), pooling=cfg.pooling,
+    cuda = device.startswith("cuda")
+    before = torch.cuda.memory_reserved(device) if cuda else 0
+    model = load_model(path, device=device, dtype=getattr(torch, cfg.dtype), pooling=cfg.pooling,
                        attention=cfg.attention, options=cfg.engine_options)
     engine = make_engine(model, device, max_batch_tokens=cfg.max_batch_tokens, cuda_graphs=cfg.cuda_graphs,
                          graph_max_tokens=cfg.graph_max_tokens or None, defer_capture=True,
-                         bulk_sms=cfg.bulk_sms)
+                         bulk_sms=cfg.bulk_sms, interactive_step=int(several and model.spec.task != "embed"))
     # First-call costs, and on CUDA the likely query graphs, before READY rather than on a client.
-    engine.warm_up(cfg.warmup_seconds)
-    return engine, model.spec
+    # Several models share the warm-up budget.
+    engine.warm_up(cfg.warmup_seconds / len(cfg.model.split(",")))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    memory = torch.cuda.memory_reserved(device) - before if cuda else weights
+    print(f"pollen-worker[{cfg.index}]: model {index} ({os.path.basename(path)}) holds {memory / 2**20:.0f} MiB "
+          f"on {device} ({weights / 2**20:.0f} MiB of weights)", file=sys.stderr, flush=True)
+    return ModelSlot(index, model.spec, engine, memory)
 
 
 def report_failure(cfg: WorkerConfig, exc: Exception) -> None:
@@ -61,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     where = f"cuda:{cfg.gpu}" if cfg.gpu >= 0 else "cpu"
     # SIGTERM and SIGINT are the supervisor's: it stops us over the control socket once the
     # frontends have finished their calls.
-    bootstrap(f"pollen-worker[{cfg.index}] {where} {os.path.basename(cfg.model)}", cfg.cpu_cores,
+    names = " ".join(os.path.basename(path) for path in cfg.model.split(","))
+    bootstrap(f"pollen-worker[{cfg.index}] {where} {names}", cfg.cpu_cores,
               ignore=(signal.SIGINT, signal.SIGTERM))
     import torch
 
@@ -72,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         report_failure(cfg, exc)
         return 1
-    worker = Worker(cfg, *loaded)
+    worker = Worker(cfg, loaded)
     try:
         # One inference mode around the whole loop: entering it for each batch costs every batch
         # time, the more on a core that had idled.

@@ -38,8 +38,10 @@ def bulk_sm_count(requested: int, total: int, supported: bool) -> int:
 
 # Every green context made, kept until the process ends: one destroyed while memory or graphs
 # made on its streams live (an engine's lanes, the allocator's cached blocks) aborts the process
-# when those are freed ("CUDA error: context is destroyed"). An engine makes one; they are few.
+# when those are freed ("CUDA error: context is destroyed"). The engines of one process (a worker
+# with several models) share one per device and size: their bulk lanes run on the same SMs.
 _KEPT: list = []
+_SHARED: dict[tuple[int, int], BulkPartition] = {}
 
 
 class BulkPartition:
@@ -52,6 +54,14 @@ class BulkPartition:
         self.sms = sms
         self.context = green_contexts.GreenContext.create(num_sms=sms, device_id=index)
         _KEPT.append(self.context)
+
+    @classmethod
+    def shared(cls, device: torch.device, sms: int) -> BulkPartition:
+        """This process's partition of `sms` SMs on `device`, made at the first call."""
+        key = (device.index if device.index is not None else torch.cuda.current_device(), sms)
+        if key not in _SHARED:
+            _SHARED[key] = cls(device, sms)
+        return _SHARED[key]
 
     def stream(self) -> torch.cuda.Stream:
         return self.context.Stream()

@@ -1,7 +1,8 @@
 """QK-norm + RoPE in one kernel per token: splits the fused QKV projection into contiguous q, k
-and v, RMS-normalizes every q and k head with its weight (NORM; a model without QK-norm skips
-it), and rotates both by the token's position (halves form, cos/sin from a float32 cache).
-Replaces about a dozen small torch ops."""
+and v, RMS-normalizes every q and k head with its weight, and rotates both by the token's
+position (halves form, cos/sin from a float32 cache). Replaces about a dozen small torch ops.
+Without QK-norm (weights None, NORM false: Qwen2, Mistral, Llama, ModernBERT) the same kernel
+only splits and rotates."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""The interface every engine model implements (BERT, Qwen3), on the CPU and on CUDA."""
+"""The interface every engine model implements (BERT, MPNet, Qwen3), on the CPU and on CUDA."""
 
 from __future__ import annotations
 
@@ -35,6 +35,9 @@ class EmbeddingModel(torch.nn.Module):
     # "bert.embeddings...". The loader picks the prefix under which the most names exist.
     hf_prefixes: tuple[str, ...] = ("",)
     output_head: torch.nn.Module | None  # set by each model's __init__ (worker/models/heads.make_head)
+    # Whether the forward reads device values on the host (an SDPA loop over cu_seqlens): such a
+    # model cannot be captured into a CUDA graph, so the CUDA engine runs it eagerly.
+    host_syncs: bool = False
 
     def __init__(self):
         super().__init__()

@@ -25,6 +25,9 @@ from pollen.worker.models.ops import Ops
 
 
 class BertLayer(nn.Module):
+    """One post-norm layer. `attention` is VarlenAttention, or anything called as it is (MPNet's
+    RelativeAttention, which adds its position bias)."""
+
     def __init__(self, hidden: int, heads: int, intermediate: int, eps: float, act: str, attention: VarlenAttention):
         super().__init__()
         self.heads, self.attention = heads, attention

@@ -3,7 +3,7 @@
 Each function here is the plain-torch reference. The loader chooses a model's `Ops` once
 (worker/models/loader.py, `choose_ops`): these references, or on CUDA, when Triton is importable
 and EngineOptions.triton is on, the fused kernels of worker/kernels/: one launch for residual-add +
-RMSNorm, one for (QK-norm +) RoPE, one for SiLU-gate, and the kernels that have no reference here
+RMSNorm, one for (QK-norm +) RoPE, one for SiLU-gate or GeGLU, and the kernels that have no reference here
 (short-sequence attention, the query products). A short query is bound by kernel launches, so
 every launch saved is latency saved. The references compute in float32
 and round once, like the kernels, so both agree to rounding.
@@ -96,11 +96,18 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: tor
     return rotate(q, q_weight), rotate(k, k_weight), v
 
 
+def gelu_mul(gate_up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GeGLU: [T, 2I] (gated half first, as ModernBERT's Wi lays them out) -> gelu(first) * second,
+    [T, I]. approximate "none" is the exact erf form (HF "gelu"), "tanh" the tanh approximation."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate=approximate) * up
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Ops:
     """One model's implementations, chosen when it is loaded; the forward calls them, never asks.
 
-    The four element-wise ones take and give the same tensors in either set. The Triton-only
+    The five element-wise ones take and give the same tensors in either set. The Triton-only
     kernels are None in the torch set, and None in the Triton set where EngineOptions turned
     them off: a model takes a kernel exactly when it is here and the batch's shape fits it.
     """
@@ -111,6 +118,7 @@ class Ops:
     embed_rms_norm: Callable
     qk_norm_rope: Callable
     silu_mul: Callable
+    gelu_mul: Callable
     # Sequences of up to kernels.SHORT_MAX_LEN tokens: attention of packed q, k, v, and Qwen3's
     # QK-norm + RoPE + attention in one kernel (worker/kernels/short_attention.py).
     short_attention: Callable | None = None
@@ -120,8 +128,11 @@ class Ops:
     skinny_linear: Callable | None = None
     skinny_fits: Callable | None = None
     skinny_layer_wins: Callable | None = None
+    # MPNet's attention with its relative-position bias over packed sequences
+    # (worker/kernels/relative_attention.py; worker/models/relative_position.py uses it).
+    relative_attention: Callable | None = None
 
 
 def reference_ops(attention: str) -> Ops:
     """The torch references, with the given attention kernel."""
-    return Ops("torch", attention, add_rms_norm, embed_rms_norm, qk_norm_rope, silu_mul)
+    return Ops("torch", attention, add_rms_norm, embed_rms_norm, qk_norm_rope, silu_mul, gelu_mul)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pollen.common.engine_options import EngineOptions
-from pollen.common.model_spec import QWEN3_TYPES, ModelSpec, rope_parameters
+from pollen.common.model_spec import QWEN3_TYPES, ModelSpec, rope_parameters, sliding_window
 from pollen.worker import kernels
 from pollen.worker.models.attention import VarlenAttention
 from pollen.worker.models.base import EmbeddingModel
@@ -83,7 +83,10 @@ class Qwen3Encoder(EmbeddingModel):
         self.norm = RMSNormWeight(hidden)
         self.output_head = make_head(spec, config)  # reads the final norm's output, as HF's heads do
         self._rope: torch.Tensor | None = None  # built on first use, on the weights' device
-        self.attention = VarlenAttention.of(ops, head_dim)
+        # Mistral's window: a token sees the window - 1 tokens before it (a half-width of window - 1;
+        # symmetric under --attention bidirectional, as transformers' flash path applies it).
+        window = sliding_window(spec.path, config)
+        self.attention = VarlenAttention.of(ops, head_dim, window=None if window is None else window - 1)
         # Short sequences: QK-norm, RoPE and attention in one kernel per layer (launches are their cost).
         takes = kernels.short_attention_takes(head_dim, rope=True)
         self.short_qk_rope_attention = ops.short_qk_rope_attention if takes else None
@@ -104,7 +107,8 @@ class Qwen3Encoder(EmbeddingModel):
             raise ValueError(f"sequence of {max_seqlen} tokens exceeds {self.max_positions} positions")
         ops = self.ops
         add_rms_norm, silu_mul = ops.add_rms_norm, ops.silu_mul
-        short = self.short_qk_rope_attention is not None and max_seqlen <= kernels.SHORT_MAX_LEN
+        # The fused short kernel has no window: it takes what the attention's short kernel would.
+        short = self.short_qk_rope_attention is not None and max_seqlen <= self.attention.short_max
         attend = functools.partial(self.attend, short=short, cache=self.rope(input_ids.device),
                                    positions=positions, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         if self.fits_query_kernels(input_ids.shape[0]):

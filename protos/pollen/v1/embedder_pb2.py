@@ -24,53 +24,59 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pollen/v1/embedder.proto\x12\tpollen.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x86\x03\n\x0c\x45mbedRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12&\n\ttoken_ids\x18\x03 \x03(\x0b\x32\x13.pollen.v1.TokenIds\x12\x12\n\ndimensions\x18\x04 \x01(\r\x12\x11\n\tnormalize\x18\x05 \x01(\x08\x12%\n\x08\x65ncoding\x18\x06 \x01(\x0e\x32\x13.pollen.v1.Encoding\x12*\n\x08truncate\x18\x07 \x01(\x0e\x32\x13.pollen.v1.TruncateH\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x08 \x01(\r\x12\x13\n\x0bprompt_name\x18\t \x01(\t\x12\x0e\n\x06prompt\x18\n \x01(\t\x12(\n\nlong_input\x18\x0b \x01(\x0e\x32\x14.pollen.v1.LongInput\x12\x0e\n\x06\x63hunks\x18\x0c \x03(\t\x12%\n\x08priority\x18\r \x01(\x0e\x32\x13.pollen.v1.Priority\x12\x12\n\ntimeout_ms\x18\x0e \x01(\rB\x0b\n\t_truncate\"\x1e\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\"0\n\x06Timing\x12\x10\n\x08queue_us\x18\x01 \x01(\x04\x12\x14\n\x0cinference_us\x18\x02 \x01(\x04\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe7\x01\n\rEmbedResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nembeddings\x18\x02 \x01(\x0c\x12\x0c\n\x04rows\x18\x03 \x01(\r\x12\x0c\n\x04\x64ims\x18\x04 \x01(\r\x12%\n\x08\x65ncoding\x18\x05 \x01(\x0e\x32\x13.pollen.v1.Encoding\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.pollen.v1.Usage\x12!\n\x06timing\x18\x07 \x01(\x0b\x32\x11.pollen.v1.Timing\x12\x1f\n\x05\x65rror\x18\x08 \x01(\x0b\x32\x10.pollen.v1.Error\x12\x0e\n\x06scales\x18\t \x03(\x02\"\x92\x01\n\x0fTokenizeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12*\n\x08truncate\x18\x02 \x01(\x0e\x32\x13.pollen.v1.TruncateH\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x13\n\x0bprompt_name\x18\x04 \x01(\t\x12\x0e\n\x06prompt\x18\x05 \x01(\tB\x0b\n\t_truncate\"h\n\x10TokenizeResponse\x12#\n\x06tokens\x18\x01 \x03(\x0b\x32\x13.pollen.v1.TokenIds\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\r\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.pollen.v1.Usage\"\r\n\x0bInfoRequest\"\xff\x03\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ndimensions\x18\x02 \x01(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12#\n\x07pooling\x18\x04 \x01(\x0e\x32\x12.pollen.v1.Pooling\x12&\n\tencodings\x18\x05 \x03(\x0e\x32\x13.pollen.v1.Encoding\x12\x1d\n\x15max_texts_per_request\x18\x06 \x01(\r\x12\x18\n\x10max_batch_tokens\x18\x07 \x01(\r\x12\x19\n\x11max_queued_tokens\x18\x08 \x01(\x04\x12\x19\n\x11max_request_bytes\x18\t \x01(\r\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x0f\n\x07workers\x18\x0b \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x35\n\x07prompts\x18\r \x03(\x0b\x32$.pollen.v1.InfoResponse.PromptsEntry\x12\x1d\n\x15matryoshka_dimensions\x18\x0e \x03(\r\x12\x11\n\tfrontends\x18\x0f \x01(\r\x12\x10\n\x08\x66rontend\x18\x10 \x01(\r\x12\x0c\n\x04task\x18\x11 \x01(\t\x12\x0e\n\x06labels\x18\x12 \x03(\t\x1a.\n\x0cPromptsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd2\x02\n\rRerankRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12\x11\n\tdocuments\x18\x03 \x03(\t\x12\x12\n\x05top_n\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10return_documents\x18\x05 \x01(\x08\x12\x13\n\x0binstruction\x18\x06 \x01(\t\x12\x12\n\nraw_scores\x18\x07 \x01(\x08\x12*\n\x08truncate\x18\x08 \x01(\x0e\x32\x13.pollen.v1.TruncateH\x01\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\r\x12%\n\x08priority\x18\n \x01(\x0e\x32\x13.pollen.v1.Priority\x12\x12\n\ntimeout_ms\x18\x0b \x01(\r\x12\r\n\x05model\x18\x0c \x01(\t\x12\x1b\n\x13max_document_tokens\x18\r \x01(\rB\x08\n\x06_top_nB\x0b\n\t_truncate\">\n\x0cRerankResult\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x10\n\x08\x64ocument\x18\x03 \x01(\t\"\x99\x01\n\x0eRerankResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12(\n\x07results\x18\x02 \x03(\x0b\x32\x17.pollen.v1.RerankResult\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.pollen.v1.Usage\x12!\n\x06timing\x18\x04 \x01(\x0b\x32\x11.pollen.v1.Timing\x12\r\n\x05model\x18\x05 \x01(\t*v\n\x08\x45ncoding\x12\x14\n\x10\x45NCODING_FLOAT32\x10\x00\x12\x14\n\x10\x45NCODING_FLOAT16\x10\x01\x12\x15\n\x11\x45NCODING_BFLOAT16\x10\x02\x12\x11\n\rENCODING_INT8\x10\x03\x12\x14\n\x10\x45NCODING_UBINARY\x10\x04*C\n\x08Truncate\x12\x11\n\rTRUNCATE_NONE\x10\x00\x12\x10\n\x0cTRUNCATE_END\x10\x01\x12\x12\n\x0eTRUNCATE_START\x10\x02*?\n\tLongInput\x12\x17\n\x13LONG_INPUT_TRUNCATE\x10\x00\x12\x19\n\x15LONG_INPUT_CHUNK_MEAN\x10\x01*7\n\x08Priority\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x00\x12\x11\n\rPRIORITY_BULK\x10\x01*W\n\x07Pooling\x12\x17\n\x13POOLING_UNSPECIFIED\x10\x00\x12\x10\n\x0cPOOLING_MEAN\x10\x01\x12\x0f\n\x0bPOOLING_CLS\x10\x02\x12\x10\n\x0cPOOLING_LAST\x10\x03\x32\xc9\x02\n\x08\x45mbedder\x12:\n\x05\x45mbed\x12\x17.pollen.v1.EmbedRequest\x1a\x18.pollen.v1.EmbedResponse\x12\x44\n\x0b\x45mbedStream\x12\x17.pollen.v1.EmbedRequest\x1a\x18.pollen.v1.EmbedResponse(\x01\x30\x01\x12\x43\n\x08Tokenize\x12\x1a.pollen.v1.TokenizeRequest\x1a\x1b.pollen.v1.TokenizeResponse\x12\x37\n\x04Info\x12\x16.pollen.v1.InfoRequest\x1a\x17.pollen.v1.InfoResponse\x12=\n\x06Rerank\x12\x18.pollen.v1.RerankRequest\x1a\x19.pollen.v1.RerankResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pollen/v1/embedder.proto\x12\tpollen.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x95\x03\n\x0c\x45mbedRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12&\n\ttoken_ids\x18\x03 \x03(\x0b\x32\x13.pollen.v1.TokenIds\x12\x12\n\ndimensions\x18\x04 \x01(\r\x12\x11\n\tnormalize\x18\x05 \x01(\x08\x12%\n\x08\x65ncoding\x18\x06 \x01(\x0e\x32\x13.pollen.v1.Encoding\x12*\n\x08truncate\x18\x07 \x01(\x0e\x32\x13.pollen.v1.TruncateH\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x08 \x01(\r\x12\x13\n\x0bprompt_name\x18\t \x01(\t\x12\x0e\n\x06prompt\x18\n \x01(\t\x12(\n\nlong_input\x18\x0b \x01(\x0e\x32\x14.pollen.v1.LongInput\x12\x0e\n\x06\x63hunks\x18\x0c \x03(\t\x12%\n\x08priority\x18\r \x01(\x0e\x32\x13.pollen.v1.Priority\x12\x12\n\ntimeout_ms\x18\x0e \x01(\r\x12\r\n\x05model\x18\x0f \x01(\tB\x0b\n\t_truncate\"\x1e\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\"0\n\x06Timing\x12\x10\n\x08queue_us\x18\x01 \x01(\x04\x12\x14\n\x0cinference_us\x18\x02 \x01(\x04\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xf6\x01\n\rEmbedResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nembeddings\x18\x02 \x01(\x0c\x12\x0c\n\x04rows\x18\x03 \x01(\r\x12\x0c\n\x04\x64ims\x18\x04 \x01(\r\x12%\n\x08\x65ncoding\x18\x05 \x01(\x0e\x32\x13.pollen.v1.Encoding\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.pollen.v1.Usage\x12!\n\x06timing\x18\x07 \x01(\x0b\x32\x11.pollen.v1.Timing\x12\x1f\n\x05\x65rror\x18\x08 \x01(\x0b\x32\x10.pollen.v1.Error\x12\x0e\n\x06scales\x18\t \x03(\x02\x12\r\n\x05model\x18\n \x01(\t\"\xa1\x01\n\x0fTokenizeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12*\n\x08truncate\x18\x02 \x01(\x0e\x32\x13.pollen.v1.TruncateH\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x13\n\x0bprompt_name\x18\x04 \x01(\t\x12\x0e\n\x06prompt\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\tB\x0b\n\t_truncate\"h\n\x10TokenizeResponse\x12#\n\x06tokens\x18\x01 \x03(\x0b\x32\x13.pollen.v1.TokenIds\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\r\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.pollen.v1.Usage\"\r\n\x0bInfoRequest\"\x9b\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x12\n\ndimensions\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12#\n\x07pooling\x18\x05 \x01(\x0e\x32\x12.pollen.v1.Pooling\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x32\n\x07prompts\x18\x07 \x03(\x0b\x32!.pollen.v1.ModelInfo.PromptsEntry\x12\x1d\n\x15matryoshka_dimensions\x18\x08 \x03(\r\x12\x0e\n\x06labels\x18\t \x03(\t\x1a.\n\x0cPromptsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa5\x04\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ndimensions\x18\x02 \x01(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12#\n\x07pooling\x18\x04 \x01(\x0e\x32\x12.pollen.v1.Pooling\x12&\n\tencodings\x18\x05 \x03(\x0e\x32\x13.pollen.v1.Encoding\x12\x1d\n\x15max_texts_per_request\x18\x06 \x01(\r\x12\x18\n\x10max_batch_tokens\x18\x07 \x01(\r\x12\x19\n\x11max_queued_tokens\x18\x08 \x01(\x04\x12\x19\n\x11max_request_bytes\x18\t \x01(\r\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x0f\n\x07workers\x18\x0b \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x35\n\x07prompts\x18\r \x03(\x0b\x32$.pollen.v1.InfoResponse.PromptsEntry\x12\x1d\n\x15matryoshka_dimensions\x18\x0e \x03(\r\x12\x11\n\tfrontends\x18\x0f \x01(\r\x12\x10\n\x08\x66rontend\x18\x10 \x01(\r\x12\x0c\n\x04task\x18\x11 \x01(\t\x12\x0e\n\x06labels\x18\x12 \x03(\t\x12$\n\x06models\x18\x13 \x03(\x0b\x32\x14.pollen.v1.ModelInfo\x1a.\n\x0cPromptsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd2\x02\n\rRerankRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12\x11\n\tdocuments\x18\x03 \x03(\t\x12\x12\n\x05top_n\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10return_documents\x18\x05 \x01(\x08\x12\x13\n\x0binstruction\x18\x06 \x01(\t\x12\x12\n\nraw_scores\x18\x07 \x01(\x08\x12*\n\x08truncate\x18\x08 \x01(\x0e\x32\x13.pollen.v1.TruncateH\x01\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\r\x12%\n\x08priority\x18\n \x01(\x0e\x32\x13.pollen.v1.Priority\x12\x12\n\ntimeout_ms\x18\x0b \x01(\r\x12\r\n\x05model\x18\x0c \x01(\t\x12\x1b\n\x13max_document_tokens\x18\r \x01(\rB\x08\n\x06_top_nB\x0b\n\t_truncate\">\n\x0cRerankResult\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x10\n\x08\x64ocument\x18\x03 \x01(\t\"\x99\x01\n\x0eRerankResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12(\n\x07results\x18\x02 \x03(\x0b\x32\x17.pollen.v1.RerankResult\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.pollen.v1.Usage\x12!\n\x06timing\x18\x04 \x01(\x0b\x32\x11.pollen.v1.Timing\x12\r\n\x05model\x18\x05 \x01(\t*v\n\x08\x45ncoding\x12\x14\n\x10\x45NCODING_FLOAT32\x10\x00\x12\x14\n\x10\x45NCODING_FLOAT16\x10\x01\x12\x15\n\x11\x45NCODING_BFLOAT16\x10\x02\x12\x11\n\rENCODING_INT8\x10\x03\x12\x14\n\x10\x45NCODING_UBINARY\x10\x04*C\n\x08Truncate\x12\x11\n\rTRUNCATE_NONE\x10\x00\x12\x10\n\x0cTRUNCATE_END\x10\x01\x12\x12\n\x0eTRUNCATE_START\x10\x02*?\n\tLongInput\x12\x17\n\x13LONG_INPUT_TRUNCATE\x10\x00\x12\x19\n\x15LONG_INPUT_CHUNK_MEAN\x10\x01*7\n\x08Priority\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x00\x12\x11\n\rPRIORITY_BULK\x10\x01*W\n\x07Pooling\x12\x17\n\x13POOLING_UNSPECIFIED\x10\x00\x12\x10\n\x0cPOOLING_MEAN\x10\x01\x12\x0f\n\x0bPOOLING_CLS\x10\x02\x12\x10\n\x0cPOOLING_LAST\x10\x03\x32\xc9\x02\n\x08\x45mbedder\x12:\n\x05\x45mbed\x12\x17.pollen.v1.EmbedRequest\x1a\x18.pollen.v1.EmbedResponse\x12\x44\n\x0b\x45mbedStream\x12\x17.pollen.v1.EmbedRequest\x1a\x18.pollen.v1.EmbedResponse(\x01\x30\x01\x12\x43\n\x08Tokenize\x12\x1a.pollen.v1.TokenizeRequest\x1a\x1b.pollen.v1.TokenizeResponse\x12\x37\n\x04Info\x12\x16.pollen.v1.InfoRequest\x1a\x17.pollen.v1.InfoResponse\x12=\n\x06Rerank\x12\x18.pollen.v1.RerankRequest\x1a\x19.pollen.v1.RerankResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pollen.v1.embedder_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_MODELINFO_PROMPTSENTRY']._loaded_options = None
+  _globals['_MODELINFO_PROMPTSENTRY']._serialized_options = b'8\001'
   _globals['_INFORESPONSE_PROMPTSENTRY']._loaded_options = None
   _globals['_INFORESPONSE_PROMPTSENTRY']._serialized_options = b'8\001'
-  _globals['_ENCODING']._serialized_start=2158
-  _globals['_ENCODING']._serialized_end=2276
-  _globals['_TRUNCATE']._serialized_start=2278
-  _globals['_TRUNCATE']._serialized_end=2345
-  _globals['_LONGINPUT']._serialized_start=2347
-  _globals['_LONGINPUT']._serialized_end=2410
-  _globals['_PRIORITY']._serialized_start=2412
-  _globals['_PRIORITY']._serialized_end=2467
-  _globals['_POOLING']._serialized_start=2469
-  _globals['_POOLING']._serialized_end=2556
+  _globals['_ENCODING']._serialized_start=2527
+  _globals['_ENCODING']._serialized_end=2645
+  _globals['_TRUNCATE']._serialized_start=2647
+  _globals['_TRUNCATE']._serialized_end=2714
+  _globals['_LONGINPUT']._serialized_start=2716
+  _globals['_LONGINPUT']._serialized_end=2779
+  _globals['_PRIORITY']._serialized_start=2781
+  _globals['_PRIORITY']._serialized_end=2836
+  _globals['_POOLING']._serialized_start=2838
+  _globals['_POOLING']._serialized_end=2925
   _globals['_TOKENIDS']._serialized_start=39
   _globals['_TOKENIDS']._serialized_end=62
   _globals['_EMBEDREQUEST']._serialized_start=65
-  _globals['_EMBEDREQUEST']._serialized_end=455
-  _globals['_USAGE']._serialized_start=457
-  _globals['_USAGE']._serialized_end=487
-  _globals['_TIMING']._serialized_start=489
-  _globals['_TIMING']._serialized_end=537
-  _globals['_ERROR']._serialized_start=539
-  _globals['_ERROR']._serialized_end=577
-  _globals['_EMBEDRESPONSE']._serialized_start=580
-  _globals['_EMBEDRESPONSE']._serialized_end=811
-  _globals['_TOKENIZEREQUEST']._serialized_start=814
-  _globals['_TOKENIZEREQUEST']._serialized_end=960
-  _globals['_TOKENIZERESPONSE']._serialized_start=962
-  _globals['_TOKENIZERESPONSE']._serialized_end=1066
-  _globals['_INFOREQUEST']._serialized_start=1068
-  _globals['_INFOREQUEST']._serialized_end=1081
-  _globals['_INFORESPONSE']._serialized_start=1084
-  _globals['_INFORESPONSE']._serialized_end=1595
-  _globals['_INFORESPONSE_PROMPTSENTRY']._serialized_start=1549
-  _globals['_INFORESPONSE_PROMPTSENTRY']._serialized_end=1595
-  _globals['_RERANKREQUEST']._serialized_start=1598
-  _globals['_RERANKREQUEST']._serialized_end=1936
-  _globals['_RERANKRESULT']._serialized_start=1938
-  _globals['_RERANKRESULT']._serialized_end=2000
-  _globals['_RERANKRESPONSE']._serialized_start=2003
-  _globals['_RERANKRESPONSE']._serialized_end=2156
-  _globals['_EMBEDDER']._serialized_start=2559
-  _globals['_EMBEDDER']._serialized_end=2888
+  _globals['_EMBEDREQUEST']._serialized_end=470
+  _globals['_USAGE']._serialized_start=472
+  _globals['_USAGE']._serialized_end=502
+  _globals['_TIMING']._serialized_start=504
+  _globals['_TIMING']._serialized_end=552
+  _globals['_ERROR']._serialized_start=554
+  _globals['_ERROR']._serialized_end=592
+  _globals['_EMBEDRESPONSE']._serialized_start=595
+  _globals['_EMBEDRESPONSE']._serialized_end=841
+  _globals['_TOKENIZEREQUEST']._serialized_start=844
+  _globals['_TOKENIZEREQUEST']._serialized_end=1005
+  _globals['_TOKENIZERESPONSE']._serialized_start=1007
+  _globals['_TOKENIZERESPONSE']._serialized_end=1111
+  _globals['_INFOREQUEST']._serialized_start=1113
+  _globals['_INFOREQUEST']._serialized_end=1126
+  _globals['_MODELINFO']._serialized_start=1129
+  _globals['_MODELINFO']._serialized_end=1412
+  _globals['_MODELINFO_PROMPTSENTRY']._serialized_start=1366
+  _globals['_MODELINFO_PROMPTSENTRY']._serialized_end=1412
+  _globals['_INFORESPONSE']._serialized_start=1415
+  _globals['_INFORESPONSE']._serialized_end=1964
+  _globals['_INFORESPONSE_PROMPTSENTRY']._serialized_start=1366
+  _globals['_INFORESPONSE_PROMPTSENTRY']._serialized_end=1412
+  _globals['_RERANKREQUEST']._serialized_start=1967
+  _globals['_RERANKREQUEST']._serialized_end=2305
+  _globals['_RERANKRESULT']._serialized_start=2307
+  _globals['_RERANKRESULT']._serialized_end=2369
+  _globals['_RERANKRESPONSE']._serialized_start=2372
+  _globals['_RERANKRESPONSE']._serialized_end=2525
+  _globals['_EMBEDDER']._serialized_start=2928
+  _globals['_EMBEDDER']._serialized_end=3257
 # @@protoc_insertion_point(module_scope)

@@ -61,7 +61,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("id", "texts", "token_ids", "dimensions", "normalize", "encoding", "truncate", "max_tokens", "prompt_name", "prompt", "long_input", "chunks", "priority", "timeout_ms")
+    __slots__ = ("id", "texts", "token_ids", "dimensions", "normalize", "encoding", "truncate", "max_tokens", "prompt_name", "prompt", "long_input", "chunks", "priority", "timeout_ms", "model")
     ID_FIELD_NUMBER: _ClassVar[int]
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class EmbedRequest(_message.Message):
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     id: str
     texts: _containers.RepeatedScalarFieldContainer[str]
     token_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
@@ -90,7 +91,8 @@ class EmbedRequest(_message.Message):
     chunks: _containers.RepeatedScalarFieldContainer[str]
     priority: Priority
     timeout_ms: int
-    def __init__(self, id: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., max_tokens: _Optional[int] = ..., prompt_name: _Optional[str] = ..., prompt: _Optional[str] = ..., long_input: _Optional[_Union[LongInput, str]] = ..., chunks: _Optional[_Iterable[str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, id: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., max_tokens: _Optional[int] = ..., prompt_name: _Optional[str] = ..., prompt: _Optional[str] = ..., long_input: _Optional[_Union[LongInput, str]] = ..., chunks: _Optional[_Iterable[str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens",)
@@ -115,7 +117,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
-    __slots__ = ("id", "embeddings", "rows", "dims", "encoding", "usage", "timing", "error", "scales")
+    __slots__ = ("id", "embeddings", "rows", "dims", "encoding", "usage", "timing", "error", "scales", "model")
     ID_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +127,7 @@ class EmbedResponse(_message.Message):
     TIMING_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SCALES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     id: str
     embeddings: bytes
     rows: int
@@ -134,21 +137,24 @@ class EmbedResponse(_message.Message):
     timing: Timing
     error: Error
     scales: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, id: _Optional[str] = ..., embeddings: _Optional[bytes] = ..., rows: _Optional[int] = ..., dims: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., scales: _Optional[_Iterable[float]] = ...) -> None: ...
+    model: str
+    def __init__(self, id: _Optional[str] = ..., embeddings: _Optional[bytes] = ..., rows: _Optional[int] = ..., dims: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., scales: _Optional[_Iterable[float]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("texts", "truncate", "max_tokens", "prompt_name", "prompt")
+    __slots__ = ("texts", "truncate", "max_tokens", "prompt_name", "prompt", "model")
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
     truncate: Truncate
     max_tokens: int
     prompt_name: str
     prompt: str
-    def __init__(self, texts: _Optional[_Iterable[str]] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., max_tokens: _Optional[int] = ..., prompt_name: _Optional[str] = ..., prompt: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., max_tokens: _Optional[int] = ..., prompt_name: _Optional[str] = ..., prompt: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("tokens", "counts", "usage")
@@ -164,8 +170,37 @@ class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "task", "dimensions", "max_tokens", "pooling", "vocab_size", "prompts", "matryoshka_dimensions", "labels")
+    class PromptsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    task: str
+    dimensions: int
+    max_tokens: int
+    pooling: Pooling
+    vocab_size: int
+    prompts: _containers.ScalarMap[str, str]
+    matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., task: _Optional[str] = ..., dimensions: _Optional[int] = ..., max_tokens: _Optional[int] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., vocab_size: _Optional[int] = ..., prompts: _Optional[_Mapping[str, str]] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "dimensions", "max_tokens", "pooling", "encodings", "max_texts_per_request", "max_batch_tokens", "max_queued_tokens", "max_request_bytes", "vocab_size", "workers", "device", "prompts", "matryoshka_dimensions", "frontends", "frontend", "task", "labels")
+    __slots__ = ("model", "dimensions", "max_tokens", "pooling", "encodings", "max_texts_per_request", "max_batch_tokens", "max_queued_tokens", "max_request_bytes", "vocab_size", "workers", "device", "prompts", "matryoshka_dimensions", "frontends", "frontend", "task", "labels", "models")
     class PromptsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +226,7 @@ class InfoResponse(_message.Message):
     FRONTEND_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dimensions: int
     max_tokens: int
@@ -209,7 +245,8 @@ class InfoResponse(_message.Message):
     frontend: int
     task: str
     labels: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., dimensions: _Optional[int] = ..., max_tokens: _Optional[int] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., encodings: _Optional[_Iterable[_Union[Encoding, str]]] = ..., max_texts_per_request: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_queued_tokens: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., workers: _Optional[int] = ..., device: _Optional[str] = ..., prompts: _Optional[_Mapping[str, str]] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., frontends: _Optional[int] = ..., frontend: _Optional[int] = ..., task: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, model: _Optional[str] = ..., dimensions: _Optional[int] = ..., max_tokens: _Optional[int] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., encodings: _Optional[_Iterable[_Union[Encoding, str]]] = ..., max_texts_per_request: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_queued_tokens: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., workers: _Optional[int] = ..., device: _Optional[str] = ..., prompts: _Optional[_Mapping[str, str]] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., frontends: _Optional[int] = ..., frontend: _Optional[int] = ..., task: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class RerankRequest(_message.Message):
     __slots__ = ("id", "query", "documents", "top_n", "return_documents", "instruction", "raw_scores", "truncate", "max_tokens", "priority", "timeout_ms", "model", "max_document_tokens")

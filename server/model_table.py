@@ -1,0 +1,79 @@
+"""The models a frontend serves, by name: each one's spec, tokenizer, admission and ranker, and
+the choice of the model a request gets.
+
+A request names its model (gRPC `model`, HTTP `model`) or names none and gets the first model,
+in --model's order, of the task its method needs (Embed: an embedder; Rerank: a reranker). A name
+that is not served, or a model that does not serve the method's task, is refused
+INVALID_ARGUMENT naming the models that can serve it.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from pollen.common.errors import echo, invalid
+from pollen.common.model_spec import ModelSpec
+from pollen.server.admission import Admission
+from pollen.server.config import ServeConfig
+from pollen.server.rerank import Ranker
+from pollen.server.router import Router
+from pollen.server.tokenizer import TextTokenizer
+
+KINDS = {"embed": "an embedding model", "rerank": "a reranker", "classify": "a classifier"}
+
+
+@dataclass(slots=True, eq=False)
+class ServedModel:
+    index: int  # its place in --model's list: the request record's model (common/request.py)
+    spec: ModelSpec
+    admission: Admission
+    ranker: Ranker
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def task(self) -> str:
+        return self.spec.task
+
+
+class ModelTable:
+    def __init__(self, models: list[ServedModel]):
+        self.models = models
+        self.by_name = {model.name: model for model in models}
+
+    @classmethod
+    def build(cls, cfg: ServeConfig, specs: list[ModelSpec], router: Router, executor: Executor) -> ModelTable:
+        models = []
+        for index, (path, spec) in enumerate(zip(cfg.model_paths(), specs)):
+            tokenizer = TextTokenizer(path, spec.max_tokens, tiktoken=cfg.tiktoken)
+            admission = Admission(spec, tokenizer, executor, cfg.max_texts_per_request,
+                                  default_truncate=cfg.default_truncate, model=index)
+            ranker = Ranker(spec, admission, router, cfg.max_documents_per_request, cfg.tokenizer_threads)
+            models.append(ServedModel(index, spec, admission, ranker))
+        return cls(models)
+
+    @property
+    def first(self) -> ServedModel:
+        return self.models[0]
+
+    def served(self) -> str:
+        return ", ".join(f"{model.name} ({model.task})" for model in self.models)
+
+    def pick(self, name: str, task: str | None, method: str) -> ServedModel:
+        """The model `name` names (empty: the first of `task`; None: any task), checked to serve
+        `task`; else INVALID_ARGUMENT naming the models that can."""
+        if name:
+            model = self.by_name.get(name)
+            if model is None:
+                raise invalid(f"model {echo(name)} is not served here; the models served: {self.served()}")
+        else:
+            model = next((m for m in self.models if task is None or m.task == task), None)
+        if model is None or (task is not None and model.task != task):
+            able = [m.name for m in self.models if m.task == task]
+            what = f"model {model.name} is {KINDS[model.task]}: " if model is not None else ""
+            where = f"the models that can: {', '.join(able)}" if able else f"none is served here; the models served: " \
+                                                                            f"{self.served()}"
+            raise invalid(f"{what}{method} needs {KINDS[task]}, and {where}")
+        return model
