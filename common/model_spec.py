@@ -16,10 +16,13 @@ from dataclasses import dataclass
 
 from pollen.common.modernbert_config import read_layout as read_modernbert_layout
 
-# One encoder serves all three; RoBERTa-style models only number positions differently.
-ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
-# Qwen3 decoders: Qwen3-Embedding (causal) and pplx-embed-v1 (bidirectional attention).
+# One encoder serves all four; RoBERTa-style models only number positions differently, and
+# DistilBERT has no token types and names its layers its own way.
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert")
+# Qwen3 decoders: Qwen3-Embedding (causal) and pplx-embed-v1 (bidirectional attention), with QK-norm.
 QWEN3_TYPES = ("qwen3", "bidirectional_pplx_qwen3")
+# The same decoder layers without QK-norm: Qwen2 (q/k/v biases), Mistral and Llama.
+DECODER_TYPES = QWEN3_TYPES + ("qwen2", "mistral", "llama")
 # MPNet: BERT's post-norm layers with a bucketed relative-position bias added to every layer's scores.
 MPNET_TYPES = ("mpnet",)
 # HF's MPNet buckets relative positions into 32 (compute_position_bias' fixed default), whatever
@@ -27,8 +30,16 @@ MPNET_TYPES = ("mpnet",)
 MPNET_BUCKETS = 32
 # ModernBERT encoders (gte-modernbert, modernbert-embed): RoPE, GeGLU, global and sliding-window layers.
 MODERNBERT_TYPES = ("modernbert",)
+# Every model_type pollen serves.
+SUPPORTED_TYPES = ENCODER_TYPES + MPNET_TYPES + DECODER_TYPES + MODERNBERT_TYPES
 # Bidirectional encoders: causal attention is not offered.
 BIDIRECTIONAL_FAMILIES = ("bert", "mpnet", "modernbert")
+# model_types whose checkpoints carry remote code (auto_map) that pollen implements itself; any
+# other checkpoint with auto_map runs code of its own, which pollen neither runs nor reproduces.
+OWN_REMOTE_CODE_TYPES = ("bidirectional_pplx_qwen3",)
+# RoPE kinds the decoders implement (worker/models/ops.py, rope_inv_freq); others change the
+# frequencies or scale cos/sin in ways they do not.
+ROPE_TYPES = ("default", "linear", "llama3")
 ATTENTION_MODES = ("causal", "bidirectional")
 SUPPORTED_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
 # sentence-transformers pooling names (new "pooling_mode" form) -> ours.
@@ -42,8 +53,18 @@ _LEGACY_POOLING_KEYS = {
     "pooling_mode_weightedmean_tokens": "weightedmean",
     "pooling_mode_lasttoken": "lasttoken",
 }
-# sentence-transformers modules we implement; any other (Dense, ...) would change the output.
-_KNOWN_ST_MODULES = ("Transformer", "Pooling", "Normalize")
+# sentence-transformers modules we implement; any other would change the output.
+_KNOWN_ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+# The activations a Dense module may name: torch.nn classes that sentence-transformers builds
+# with no arguments, element-wise and without weights of their own (the worker builds the same).
+DENSE_ACTIVATIONS = ("Identity", "Tanh", "Sigmoid", "ReLU", "ReLU6", "GELU", "SiLU", "Mish", "LeakyReLU", "ELU",
+                     "CELU", "SELU", "Softplus", "Softsign", "Hardtanh", "Hardswish", "Hardsigmoid", "LogSigmoid",
+                     "Tanhshrink", "Softshrink", "Hardshrink")
+# transformers' names of the common sizes in configs that call them otherwise (its attribute_map);
+# read_config adds the common names, which the rest of pollen reads.
+_CONFIG_ALIASES = {"distilbert": {"dim": "hidden_size", "n_layers": "num_hidden_layers",
+                                  "n_heads": "num_attention_heads", "hidden_dim": "intermediate_size",
+                                  "activation": "hidden_act"}}
 # config.json's sizes: each a positive integer, and together no larger than the weights hold
 # (_check_weights), so a lying config is refused here rather than by an allocation in the worker.
 # Sequence-classification heads (rerank with one label, classify with more), by architecture:
@@ -60,11 +81,26 @@ class UnsupportedModel(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class DenseModule:
+    """A sentence-transformers Dense module, applied to the pooled rows in modules.json's order:
+    activation(rows @ weight.T + bias), plus the input (projected without bias where the widths
+    differ) when `residual`. The worker builds it from these fields (worker/models/dense.py)."""
+
+    path: str  # the module's folder (absolute)
+    weights: str  # its weight file: model.safetensors, or pytorch_model.bin as older releases saved it
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str  # a name of DENSE_ACTIVATIONS: a torch.nn class
+    residual: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     path: str  # model directory (absolute)
     name: str  # human-readable, for logs and Info answers
-    family: str  # engine family: "bert" (BERT, RoBERTa, XLM-R encoders), "mpnet", "modernbert" or "qwen3"
-    hidden_size: int  # dimension of pooled vectors
+    family: str  # engine family: "bert" (BERT, RoBERTa, XLM-R, DistilBERT), "mpnet", "modernbert", "qwen3" (decoders)
+    hidden_size: int  # width of the embeddings: the pooled rows', or the last Dense module's output
     max_tokens: int  # limit per text, special tokens included
     vocab_size: int
     pooling: str  # "mean" | "cls" | "last"
@@ -86,6 +122,8 @@ class ModelSpec:
     # logit("yes") - logit("no") at the last token; yes_no_ids holds those two token ids.
     reranker_template: bool = False
     yes_no_ids: tuple = ()
+    # sentence-transformers Dense modules after pooling, in order; empty: the pooled rows are the output.
+    dense: tuple = ()
 
     @property
     def output_dims(self) -> int:
@@ -115,13 +153,17 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
 
     modules = _read_json(path, "modules.json", list) or []
     _check_modules(path, modules)
-    chosen_pooling = _read_pooling(path, modules, default=default_pooling)
+    chosen_pooling, include_prompt = _read_pooling(path, modules, default=default_pooling)
     if pooling is not None:
         if pooling not in _POOLING_NAMES.values():
             raise UnsupportedModel(f"pooling {pooling!r} is not one of {sorted(set(_POOLING_NAMES.values()))}")
         chosen_pooling = pooling
     if head is not None:
         chosen_pooling = head["pooling"]  # the head was trained on that token, whatever other files say
+    if not include_prompt and chosen_pooling == "mean":
+        # sentence-transformers would leave the prompt's tokens out of the mean; pollen pools them.
+        raise UnsupportedModel(f"{path}: mean pooling without the prompt's tokens (include_prompt false in the "
+                               "Pooling config) is not supported")
     if attention is not None:
         if attention not in ATTENTION_MODES:
             raise UnsupportedModel(f"attention {attention!r} is not one of {ATTENTION_MODES}")
@@ -134,18 +176,33 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
     max_tokens = positions
     st = _read_json(path, "sentence_bert_config.json") or {}
     if st.get("max_seq_length"):
-        max_tokens = min(int(st["max_seq_length"]), positions)
+        max_tokens = min(int(st["max_seq_length"]), max_tokens)
 
     prompts, default_prompt = _read_prompts(path)
-    hidden = int(config["hidden_size"])
+    dense = _read_dense(path, modules, int(config["hidden_size"]))
+    if dense and head is not None:
+        raise UnsupportedModel(f"{path}: Dense modules after a {head['task']} head are not supported")
+    hidden = dense[-1].out_features if dense else int(config["hidden_size"])
     return ModelSpec(
         path=path, name=_display_name(path), family=family, hidden_size=hidden, max_tokens=max_tokens,
         vocab_size=int(config["vocab_size"]), pooling=chosen_pooling, causal=causal,
         # A config key "pollen_native_int8": true forces the pplx int8 path on any checkpoint (tests).
         native_int8=model_type == "bidirectional_pplx_qwen3" or bool(config.get("pollen_native_int8")),
         prompts=prompts, default_prompt_name=default_prompt,
-        matryoshka_dimensions=() if head else _matryoshka_sizes(path, config, hidden),
+        matryoshka_dimensions=() if head else _matryoshka_sizes(path, config, hidden), dense=dense,
         **{key: value for key, value in (head or {}).items() if key != "pooling"})
+
+
+def sliding_window(path: str, config: dict) -> int | None:
+    """Mistral's attention window (transformers applies it whenever config.json sets one): a token
+    sees itself and the sliding_window - 1 tokens before it. None: no window (the other decoders'
+    configs carry one only with use_sliding_window, which is refused)."""
+    if config.get("model_type") != "mistral":
+        return None
+    window = config.get("sliding_window")
+    if window is not None and (type(window) is not int or window <= 0):
+        raise UnsupportedModel(f"{path}: config.json sliding_window must be a positive integer or null, got {window!r}")
+    return window
 
 
 def _read_head(path: str, config: dict, family: str) -> dict | None:
@@ -162,9 +219,11 @@ def _read_head(path: str, config: dict, family: str) -> dict | None:
     if "Qwen3ForCausalLM" in architectures and "reranker" in _display_name(path).lower():
         return {"task": "rerank", "pooling": "last", "reranker_template": True, "yes_no_ids": _yes_no_ids(path)}
     # Any other classification head would be dropped, and its scores served as embeddings.
-    unknown = [a for a in architectures if str(a).endswith(("ForSequenceClassification", "ForTokenClassification"))]
-    if unknown:
-        raise UnsupportedModel(f"{path}: the classification head of {unknown[0]} is not supported")
+    other = next((a for a in map(str, architectures) if a.endswith(("ForSequenceClassification",
+                                                                      "ForTokenClassification"))), None)
+    if other is not None:
+        raise UnsupportedModel(f"{path}: the {other} head is not supported; supported heads: "
+                               f"{', '.join(CLASSIFIER_POOLING)}")
     return None
 
 
@@ -200,9 +259,9 @@ def _yes_no_ids(path: str) -> tuple[int, int]:
 def _family(path: str, config: dict) -> tuple[str, bool, str]:
     """(engine family, causal attention, default pooling) of a checked config."""
     model_type = config.get("model_type")
-    known = ENCODER_TYPES + MPNET_TYPES + QWEN3_TYPES + MODERNBERT_TYPES
+    _check_remote_code(path, config)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
-                "max_position_embeddings") if model_type in known else ():
+                "max_position_embeddings") if model_type in SUPPORTED_TYPES else ():
         if key not in config:
             raise UnsupportedModel(f"{path}: config.json lacks {key!r}")
     for key in _SIZE_KEYS:
@@ -215,11 +274,12 @@ def _family(path: str, config: dict) -> tuple[str, bool, str]:
     if model_type in MPNET_TYPES:
         _check_mpnet_config(path, config)
         return "mpnet", False, "mean"
-    if model_type in QWEN3_TYPES:
-        # pplx-embed-v1 reads bidirectionally and mean-pools; Qwen3-Embedding reads causally and
-        # takes the last token (its tokenizer appends <|endoftext|> for that purpose).
-        _check_qwen3_config(path, config)
-        causal = model_type == "qwen3"
+    if model_type in DECODER_TYPES:
+        # pplx-embed-v1 reads bidirectionally and mean-pools. The others read causally, as
+        # transformers builds them whatever flags their configs carry, and take the last token
+        # (Qwen3-Embedding's tokenizer appends <|endoftext|> for that purpose).
+        _check_decoder_config(path, config)
+        causal = model_type != "bidirectional_pplx_qwen3"
         return "qwen3", causal, "last" if causal else "mean"
     if model_type in MODERNBERT_TYPES:
         try:
@@ -227,8 +287,24 @@ def _family(path: str, config: dict) -> tuple[str, bool, str]:
         except ValueError as e:
             raise UnsupportedModel(f"{path}: {e}") from None
         return "modernbert", False, "mean"
-    raise UnsupportedModel(f"{path}: model_type {model_type!r} is not supported; "
-                           f"supported: {ENCODER_TYPES + MPNET_TYPES + QWEN3_TYPES + MODERNBERT_TYPES}")
+    raise UnsupportedModel(f"{path}: model_type {model_type!r} is not supported; supported: {SUPPORTED_TYPES}")
+
+
+def _check_remote_code(path: str, config: dict) -> None:
+    """A checkpoint whose config.json maps its classes to code of its own (auto_map) computes what
+    that code says, which its model_type does not tell (jina-embeddings-v2 is model_type bert
+    with ALiBi attention in its code): refused, unless pollen implements that architecture."""
+    auto_map = config.get("auto_map")
+    if not auto_map or config.get("model_type") in OWN_REMOTE_CODE_TYPES:
+        return
+    names = auto_map.values() if isinstance(auto_map, dict) else [auto_map]
+    code = next((str(n[-1] if isinstance(n, list) and n else n) for n in names), "?")
+    if isinstance(auto_map, dict) and auto_map.get("AutoModel"):
+        code = str(auto_map["AutoModel"])
+    architecture = ", ".join(map(str, config.get("architectures") or [])) or "unnamed"
+    raise UnsupportedModel(f"{path}: architecture {architecture} (model_type {config.get('model_type')!r}) runs "
+                           f"the checkpoint's own code ({code}, config.json auto_map), which pollen does not run "
+                           "and does not implement")
 
 
 # The smallest Matryoshka prefix offered when a checkpoint declares no sizes of its own.
@@ -258,10 +334,16 @@ def _matryoshka_sizes(path: str, config: dict, hidden: int) -> tuple:
 
 
 def read_config(path: str) -> dict:
-    """config.json as a dict (the engine reads layer sizes from it)."""
+    """config.json as a dict (the engine reads layer sizes from it), with the common names of
+    sizes that the model's config calls otherwise (_CONFIG_ALIASES)."""
     config = _read_json(path, "config.json")
     if config is None:
         raise UnsupportedModel(f"{path}: no config.json (expected a Hugging Face model directory)")
+    for theirs, ours in _CONFIG_ALIASES.get(config.get("model_type"), {}).items():
+        if theirs in config:
+            config[ours] = config[theirs]
+    if config.get("model_type") == "distilbert":
+        config["type_vocab_size"] = 0  # no token type embeddings
     return config
 
 
@@ -318,20 +400,53 @@ def _check_mpnet_config(path: str, config: dict) -> None:
                                f"{MPNET_BUCKETS} (MPNet reads {MPNET_BUCKETS} buckets), got {buckets!r}")
 
 
-def _check_qwen3_config(path: str, config: dict) -> None:
+def _check_decoder_config(path: str, config: dict) -> None:
     act = config.get("hidden_act", "silu")
     if act != "silu":
-        raise UnsupportedModel(f"{path}: hidden_act {act!r} is not supported for Qwen3 (only 'silu')")
-    if config.get("use_sliding_window"):
-        raise UnsupportedModel(f"{path}: sliding-window attention is not supported")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise UnsupportedModel(f"{path}: RoPE type {kind!r} is not supported (only the default)")
+        raise UnsupportedModel(f"{path}: hidden_act {act!r} is not supported for decoders (only 'silu')")
+    layer_types = config.get("layer_types") or []
+    if config.get("use_sliding_window") or any(kind != "full_attention" for kind in layer_types):
+        raise UnsupportedModel(f"{path}: sliding-window attention layers are not supported")
+    if config.get("mlp_bias"):
+        raise UnsupportedModel(f"{path}: MLP biases (mlp_bias) are not supported")
+    sliding_window(path, config)  # checked here, applied by the model's attention
+    _check_rope(path, config)
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     if heads % kv_heads:
         raise UnsupportedModel(f"{path}: num_attention_heads {heads} is not a multiple of "
                                f"num_key_value_heads {kv_heads}")
+
+
+def rope_parameters(config: dict) -> dict:
+    """The RoPE settings as transformers 5 keeps them (`rope_parameters`: rope_type, rope_theta and
+    the kind's own keys), also from older configs (`rope_scaling`, a top-level rope_theta)."""
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    if rope["rope_type"] == "llama3":  # a top-level value wins, as transformers has it
+        rope.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
+        if "original_max_position_embeddings" in config:
+            rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+    return rope
+
+
+def _check_rope(path: str, config: dict) -> None:
+    rope = rope_parameters(config)
+    kind = rope["rope_type"]
+    if kind not in ROPE_TYPES:
+        raise UnsupportedModel(f"{path}: RoPE type {kind!r} is not supported; supported: {ROPE_TYPES}")
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise UnsupportedModel(f"{path}: partial rotary embeddings (partial_rotary_factor {partial}) are not supported")
+    needs = {"default": ("rope_theta",), "linear": ("rope_theta", "factor"),
+             "llama3": ("rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+                        "original_max_position_embeddings")}[kind]
+    for key in needs:
+        value = rope.get(key)
+        if type(value) not in (int, float) or value <= 0:
+            raise UnsupportedModel(f"{path}: RoPE {kind!r} needs a positive number {key}, got {value!r}")
+    if kind == "llama3" and rope["high_freq_factor"] <= rope["low_freq_factor"]:
+        raise UnsupportedModel(f"{path}: RoPE 'llama3' needs high_freq_factor above low_freq_factor")
 
 
 def _weight_files(path: str) -> list[str]:
@@ -400,9 +515,16 @@ def check_tokenizer(path: str) -> None:
     from tokenizers import Tokenizer
 
     try:
-        Tokenizer.from_file(file)
+        tokenizer = Tokenizer.from_file(file)
     except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception for any bad file
         raise UnsupportedModel(f"{file}: not a tokenizer the tokenizers library reads: {exc}") from None
+    # An id past the embedding table would be an index error on the CPU and a device assert on CUDA.
+    vocab = (_read_json(path, "config.json") or {}).get("vocab_size")
+    ids = tokenizer.get_vocab(with_added_tokens=True)
+    token, top = max(ids.items(), key=lambda item: item[1], default=("", -1))
+    if type(vocab) is int and top >= vocab:
+        raise UnsupportedModel(f"{file}: token {token!r} has id {top}, past the model's vocabulary "
+                               f"(config.json vocab_size {vocab})")
 
 
 def _module_kind(module: dict) -> str:
@@ -411,19 +533,30 @@ def _module_kind(module: dict) -> str:
 
 
 def _check_modules(path: str, modules: list) -> None:
+    """Only sentence-transformers' own modules, in an order pollen computes: the Transformer,
+    Pooling, then any Dense modules, with Normalize last (the request's normalize flag does it)."""
+    seen: list[str] = []
     for m in modules:
-        if _module_kind(m) not in _KNOWN_ST_MODULES:
+        kind = _module_kind(m)
+        if not str(m.get("type", "")).startswith("sentence_transformers.") or kind not in _KNOWN_ST_MODULES:
             raise UnsupportedModel(f"{path}: sentence-transformers module {m.get('type')!r} is not supported "
                                    f"(supported: {_KNOWN_ST_MODULES})")
-        if _module_kind(m) == "Transformer" and m.get("path"):
+        if kind == "Transformer" and m.get("path"):
             raise UnsupportedModel(f"{path}: transformer weights in subfolder {m['path']!r} are not supported")
+        if kind == "Dense" and "Pooling" not in seen:
+            raise UnsupportedModel(f"{path}: a Dense module before Pooling (on token embeddings) is not supported")
+        if "Normalize" in seen:
+            raise UnsupportedModel(f"{path}: module {m.get('type')!r} after Normalize is not supported "
+                                   "(pollen normalizes last)")
+        seen.append(kind)
 
 
-def _read_pooling(path: str, modules: list, default: str) -> str:
+def _read_pooling(path: str, modules: list, default: str) -> tuple[str, bool]:
+    """(pooling mode, whether the prompt's tokens are pooled: sentence-transformers' include_prompt)."""
     sub = next((m.get("path") for m in modules if _module_kind(m) == "Pooling"), None) or "1_Pooling"
     cfg = _read_json(path, os.path.join(sub, "config.json"))
     if cfg is None:
-        return default
+        return default, True
     if "pooling_mode" in cfg:
         mode = cfg["pooling_mode"]
         modes = [mode] if isinstance(mode, str) else list(mode)
@@ -434,7 +567,85 @@ def _read_pooling(path: str, modules: list, default: str) -> str:
     if modes[0] not in _POOLING_NAMES:
         raise UnsupportedModel(f"{path}: pooling mode {modes[0]!r} is not supported; "
                                f"supported: {sorted(_POOLING_NAMES)}")
-    return _POOLING_NAMES[modes[0]]
+    return _POOLING_NAMES[modes[0]], cfg.get("include_prompt", True) is not False
+
+
+def _read_dense(path: str, modules: list, width: int) -> tuple[DenseModule, ...]:
+    """The Dense modules of modules.json in order, each checked against the width it reads (the
+    pooled rows', then the previous module's output) and against its weights' header."""
+    dense = []
+    for m in modules:
+        if _module_kind(m) != "Dense":
+            continue
+        sub = str(m.get("path") or "")
+        folder = os.path.join(path, sub)
+        where = f"{sub}/config.json"
+        cfg = _read_json(path, os.path.join(sub, "config.json"))
+        if not sub or cfg is None:
+            raise UnsupportedModel(f"{path}: Dense module {m.get('name', sub)!r} has no {where}")
+        sizes = {key: cfg.get(key) for key in ("in_features", "out_features")}
+        for key, value in sizes.items():
+            if type(value) is not int or value <= 0:
+                raise UnsupportedModel(f"{path}: {where} {key} must be a positive integer, got {value!r}")
+        if sizes["in_features"] != width:
+            raise UnsupportedModel(f"{path}: {where} in_features {sizes['in_features']} does not match the "
+                                   f"{width} values it reads")
+        for key in ("module_input_name", "module_output_name"):
+            if cfg.get(key, "sentence_embedding") not in (None, "sentence_embedding"):
+                raise UnsupportedModel(f"{path}: {where} {key} {cfg[key]!r} is not supported "
+                                       "(only 'sentence_embedding')")
+        module = DenseModule(path=folder, weights=_dense_weights(path, sub), bias=cfg.get("bias", True) is not False,
+                             activation=_dense_activation(path, where, cfg), residual=bool(cfg.get("use_residual")),
+                             **sizes)
+        _check_dense_tensors(path, sub, module)
+        dense.append(module)
+        width = module.out_features
+    return tuple(dense)
+
+
+def _dense_weights(path: str, sub: str) -> str:
+    """The Dense module's weight file, the one sentence-transformers would read."""
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        file = os.path.join(path, sub, name)
+        if os.path.isfile(file):
+            return file
+    raise UnsupportedModel(f"{path}: Dense module {sub!r} has no model.safetensors or pytorch_model.bin")
+
+
+def _dense_activation(path: str, where: str, cfg: dict) -> str:
+    """The torch.nn class name of a Dense config's activation_function (sentence-transformers writes
+    the class's full name, "torch.nn.modules.activation.Tanh"; without one, Dense uses Tanh)."""
+    name = cfg.get("activation_function", "torch.nn.modules.activation.Tanh")
+    parts = str(name).split(".")
+    if parts[:2] != ["torch", "nn"] or parts[-1] not in DENSE_ACTIVATIONS:
+        # sentence-transformers itself would put Tanh in place of a class outside torch (unless
+        # trusted with remote code): neither is the model's.
+        raise UnsupportedModel(f"{path}: {where} activation_function {name!r} is not supported; "
+                               f"supported: the torch.nn classes {', '.join(DENSE_ACTIVATIONS)}")
+    return parts[-1]
+
+
+def _check_dense_tensors(path: str, sub: str, module: DenseModule) -> None:
+    """A safetensors Dense file holds the tensors the module reads, in their shapes (a .bin file is
+    read, and checked, by the worker only: reading it takes torch)."""
+    wanted = {"linear.weight": [module.out_features, module.in_features]}
+    if module.bias:
+        wanted["linear.bias"] = [module.out_features]
+    if module.residual and module.in_features != module.out_features:
+        wanted["residual.weight"] = [module.out_features, module.in_features]
+    if not module.weights.endswith(".safetensors"):
+        return
+    _safetensors_elements(module.weights)  # the header is sound
+    from safetensors import safe_open
+
+    with safe_open(module.weights, framework="numpy") as f:
+        shapes = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+    for name, shape in wanted.items():
+        if name not in shapes:
+            raise UnsupportedModel(f"{path}: {sub}/model.safetensors lacks tensor {name}")
+        if shapes[name] != shape:
+            raise UnsupportedModel(f"{path}: {sub}/model.safetensors tensor {name} has shape {tuple(shapes[name])}, "
+                                   f"{sub}/config.json implies {tuple(shape)}")
 
 
 def _display_name(path: str) -> str:

@@ -64,6 +64,34 @@ def nested(depth: int, inner: str = "1") -> str:
     return '{"a": ' * depth + inner + "}" * depth
 
 
+MODULES = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+           {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+
+
+def with_modules(path, *extra):
+    (path / "modules.json").write_text(json.dumps(MODULES + list(extra)))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "mean"}))
+
+
+def dense_without_bias_tensor(path):
+    """A Dense module whose config says bias and whose weights hold none."""
+    import torch
+    from safetensors.torch import save_file
+
+    with_modules(path, {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    (path / "2_Dense").mkdir()
+    (path / "2_Dense" / "config.json").write_text(json.dumps({"in_features": 32, "out_features": 16, "bias": True}))
+    save_file({"linear.weight": torch.zeros(16, 32)}, str(path / "2_Dense" / "model.safetensors"))
+
+
+def remote_code(path):
+    """jina-embeddings-v2's form: model_type bert, with its ALiBi attention in its own code."""
+    edit_config(path, architectures=["JinaBertForMaskedLM"],
+                auto_map={"AutoConfig": "jinaai/jina-bert-implementation--configuration_bert.JinaBertConfig",
+                          "AutoModel": "jinaai/jina-bert-implementation--modeling_bert.JinaBertModel"})
+
+
 CASES = {
     # name: (how to break the directory, what the last line must say)
     "hidden_size 10^6": (lambda p: edit_config(p, hidden_size=10**6), ["config.json", "hidden_size 1000000",
@@ -84,6 +112,16 @@ CASES = {
         "config.json", "nested too deeply"]),
     "a config.json that is a list": (lambda p: (p / "config.json").write_text("[1, 2]"), [
         "config.json", "is not a JSON object"]),
+    "remote code under a supported model_type": (remote_code, [
+        "architecture JinaBertForMaskedLM (model_type 'bert')", "modeling_bert.JinaBertModel", "auto_map"]),
+    "an unknown model_type": (lambda p: edit_config(p, model_type="nomic_bert"), [
+        "model_type 'nomic_bert' is not supported"]),
+    "an unknown module in modules.json": (lambda p: with_modules(p, {
+        "idx": 2, "name": "2", "path": "2_LayerNorm", "type": "sentence_transformers.models.LayerNorm"}), [
+        "module 'sentence_transformers.models.LayerNorm' is not supported"]),
+    "a Dense module lacking a tensor": (dense_without_bias_tensor, ["2_Dense/model.safetensors lacks tensor linear.bias"]),
+    "a tokenizer with ids past the vocabulary": (lambda p: edit_config(p, vocab_size=30000), [
+        "tokenizer.json", "has id 30521, past the model's vocabulary (config.json vocab_size 30000)"]),
 }
 
 
@@ -117,6 +155,23 @@ def test_a_tensor_only_the_worker_finds_wrong_comes_back_as_the_last_line(good_m
     last = done.stderr.strip().splitlines()[-1]
     assert "worker 0 could not load the model" in last and str(model) in last, last
     assert "has shape (64, 32), config.json implies (32, 32)" in last, last
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def test_a_weight_the_checkpoint_lacks_is_named_in_the_last_line(good_model, tmp_path):
+    """Never random: a tensor the architecture reads and the checkpoint lacks stops the start, named."""
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(good_model, model)
+    tensors = load_file(str(model / "model.safetensors"))
+    del tensors["encoder.layer.1.attention.self.key.weight"]
+    save_file(tensors, str(model / "model.safetensors"))
+    done = serve(model)
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert "worker 0 could not load the model" in last and str(model) in last, last
+    assert "lacks 1 tensors: encoder.layer.1.attention.self.key.weight" in last, last
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
 
 

@@ -48,24 +48,27 @@ def test_geglu_and_rope_kernels_equal_references(dtype):
     qkv = torch.randn(333, 3 * heads * d, device="cuda", dtype=dtype)
     cache = ops.rope_cache(160000.0, d, 8192, "cuda")
     pos = torch.randint(0, 8192, (333,), device="cuda", dtype=torch.int32)
-    for a, b in zip(kernels.qkv_rope(qkv, cache, pos, heads, heads), ops.qkv_rope(qkv, cache, pos, heads, heads)):
+    for a, b in zip(kernels.qk_norm_rope(qkv, None, None, cache, pos, heads, heads, 0.0),
+                    ops.qk_norm_rope(qkv, None, None, cache, pos, heads, heads, 0.0)):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("kind", varlen_kinds())
 @pytest.mark.parametrize("window", [4, 64])
-def test_windowed_varlen_equals_the_band_mask(kind, window):
-    """flash's window_size=(w, w) is the band |i - j| <= w of each sequence: sequences shorter than,
-    just at and past w + 1 tokens, and an empty one; float32 band-mask loop as the reference."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_windowed_varlen_equals_the_band_mask(kind, window, causal):
+    """flash's window_size=(w, w), or (w, 0) when causal (Mistral's window), is the band
+    |i - j| <= w (and j <= i) of each sequence: sequences shorter than, just at and past w + 1
+    tokens, and an empty one; float32 band-mask loop as the reference."""
     torch.manual_seed(1)
     lengths = [1, 5, window, window + 1, window + 2, 2 * window + 3, 300, 0, 7]
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
     tokens, heads, d = int(cu[-1]), 12, 64
     q, k, v = (torch.randn(tokens, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    ref = VarlenAttention("sdpa_loop", window=window)(q.float(), k.float(), v.float(), cu, max(lengths), False)
-    got = VarlenAttention(kind, window=window)(q, k, v, cu, max(lengths), False)
+    ref = VarlenAttention("sdpa_loop", window=window)(q.float(), k.float(), v.float(), cu, max(lengths), causal)
+    got = VarlenAttention(kind, window=window)(q, k, v, cu, max(lengths), causal)
     torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
-    unbounded = VarlenAttention("sdpa_loop")(q.float(), k.float(), v.float(), cu, max(lengths), False)
+    unbounded = VarlenAttention("sdpa_loop")(q.float(), k.float(), v.float(), cu, max(lengths), causal)
     assert (unbounded - ref).abs().max() > 0.1  # the window changed the long sequences
 
 

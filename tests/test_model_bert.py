@@ -309,10 +309,20 @@ def test_unsupported_pooling_and_modules(tiny_dir):
     write_st_files(tiny_dir, pooling="max")
     with pytest.raises(UnsupportedModel, match="pooling mode 'max'"):
         read_model_spec(str(tiny_dir))
-    dense = {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}
-    write_st_files(tiny_dir, extra_modules=[dense])
-    with pytest.raises(UnsupportedModel, match="Dense"):
+    layer_norm = {"idx": 3, "name": "3", "path": "3_LayerNorm", "type": "sentence_transformers.models.LayerNorm"}
+    write_st_files(tiny_dir, normalize=False, extra_modules=[layer_norm])
+    with pytest.raises(UnsupportedModel, match="module 'sentence_transformers.models.LayerNorm' is not supported"):
         read_model_spec(str(tiny_dir))
+
+
+def test_mean_pooling_without_the_prompt_is_refused(tiny_dir):
+    """include_prompt false: sentence-transformers leaves a prompt's tokens out of the mean, which
+    pollen does not; CLS and last-token pooling do not read them, so those stay served."""
+    cfg = json.loads((tiny_dir / "1_Pooling" / "config.json").read_text())
+    (tiny_dir / "1_Pooling" / "config.json").write_text(json.dumps({**cfg, "include_prompt": False}))
+    with pytest.raises(UnsupportedModel, match="include_prompt false"):
+        read_model_spec(str(tiny_dir))
+    assert read_model_spec(str(tiny_dir), pooling="cls").pooling == "cls"
 
 
 def test_spec_defaults_without_sentence_transformers_files(tiny_dir):

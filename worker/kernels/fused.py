@@ -18,7 +18,7 @@ def triton_ops(attention: str, options: EngineOptions) -> Ops:
         skinny.load_configs(options.skinny_configs)
     short, query = options.short_attention, options.skinny
     return Ops("triton", attention, norms.add_rms_norm, norms.embed_rms_norm, rope.qk_norm_rope,
-               activations.silu_mul, rope.qkv_rope, activations.gelu_mul,
+               activations.silu_mul, activations.gelu_mul,
                short_attention=short_attention.short_attention if short else None,
                short_qk_rope_attention=short_attention.short_qk_rope_attention if short else None,
                skinny_linear=skinny.skinny_linear if query else None,

@@ -1,7 +1,8 @@
 """QK-norm + RoPE in one kernel per token: splits the fused QKV projection into contiguous q, k
 and v, RMS-normalizes every q and k head with its weight, and rotates both by the token's
 position (halves form, cos/sin from a float32 cache). Replaces about a dozen small torch ops.
-Without the norm (NORM false: `qkv_rope`, ModernBERT) the same kernel only splits and rotates."""
+Without QK-norm (weights None, NORM false: Qwen2, Mistral, Llama, ModernBERT) the same kernel
+only splits and rotates."""
 from __future__ import annotations
 
 import torch
@@ -52,23 +53,18 @@ def _qk_norm_rope(qkv_ptr, q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cache_ptr, pos_p
     tl.store(v_rows + HALF + c, b_raw, mask=is_v)
 
 
-def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cache: torch.Tensor,
-                 positions: torch.Tensor, heads: int, kv_heads: int, eps: float):
-    return _launch(qkv, q_weight, k_weight, cache, positions, heads, kv_heads, eps, q_weight.shape[0], norm=True)
-
-
-def qkv_rope(qkv: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int):
-    # No weights are read without the norm: the cache stands in for their pointers.
-    return _launch(qkv, cache, cache, cache, positions, heads, kv_heads, 0.0, cache.shape[1], norm=False)
-
-
-def _launch(qkv, q_weight, k_weight, cache, positions, heads: int, kv_heads: int, eps: float, d: int, norm: bool):
+def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                 cache: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int, eps: float):
+    """worker/models/ops.py's qk_norm_rope: weights None skip the norm (the kernel is told so and
+    reads no weight; qkv stands in for the pointers)."""
     qkv = qkv.contiguous()
     tokens = qkv.shape[0]
+    d = cache.shape[1]
+    norm = q_weight is not None
     q = qkv.new_empty(tokens, heads, d)
     k = qkv.new_empty(tokens, kv_heads, d)
     v = qkv.new_empty(tokens, kv_heads, d)
-    _qk_norm_rope[(tokens,)](qkv, q, k, v, q_weight, k_weight, cache, positions, eps,
-                             HEADS=heads, KV=kv_heads, D=d, BLOCK_H=triton.next_power_of_2(heads + 2 * kv_heads),
+    _qk_norm_rope[(tokens,)](qkv, q, k, v, q_weight if norm else qkv, k_weight if norm else qkv, cache, positions,
+                             eps, HEADS=heads, KV=kv_heads, D=d, BLOCK_H=triton.next_power_of_2(heads + 2 * kv_heads),
                              NORM=norm, num_warps=4)
     return q, k, v

@@ -59,23 +59,25 @@ def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
 
 
 @triton.jit
-def _norm_rope(a, b, w_ptr, cos, sin, eps, D: tl.constexpr, HALF: tl.constexpr):
-    """RMSNorm with weight, then RoPE, on a [BLOCK, D] tile held as halves a, b (float32 in and out),
-    rounding where worker/models/ops.py's qk_norm_rope rounds."""
+def _norm_rope(a, b, w_ptr, cos, sin, eps, D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+    """RMSNorm with weight (NORM), then RoPE, on a [BLOCK, D] tile held as halves a, b (float32 in
+    and out), rounding where worker/models/ops.py's qk_norm_rope rounds. w_ptr's dtype is the
+    model's (without NORM the caller passes the qkv pointer, never read)."""
     dt = w_ptr.dtype.element_ty
-    c = tl.arange(0, HALF)[None, :]
-    rstd = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / D + eps)[:, None]
-    a = (a * rstd).to(dt).to(tl.float32)
-    b = (b * rstd).to(dt).to(tl.float32)
-    a = (tl.load(w_ptr + c).to(tl.float32) * a).to(dt).to(tl.float32)
-    b = (tl.load(w_ptr + HALF + c).to(tl.float32) * b).to(dt).to(tl.float32)
+    if NORM:
+        c = tl.arange(0, HALF)[None, :]
+        rstd = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / D + eps)[:, None]
+        a = (a * rstd).to(dt).to(tl.float32)
+        b = (b * rstd).to(dt).to(tl.float32)
+        a = (tl.load(w_ptr + c).to(tl.float32) * a).to(dt).to(tl.float32)
+        b = (tl.load(w_ptr + HALF + c).to(tl.float32) * b).to(dt).to(tl.float32)
     return (a * cos - b * sin).to(dt), (b * cos + a * sin).to(dt)
 
 
 @triton.jit
 def _short_qk_rope_attention(qkv_ptr, o_ptr, cu_ptr, pos_ptr, qw_ptr, kw_ptr, cache_ptr, eps, scale,
                              HEADS: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                             CAUSAL: tl.constexpr):
+                             CAUSAL: tl.constexpr, NORM: tl.constexpr):
     seq = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // (HEADS // KV)
@@ -96,23 +98,25 @@ def _short_qk_rope_attention(qkv_ptr, o_ptr, cu_ptr, pos_ptr, qw_ptr, kw_ptr, ca
     ka = tl.load(rows + (HEADS + kvh) * D + c, mask=lm, other=0.0).to(tl.float32)
     kb = tl.load(rows + (HEADS + kvh) * D + HALF + c, mask=lm, other=0.0).to(tl.float32)
     v = tl.load(rows + (HEADS + KV + kvh) * D + tl.arange(0, D)[None, :], mask=lm, other=0.0)
-    qa, qb = _norm_rope(qa, qb, qw_ptr, cos, sin, eps, D, HALF)
-    ka, kb = _norm_rope(ka, kb, kw_ptr, cos, sin, eps, D, HALF)
+    qa, qb = _norm_rope(qa, qb, qw_ptr, cos, sin, eps, D, HALF, NORM)
+    ka, kb = _norm_rope(ka, kb, kw_ptr, cos, sin, eps, D, HALF, NORM)
     o = _softmax_times_v((tl.dot(qa, tl.trans(ka)) + tl.dot(qb, tl.trans(kb))) * scale, v, live, m, CAUSAL)
     out = o_ptr + (start + m)[:, None] * (HEADS * D) + h * D + tl.arange(0, D)[None, :]
     tl.store(out, o.to(o_ptr.dtype.element_ty), mask=lm)
 
 
-def short_qk_rope_attention(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+def short_qk_rope_attention(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                             cache: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int, eps: float,
                             cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool) -> torch.Tensor:
-    """Qwen3's QK-norm + RoPE + attention for short sequences in one kernel: reads the fused QKV
-    projection [T, (H + 2 KV) * D] directly and writes the attention output [T, H, D]."""
+    """The decoders' QK-norm (weights None: none) + RoPE + attention for short sequences in one
+    kernel: reads the fused QKV projection [T, (H + 2 KV) * D] directly and writes the attention
+    output [T, H, D]."""
     qkv = qkv.contiguous()
-    d = q_weight.shape[0]
+    d = cache.shape[1]
+    norm = q_weight is not None
     out = qkv.new_empty(qkv.shape[0], heads, d)
     block = max(16, triton.next_power_of_2(max_seqlen))
     _short_qk_rope_attention[(cu_seqlens.shape[0] - 1, heads)](
-        qkv, out, cu_seqlens, positions, q_weight, k_weight, cache, eps, d ** -0.5,
-        HEADS=heads, KV=kv_heads, D=d, BLOCK=block, CAUSAL=causal, num_warps=4)
+        qkv, out, cu_seqlens, positions, q_weight if norm else qkv, k_weight if norm else qkv, cache, eps,
+        d ** -0.5, HEADS=heads, KV=kv_heads, D=d, BLOCK=block, CAUSAL=causal, NORM=norm, num_warps=4)
     return out

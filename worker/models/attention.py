@@ -9,9 +9,10 @@ exact. `backend` picks the kernel once per model; `VarlenAttention` runs it, and
 batches (every sequence at most kernels.SHORT_MAX_LEN tokens) take the Triton short-attention
 kernel when the model's Ops has one.
 
-A sliding window (ModernBERT's local layers) is symmetric: with `window` w, token i sees the keys
-j of its own sequence with |i - j| <= w (and j <= i when causal), as transformers' bidirectional
-sliding-window mask reads it. The flash kernels take it as window_size=(w, w); the SDPA loop
+A sliding window of half-width w: token i sees the keys j of its own sequence with |i - j| <= w,
+and j <= i when causal. ModernBERT's local layers are bidirectional (transformers' bidirectional
+sliding-window mask), Mistral's window causal (w = sliding_window - 1). The flash kernels take it
+as window_size=(w, w), or (w, 0) when causal; the SDPA loop
 gives each sequence longer than w + 1 a band mask. A sequence of at most w + 1 tokens sees all of
 itself anyway, so the short-attention kernel (which has no window) takes a windowed batch only
 when max_seqlen <= w + 1.

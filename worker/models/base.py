@@ -21,7 +21,9 @@ class EmbeddingModel(torch.nn.Module):
     max_seqlen is a Python int so that shape checks and kernels need no device-to-host sync.
 
     A reranker or classifier has an `output_head` (worker/models/heads.py) that `head` applies to
-    the pooled rows; an embedder has None, and `head` hands its rows back as they are.
+    the pooled rows; an embedder has None, and `head` hands its rows back through its
+    sentence-transformers Dense modules (`dense_modules`, worker/models/dense.py: the loader sets
+    them from spec.dense after the weights are in), or as they are when it has none.
 
     A model is built (on the meta device) with the `Ops` the loader chose for its device, dtype
     and EngineOptions, and builds its attention from them: the forward never chooses a kernel.
@@ -37,6 +39,10 @@ class EmbeddingModel(torch.nn.Module):
     # model cannot be captured into a CUDA graph, so the CUDA engine runs it eagerly.
     host_syncs: bool = False
 
+    def __init__(self):
+        super().__init__()
+        self.dense_modules: torch.nn.Module | None = None
+
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
                       max_seqlen: int) -> torch.Tensor:
         raise NotImplementedError
@@ -50,16 +56,19 @@ class EmbeddingModel(torch.nn.Module):
 
     def head(self, pooled: torch.Tensor) -> torch.Tensor:
         """Pooled float32 rows [R, hidden] -> float32 [R, spec.output_dims]: the head's logits, or
-        the rows themselves for an embedder."""
-        return pooled if self.output_head is None else self.output_head(pooled)
+        an embedder's rows through its Dense modules (as they are without any)."""
+        if self.output_head is not None:
+            return self.output_head(pooled)
+        return pooled if self.dense_modules is None else self.dense_modules(pooled)
 
     def output_rows(self, pooled: torch.Tensor, normalize: torch.Tensor | None) -> torch.Tensor:
         """What an engine writes for pooled rows: a head's logits (normalizing scores would mean
-        nothing, so the flags are not read), or an embedder's rows with those whose `normalize`
-        flag [R] is non-zero L2-normalized (None: none)."""
-        if self.output_head is not None:
-            return self.output_head(pooled)
-        return pooled if normalize is None else normalize_rows(pooled, normalize)
+        nothing, so the flags are not read), or an embedder's rows (after its Dense modules) with
+        those whose `normalize` flag [R] is non-zero L2-normalized (None: none)."""
+        rows = self.head(pooled)
+        if self.output_head is not None or normalize is None:
+            return rows
+        return normalize_rows(rows, normalize)
 
     def after_load(self, options: EngineOptions) -> None:
         """Rewrite the loaded weights into the form the forward wants (the loader calls it once)."""

@@ -1,6 +1,8 @@
-"""Packed BERT-style encoder (BERT, RoBERTa, XLM-R): post-LayerNorm layers, bidirectional attention.
+"""Packed BERT-style encoder (BERT, RoBERTa, XLM-R, DistilBERT): post-LayerNorm layers,
+bidirectional attention.
 
-Checkpoint layout follows HF BertModel; loader.py fills our parameters through hf_weight_map().
+Checkpoint layout follows HF BertModel, or DistilBertModel (the same layers under its own names,
+and no token type embeddings); loader.py fills our parameters through hf_weight_map().
 
 A cross-encoder's pair carries its token types in its ids (spec.type_offset, set to vocab_size
 when the model has two token types): an id i >= vocab_size is word i - vocab_size of type 1.
@@ -46,8 +48,19 @@ class BertLayer(nn.Module):
         return self.mlp_norm(x + self.down(F.gelu(self.up(x), approximate=self.gelu)))
 
 
+# Checkpoint names of one layer's tensors (our name -> theirs, each without .weight/.bias), by layout.
+_LAYER_NAMES = {
+    "bert": {"qkv": ["attention.self.query", "attention.self.key", "attention.self.value"],
+             "attn_out": ["attention.output.dense"], "attn_norm": ["attention.output.LayerNorm"],
+             "up": ["intermediate.dense"], "down": ["output.dense"], "mlp_norm": ["output.LayerNorm"]},
+    "distilbert": {"qkv": ["attention.q_lin", "attention.k_lin", "attention.v_lin"],
+                   "attn_out": ["attention.out_lin"], "attn_norm": ["sa_layer_norm"],
+                   "up": ["ffn.lin1"], "down": ["ffn.lin2"], "mlp_norm": ["output_layer_norm"]},
+}
+
+
 class BertEncoder(EmbeddingModel):
-    hf_prefixes = ("", "bert.", "roberta.")
+    hf_prefixes = ("", "bert.", "roberta.", "distilbert.")
 
     def __init__(self, spec: ModelSpec, config: dict, ops: Ops):
         super().__init__()
@@ -58,7 +71,9 @@ class BertEncoder(EmbeddingModel):
         attention = VarlenAttention.of(ops, hidden // heads)  # the layers' norms and GELU are torch's own
         self.word = nn.Embedding(config["vocab_size"], hidden)
         self.position = nn.Embedding(config["max_position_embeddings"], hidden)
-        self.token_type = nn.Embedding(config.get("type_vocab_size", 2), hidden)
+        types = config.get("type_vocab_size", 2)  # 0: none (DistilBERT; common/model_spec.read_config)
+        self.token_type = nn.Embedding(types, hidden) if types else None
+        self.layout = "distilbert" if config.get("model_type") == "distilbert" else "bert"
         self.emb_norm = nn.LayerNorm(hidden, eps=eps)
         self.layers = nn.ModuleList(
             BertLayer(hidden, heads, config["intermediate_size"], eps, config.get("hidden_act", "gelu"), attention)
@@ -75,7 +90,7 @@ class BertEncoder(EmbeddingModel):
             # Checked on the host int: an out-of-range position is a device assert on CUDA.
             raise ValueError(f"sequence of {max_seqlen} tokens exceeds {self.max_positions} positions")
         pos = positions + self.position_offset
-        if self.typed_words:  # the ids carry the token type (see the module docstring)
+        if self.typed_words or self.token_type is None:  # the ids carry the token type, or there are none
             x = self.word(input_ids) + self.position(pos)
         else:  # every token has type 0 (single-text input); same summation order as HF
             x = self.word(input_ids) + self.token_type.weight[0] + self.position(pos)
@@ -103,16 +118,13 @@ class BertEncoder(EmbeddingModel):
         m |= {
             "word.weight": ["embeddings.word_embeddings.weight"],
             "position.weight": ["embeddings.position_embeddings.weight"],
-            "token_type.weight": ["embeddings.token_type_embeddings.weight"],
         }
+        if self.token_type is not None:
+            m["token_type.weight"] = ["embeddings.token_type_embeddings.weight"]
+        layers = "transformer.layer" if self.layout == "distilbert" else "encoder.layer"
         for p in ("weight", "bias"):
             m[f"emb_norm.{p}"] = [f"embeddings.LayerNorm.{p}"]
             for i in range(len(self.layers)):
-                ours, hf = f"layers.{i}.", f"encoder.layer.{i}."
-                m[ours + f"qkv.{p}"] = [hf + f"attention.self.{n}.{p}" for n in ("query", "key", "value")]
-                m[ours + f"attn_out.{p}"] = [hf + f"attention.output.dense.{p}"]
-                m[ours + f"attn_norm.{p}"] = [hf + f"attention.output.LayerNorm.{p}"]
-                m[ours + f"up.{p}"] = [hf + f"intermediate.dense.{p}"]
-                m[ours + f"down.{p}"] = [hf + f"output.dense.{p}"]
-                m[ours + f"mlp_norm.{p}"] = [hf + f"output.LayerNorm.{p}"]
+                for ours, names in _LAYER_NAMES[self.layout].items():
+                    m[f"layers.{i}.{ours}.{p}"] = [f"{layers}.{i}.{name}.{p}" for name in names]
         return m

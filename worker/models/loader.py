@@ -18,6 +18,7 @@ from pollen.worker.models.attention import backend as attention_backend
 from pollen.worker.models.base import EmbeddingModel
 from pollen.worker.models.bert import BertEncoder
 from pollen.worker.models.checkpoint import HeadTensor, full_name
+from pollen.worker.models.dense import load_dense
 from pollen.worker.models.modernbert import ModernBertEncoder
 from pollen.worker.models.mpnet import MPNetEncoder
 from pollen.worker.models.ops import Ops, reference_ops
@@ -41,6 +42,7 @@ def load_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float3
     model = model.to(dtype=dtype).to_empty(device=device)
     _load_weights(model, spec.path)
     model.after_load(options)
+    model.dense_modules = load_dense(spec.dense, device)  # after the check that the map covers the parameters
     model.eval()
     model.requires_grad_(False)
     return model

@@ -64,7 +64,7 @@ class ModernBertEncoder(EmbeddingModel):
         self._rope: dict[bool, torch.Tensor] = {}  # by layer kind, built on first use on the weights' device
         # The Triton RoPE kernel works on power-of-two halves of a head; other sizes take the reference.
         pow2 = self.head_dim >= 2 and self.head_dim & (self.head_dim - 1) == 0
-        self.qkv_rope = ops.qkv_rope if pow2 else references.qkv_rope
+        self.qk_rope = ops.qk_norm_rope if pow2 else references.qk_norm_rope
 
     def rope(self, is_global: bool, device) -> torch.Tensor:
         cache = self._rope.get(is_global)
@@ -83,7 +83,9 @@ class ModernBertEncoder(EmbeddingModel):
         x = self.emb_norm(self.embed(input_ids))
         for layer in self.layers:
             h = x if layer.attn_norm is None else layer.attn_norm(x)
-            q, k, v = self.qkv_rope(layer.qkv(h), caches[layer.is_global], positions, self.heads, self.heads)
+            # No QK-norm: qk_norm_rope without weights only splits and rotates.
+            q, k, v = self.qk_rope(layer.qkv(h), None, None, caches[layer.is_global], positions, self.heads,
+                                   self.heads, 0.0)
             attn = self.attention[layer.is_global](q, k, v, cu_seqlens, max_seqlen, causal=False)
             x = x + layer.attn_out(attn.reshape(tokens, -1))
             x = x + layer.down(ops.gelu_mul(layer.up(layer.mlp_norm(x)), self.layout.gelu))

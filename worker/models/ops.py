@@ -3,7 +3,7 @@
 Each function here is the plain-torch reference. The loader chooses a model's `Ops` once
 (worker/models/loader.py, `choose_ops`): these references, or on CUDA, when Triton is importable
 and EngineOptions.triton is on, the fused kernels of worker/kernels/: one launch for residual-add +
-RMSNorm, one for QK-norm + RoPE (or RoPE alone), one for SiLU-gate or GeGLU, and the kernels that have no reference here
+RMSNorm, one for (QK-norm +) RoPE, one for SiLU-gate or GeGLU, and the kernels that have no reference here
 (short-sequence attention, the query products). A short query is bound by kernel launches, so
 every launch saved is latency saved. The references compute in float32
 and round once, like the kernels, so both agree to rounding.
@@ -11,6 +11,7 @@ and round once, like the kernels, so both agree to rounding.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import torch
@@ -41,51 +42,58 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def rope_cache(theta: float, head_dim: int, max_positions: int, device) -> torch.Tensor:
+def rope_inv_freq(theta: float, head_dim: int, scaling: dict | None = None) -> torch.Tensor:
+    """float32 [head_dim / 2]: RoPE's frequencies theta^(-2i / head_dim), as `scaling` (a config's
+    rope_parameters, common/model_spec.py) changes them: "linear" divides them all by its factor;
+    "llama3" divides the low ones (wavelengths past original / low_freq_factor) by its factor,
+    keeps the high ones (below original / high_freq_factor) and blends between the two."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    if kind == "llama3":
+        original = float(scaling["original_max_position_embeddings"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        wavelength = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelength - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        between = (wavelength >= original / high) & (wavelength <= original / low)
+        return torch.where(between, blended, scaled)
+    raise ValueError(f"RoPE type {kind!r} is not implemented (common/model_spec.py refuses it). This is a bug.")
+
+
+def rope_cache(theta: float, head_dim: int, max_positions: int, device, scaling: dict | None = None) -> torch.Tensor:
     """[max_positions, head_dim] float32: cos of each frequency in the first half, sin in the second."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    inv_freq = rope_inv_freq(theta, head_dim, scaling).to(device)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=device), inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
-def _split_heads(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int):
-    tokens = qkv.shape[0]
-    return qkv.view(tokens, heads + 2 * kv_heads, head_dim).split([heads, kv_heads, kv_heads], dim=1)
+def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                 cache: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int, eps: float):
+    """Split the fused projection, RMS-normalize each q and k head (QK-norm; weights None: a model
+    without it), rotate both (RoPE, halves form).
 
-
-def _cos_sin(cache: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's cos and sin rows, [T, 1, D / 2] each (one per head pair, broadcast over heads)."""
-    cos, sin = cache[positions.long()].chunk(2, dim=-1)
-    return cos.unsqueeze(1), sin.unsqueeze(1)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] in float32, rotated by each token's position (halves form)."""
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
-
-
-def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cache: torch.Tensor,
-                 positions: torch.Tensor, heads: int, kv_heads: int, eps: float):
-    """Split the fused projection, RMS-normalize each q and k head, rotate both (RoPE, halves form).
-
-    qkv [T, (heads + 2 * kv_heads) * D] -> q [T, heads, D], k [T, kv_heads, D], v [T, kv_heads, D].
+    qkv [T, (heads + 2 * kv_heads) * D] -> q [T, heads, D], k [T, kv_heads, D], v [T, kv_heads, D];
+    D is the cache's width.
     """
-    q, k, v = _split_heads(qkv, heads, kv_heads, q_weight.shape[0])
-    cos, sin = _cos_sin(cache, positions)
+    tokens = qkv.shape[0]
+    head_dim = cache.shape[1]
+    q, k, v = qkv.view(tokens, heads + 2 * kv_heads, head_dim).split([heads, kv_heads, kv_heads], dim=1)
+    cos_sin = cache[positions.long()]  # [T, D]
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
 
-    def rotate(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return _rotate(rms_norm(x, weight, eps).float(), cos, sin).to(qkv.dtype)
+    def rotate(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        x = (x if weight is None else rms_norm(x, weight, eps)).float()
+        a, b = x.chunk(2, dim=-1)
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(qkv.dtype)
 
     return rotate(q, q_weight), rotate(k, k_weight), v
-
-
-def qkv_rope(qkv: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int):
-    """qk_norm_rope without the norm (ModernBERT): the heads' size is the cache's width.
-    Rotates in float32 and rounds once, as HF's apply_rotary_pos_emb does."""
-    q, k, v = _split_heads(qkv, heads, kv_heads, cache.shape[1])
-    cos, sin = _cos_sin(cache, positions)
-    return _rotate(q.float(), cos, sin).to(qkv.dtype), _rotate(k.float(), cos, sin).to(qkv.dtype), v
 
 
 def gelu_mul(gate_up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
@@ -99,7 +107,7 @@ def gelu_mul(gate_up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
 class Ops:
     """One model's implementations, chosen when it is loaded; the forward calls them, never asks.
 
-    The six element-wise ones take and give the same tensors in either set. The Triton-only
+    The five element-wise ones take and give the same tensors in either set. The Triton-only
     kernels are None in the torch set, and None in the Triton set where EngineOptions turned
     them off: a model takes a kernel exactly when it is here and the batch's shape fits it.
     """
@@ -110,7 +118,6 @@ class Ops:
     embed_rms_norm: Callable
     qk_norm_rope: Callable
     silu_mul: Callable
-    qkv_rope: Callable
     gelu_mul: Callable
     # Sequences of up to kernels.SHORT_MAX_LEN tokens: attention of packed q, k, v, and Qwen3's
     # QK-norm + RoPE + attention in one kernel (worker/kernels/short_attention.py).
@@ -128,4 +135,4 @@ class Ops:
 
 def reference_ops(attention: str) -> Ops:
     """The torch references, with the given attention kernel."""
-    return Ops("torch", attention, add_rms_norm, embed_rms_norm, qk_norm_rope, silu_mul, qkv_rope, gelu_mul)
+    return Ops("torch", attention, add_rms_norm, embed_rms_norm, qk_norm_rope, silu_mul, gelu_mul)

@@ -1,10 +1,14 @@
-"""Packed Qwen3 decoder as an embedding model: Qwen3-Embedding (causal, last-token pooling) and
-pplx-embed-v1 (`bidirectional_pplx_qwen3`: the same layers with bidirectional attention, mean pooling).
+"""Packed Qwen3-style decoder as an embedding model: Qwen3-Embedding (causal, last-token pooling),
+pplx-embed-v1 (`bidirectional_pplx_qwen3`: the same layers with bidirectional attention, mean
+pooling), and the decoders that differ from Qwen3 only in what their layers leave out or add:
+Qwen2 (gte-Qwen2, stella: no QK-norm, biases on q, k and v), Mistral and Llama (e5-mistral,
+SFR-Embedding-Mistral, Linq: no QK-norm; Llama's attention_bias puts biases on q, k, v and o).
 
-Pre-norm layers: RMSNorm -> fused QKV projection -> per-head RMSNorm of q and k (QK-norm) -> RoPE
--> grouped-query varlen attention -> output projection, then RMSNorm -> fused gate/up projection
--> SiLU(gate) * up -> down projection. The residual add is fused into the next RMSNorm.
-Checkpoint layout follows HF Qwen3Model; loader.py fills our parameters through hf_weight_map().
+Pre-norm layers: RMSNorm -> fused QKV projection -> per-head RMSNorm of q and k (QK-norm, Qwen3
+only) -> RoPE -> grouped-query varlen attention -> output projection, then RMSNorm -> fused
+gate/up projection -> SiLU(gate) * up -> down projection. The residual add is fused into the next
+RMSNorm. Checkpoint layout follows HF Qwen3Model (which Qwen2Model, MistralModel and LlamaModel
+share); loader.py fills our parameters through hf_weight_map().
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import torch
 from torch import nn
 
 from pollen.common.engine_options import EngineOptions
-from pollen.common.model_spec import ModelSpec
+from pollen.common.model_spec import QWEN3_TYPES, ModelSpec, rope_parameters, sliding_window
 from pollen.worker import kernels
 from pollen.worker.models.attention import VarlenAttention
 from pollen.worker.models.base import EmbeddingModel
@@ -29,15 +33,28 @@ class RMSNormWeight(nn.Module):
         self.weight = nn.Parameter(torch.empty(size))
 
 
+def attention_biases(config: dict) -> tuple[bool, bool]:
+    """(q/k/v biases, o bias) as transformers builds each decoder: Qwen2 always has the first and
+    never the second, Mistral neither, Qwen3 and Llama both when attention_bias says so."""
+    model_type = config.get("model_type")
+    if model_type == "qwen2":
+        return True, False
+    if model_type == "mistral":
+        return False, False
+    bias = bool(config.get("attention_bias", False))
+    return bias, bias
+
+
 class Qwen3Layer(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, bias: bool):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.attn_norm = RMSNormWeight(hidden)
-        self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=bias)
-        self.q_norm = RMSNormWeight(head_dim)
-        self.k_norm = RMSNormWeight(head_dim)
-        self.o = nn.Linear(heads * head_dim, hidden, bias=bias)
+        self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=qkv_bias)
+        self.q_norm = RMSNormWeight(head_dim) if qk_norm else None
+        self.k_norm = RMSNormWeight(head_dim) if qk_norm else None
+        self.o = nn.Linear(heads * head_dim, hidden, bias=o_bias)
         self.mlp_norm = RMSNormWeight(hidden)
         self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down = nn.Linear(intermediate, hidden, bias=False)
@@ -54,18 +71,22 @@ class Qwen3Encoder(EmbeddingModel):
         heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or hidden // heads
         self.eps = float(config.get("rms_norm_eps", 1e-6))
-        self.theta = float(rope_theta(config))
+        self.rope_parameters = rope_parameters(config)  # checked by common/model_spec.py
         self.max_positions = int(config["max_position_embeddings"])
         self.embed = nn.Embedding(config["vocab_size"], hidden)
+        qk_norm = config.get("model_type") in QWEN3_TYPES
         self.layers = nn.ModuleList(
             Qwen3Layer(hidden, heads, config.get("num_key_value_heads") or heads, head_dim,
-                       config["intermediate_size"], bool(config.get("attention_bias", False)))
+                       config["intermediate_size"], *attention_biases(config), qk_norm)
             for _ in range(config["num_hidden_layers"])
         )
         self.norm = RMSNormWeight(hidden)
         self.output_head = make_head(spec, config)  # reads the final norm's output, as HF's heads do
         self._rope: torch.Tensor | None = None  # built on first use, on the weights' device
-        self.attention = VarlenAttention.of(ops, head_dim)
+        # Mistral's window: a token sees the window - 1 tokens before it (a half-width of window - 1;
+        # symmetric under --attention bidirectional, as transformers' flash path applies it).
+        window = sliding_window(spec.path, config)
+        self.attention = VarlenAttention.of(ops, head_dim, window=None if window is None else window - 1)
         # Short sequences: QK-norm, RoPE and attention in one kernel per layer (launches are their cost).
         takes = kernels.short_attention_takes(head_dim, rope=True)
         self.short_qk_rope_attention = ops.short_qk_rope_attention if takes else None
@@ -74,7 +95,9 @@ class Qwen3Encoder(EmbeddingModel):
 
     def rope(self, device) -> torch.Tensor:
         if self._rope is None or self._rope.device != device:
-            self._rope = rope_cache(self.theta, self.layers[0].head_dim, self.max_positions, device)
+            rope = self.rope_parameters
+            self._rope = rope_cache(float(rope["rope_theta"]), self.layers[0].head_dim, self.max_positions, device,
+                                    scaling=rope)
         return self._rope
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -84,7 +107,8 @@ class Qwen3Encoder(EmbeddingModel):
             raise ValueError(f"sequence of {max_seqlen} tokens exceeds {self.max_positions} positions")
         ops = self.ops
         add_rms_norm, silu_mul = ops.add_rms_norm, ops.silu_mul
-        short = self.short_qk_rope_attention is not None and max_seqlen <= kernels.SHORT_MAX_LEN
+        # The fused short kernel has no window: it takes what the attention's short kernel would.
+        short = self.short_qk_rope_attention is not None and max_seqlen <= self.attention.short_max
         attend = functools.partial(self.attend, short=short, cache=self.rope(input_ids.device),
                                    positions=positions, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         if self.fits_query_kernels(input_ids.shape[0]):
@@ -128,14 +152,15 @@ class Qwen3Encoder(EmbeddingModel):
 
     def attend(self, layer: Qwen3Layer, qkv: torch.Tensor, *, short: bool, cache: torch.Tensor,
                positions: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-        """QK-norm, RoPE and attention from the fused projection qkv [T, (H + 2 KV) * D]: [T, H * D]."""
+        """QK-norm (where the layer has it), RoPE and attention from the fused projection
+        qkv [T, (H + 2 KV) * D]: [T, H * D]."""
+        q_norm, k_norm = (None, None) if layer.q_norm is None else (layer.q_norm.weight, layer.k_norm.weight)
         if short:
-            attn = self.short_qk_rope_attention(
-                qkv, layer.q_norm.weight, layer.k_norm.weight, cache, positions, layer.heads, layer.kv_heads,
-                self.eps, cu_seqlens, max_seqlen, self.causal)
+            attn = self.short_qk_rope_attention(qkv, q_norm, k_norm, cache, positions, layer.heads, layer.kv_heads,
+                                                self.eps, cu_seqlens, max_seqlen, self.causal)
         else:
-            q, k, v = self.ops.qk_norm_rope(qkv, layer.q_norm.weight, layer.k_norm.weight, cache, positions,
-                                            layer.heads, layer.kv_heads, self.eps)
+            q, k, v = self.ops.qk_norm_rope(qkv, q_norm, k_norm, cache, positions, layer.heads, layer.kv_heads,
+                                            self.eps)
             attn = self.attention(q, k, v, cu_seqlens, max_seqlen, causal=self.causal)
         return attn.reshape(qkv.shape[0], -1)
 
@@ -165,19 +190,16 @@ class Qwen3Encoder(EmbeddingModel):
             ours, hf = f"layers.{i}.", f"layers.{i}."
             m[ours + "attn_norm.weight"] = [hf + "input_layernorm.weight"]
             m[ours + "mlp_norm.weight"] = [hf + "post_attention_layernorm.weight"]
-            m[ours + "q_norm.weight"] = [hf + "self_attn.q_norm.weight"]
-            m[ours + "k_norm.weight"] = [hf + "self_attn.k_norm.weight"]
+            if layer.q_norm is not None:
+                m[ours + "q_norm.weight"] = [hf + "self_attn.q_norm.weight"]
+                m[ours + "k_norm.weight"] = [hf + "self_attn.k_norm.weight"]
             m[ours + "qkv.weight"] = [hf + f"self_attn.{n}_proj.weight" for n in "qkv"]
             m[ours + "o.weight"] = [hf + "self_attn.o_proj.weight"]
             if layer.qkv.bias is not None:
                 m[ours + "qkv.bias"] = [hf + f"self_attn.{n}_proj.bias" for n in "qkv"]
+            if layer.o.bias is not None:
                 m[ours + "o.bias"] = [hf + "self_attn.o_proj.bias"]
             m[ours + "gate_up.weight"] = [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"]
             m[ours + "down.weight"] = [hf + "mlp.down_proj.weight"]
         return m
 
-
-def rope_theta(config: dict) -> float:
-    """transformers 5 keeps RoPE settings in `rope_parameters`; older configs at the top level."""
-    params = config.get("rope_parameters") or {}
-    return params.get("rope_theta", config.get("rope_theta", 10000.0))
