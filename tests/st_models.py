@@ -33,9 +33,11 @@ def texts(lengths: list[int], seed: int = 5) -> list[str]:
 
 
 def copy_bert_tokenizer(path) -> None:
-    """all-MiniLM-L6-v2's tokenizer files into `path` (its ids fit BERT_VOCAB)."""
+    """all-MiniLM-L6-v2's tokenizer files into `path` (its ids fit BERT_VOCAB): the bundled
+    model's, or (on a GPU host without that package) the copy POLLEN_BERT_TOKENIZER_DIR names."""
+    folder = os.environ.get("POLLEN_BERT_TOKENIZER_DIR") or default_model_path()
     for name in BERT_TOKENIZER_FILES:
-        source = os.path.join(default_model_path(), name)
+        source = os.path.join(folder, name)
         if os.path.exists(source):
             shutil.copy(source, os.path.join(path, name))
 

@@ -128,7 +128,7 @@ def test_cuda_engine_matches_sentence_transformers(tmp_path, hidden, heads):
             first, second = engine.submit(batch), engine.submit(batch)  # the second overlaps the first
             a, b = first.result().copy(), second.result().copy()
             assert cosines(a, want).min() >= 0.999, (graphs, len(texts))
-            np.testing.assert_array_equal(a, b)
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)  # the same batch twice: the same rows (to float32 rounding)
         if graphs:
             assert len(engine.graphs) == 2
             tokens, _, longest = engine.bucket(batch)  # the short texts' bucket
