@@ -8,7 +8,16 @@ import grpc
 import numpy as np
 
 from pollen.client.connections import CONNECTION_ARG, Connections
-from pollen.client.messages import EmbedError, auth_metadata, build_request, concatenate, decode, split
+from pollen.client.messages import (
+    EmbedError,
+    auth_metadata,
+    build_request,
+    classify_request,
+    concatenate,
+    decode,
+    label_scores,
+    split,
+)
 from pollen.client.ordering import StreamOrder
 from pollen.client.reconnect import Reconnects
 from pollen.client.targets import channel_options as options_with
@@ -63,6 +72,16 @@ class AsyncClient:
         except grpc.RpcError as exc:
             raise EmbedError.from_rpc(exc, self.target) from None
         return [(r.index, r.score) for r in reply.results]
+
+    async def classify(self, texts: str | Sequence[str], text_pairs: Sequence[str] | None = None,
+                       **options) -> list[dict[str, float]]:
+        """As Client.classify."""
+        request = classify_request(texts, text_pairs, **options)
+        try:
+            reply = await self._connections.next()[1].Classify(request, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise EmbedError.from_rpc(exc, self.target) from None
+        return label_scores(reply)
 
     async def embed_stream(self, inputs: Iterable | AsyncIterable, *, in_flight: int = 16,
                            reconnect_within: float = 60.0, **options) -> AsyncIterator[np.ndarray]:

@@ -9,7 +9,16 @@ import grpc
 import numpy as np
 
 from pollen.client.connections import CONNECTION_ARG, Connections
-from pollen.client.messages import EmbedError, auth_metadata, build_request, concatenate, decode, split
+from pollen.client.messages import (
+    EmbedError,
+    auth_metadata,
+    build_request,
+    classify_request,
+    concatenate,
+    decode,
+    label_scores,
+    split,
+)
 from pollen.client.ordering import StreamOrder
 from pollen.client.reconnect import Reconnects
 from pollen.client.targets import channel_options as options_with
@@ -73,6 +82,17 @@ class Client:
         except grpc.RpcError as exc:
             raise EmbedError.from_rpc(exc, self.target) from None
         return [(r.index, r.score) for r in reply.results]
+
+    def classify(self, texts: str | Sequence[str], text_pairs: Sequence[str] | None = None,
+                 **options) -> list[dict[str, float]]:
+        """{label: score} of each text (or pair (texts[i], text_pairs[i])), in the texts' order,
+        each best first. Options as ClassifyRequest's (raw_scores, max_tokens, ...)."""
+        request = classify_request(texts, text_pairs, **options)
+        try:
+            reply = self._connections.next()[1].Classify(request, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise EmbedError.from_rpc(exc, self.target) from None
+        return label_scores(reply)
 
     def embed_stream(self, inputs: Iterable[str | Sequence[str]], *, in_flight: int = 16,
                      reconnect_within: float = 60.0, **options) -> Iterator[np.ndarray]:

@@ -78,6 +78,23 @@ def build_request(texts: str | Sequence[str], *, dimensions: int = 0, normalize:
     return request
 
 
+def classify_request(texts: str | Sequence[str], text_pairs: Sequence[str] | None = None, *, truncate=None,
+                     priority="interactive", **options) -> pb.ClassifyRequest:
+    """A ClassifyRequest for texts (one string is one text) and their pairs; enums take names or
+    pb values, truncate None leaves it unset (the server cuts a text's end)."""
+    request = pb.ClassifyRequest(texts=[texts] if isinstance(texts, str) else list(texts),
+                                 text_pairs=list(text_pairs or ()), priority=enum_value("priority", priority),
+                                 **options)
+    if truncate is not None:
+        request.truncate = enum_value("truncate", truncate)
+    return request
+
+
+def label_scores(reply: pb.ClassifyResponse) -> list[dict[str, float]]:
+    """Each result's {label: score}, best first."""
+    return [{s.label: s.score for s in result.labels} for result in reply.results]
+
+
 def auth_metadata(api_key: str | None) -> tuple | None:
     """The gRPC metadata that presents `api_key` (as the server's --api-key wants it), or None."""
     if api_key is None:

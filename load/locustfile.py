@@ -12,6 +12,12 @@ request events (type "grpc") named after the call, so the stats table shows each
 An answer only counts as a success when it holds one vector of the model's size per text.
 Against a server with API keys, give one with --api-key (or POLLEN_API_KEY): every user sends it,
 gRPC users as the `authorization` metadata, HTTP users as the Authorization header.
+
+GrpcRerankUser (1 query x --rerank-documents documents a Rerank call, default 20) runs only when
+named, against a server that serves a reranker:
+
+    locust -f load/locustfile.py GrpcRerankUser --headless -u 8 -r 4 -t 60s --only-summary \
+        --host http://127.0.0.1:8080 --grpc-target 127.0.0.1:50051
 """
 from __future__ import annotations
 
@@ -44,6 +50,15 @@ def _add_grpc_target(parser) -> None:
     parser.add_argument("--grpc-target", default="127.0.0.1:50051", help="pollen's gRPC address")
     first_key = next((k.strip() for k in os.environ.get("POLLEN_API_KEY", "").split(",") if k.strip()), "")
     parser.add_argument("--api-key", default=first_key, help="the server's API key [env POLLEN_API_KEY]")
+    parser.add_argument("--rerank-documents", type=int, default=20, help="documents of each GrpcRerankUser call")
+
+
+@events.init.add_listener
+def _rerank_only_when_named(environment, **_kwargs) -> None:
+    """A run that names no user class runs the embedding users only: a reranker is a server of
+    its own (or one model of several), named with GrpcRerankUser."""
+    if GrpcRerankUser.__name__ not in (environment.parsed_options.user_classes or []):
+        environment.user_classes[:] = [u for u in environment.user_classes if u is not GrpcRerankUser]
 
 
 def bearer(environment) -> dict[str, str]:
@@ -181,3 +196,25 @@ class HttpEmbeddingsUser(FastHttpUser):
     @task(1)
     def docs(self) -> None:
         self.embed("docs")
+
+
+class GrpcRerankUser(GrpcUser):
+    """One Rerank call at a time: a query and --rerank-documents passages. An answer counts as a
+    success when it scores every document once, best first."""
+
+    weight = 1
+
+    @task
+    def rerank(self) -> None:
+        count = self.environment.parsed_options.rerank_documents
+        request = pb.RerankRequest(query=self.rng.choice(QUERIES), documents=self.rng.sample(DOCUMENTS, count))
+        started, length, failure = time.perf_counter(), 0, None
+        try:
+            answer = self.stub.Rerank(request, timeout=TIMEOUT_S, metadata=self.metadata)
+            scores = [r.score for r in answer.results]
+            if sorted(r.index for r in answer.results) != list(range(count)) or scores != sorted(scores, reverse=True):
+                raise WrongAnswer(f"{len(answer.results)} results, not each of {count} documents best first")
+            length = answer.ByteSize()
+        except (grpc.RpcError, WrongAnswer) as exc:
+            failure = exc
+        self.report(f"Rerank 1 x {count}", started, length, failure)

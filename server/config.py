@@ -139,8 +139,8 @@ class ServeConfig:
                                    "it requests get RESOURCE_EXHAUSTED")
     max_texts_per_request: int = _flag(LIMITS, 512, "texts (or token-id lists) in one request")
     max_documents_per_request: int = _flag(LIMITS, 1000, "documents in one rerank request (as Cohere's API)")
-    max_stream_in_flight: int = _flag(LIMITS, 256, "EmbedStream messages one stream may have unanswered; past it the "
-                                      "stream is not read until the client reads answers")
+    max_stream_in_flight: int = _flag(LIMITS, 256, "EmbedStream or RerankStream messages one stream may have "
+                                      "unanswered; past it the stream is not read until the client reads answers")
     max_request_bytes: int = _flag(LIMITS, 8 << 20, "the largest gRPC message or HTTP body; a larger one gets "
                                    "RESOURCE_EXHAUSTED (on a stream, up to twice this size, as that message's "
                                    "answer) or HTTP 413", shown="8 MiB")

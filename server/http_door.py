@@ -1,5 +1,6 @@
 """The HTTP door: OpenAI-compatible /v1/embeddings, Cohere- and Jina-shaped /v1/rerank and
-/v2/rerank (server/http_rerank.py), plus /v1/models, /health and /metrics.
+/v2/rerank (server/http_rerank.py), /v1/classify (server/http_classify.py), plus /v1/models,
+/health and /metrics.
 
 A JSON body is decoded by msgspec straight into `EmbeddingsBody` (a wrong type is refused with
 the path of the field), mapped onto a pb.EmbedRequest and answered by the same
@@ -13,9 +14,9 @@ JSON forms of the encodings (`encoding`, ours; `encoding_format`, OpenAI's):
 - "base64": the row's raw little-endian bytes in that encoding (for float32 exactly what OpenAI
   sends); int8 rows carry `scale` here too.
 
-With API keys (server/auth.py), /v1/embeddings, the rerank routes and /v1/models need `Authorization: Bearer KEY`,
-and /metrics does too with --metrics-auth; /health never does. A request without a valid key is
-answered 401 with WWW-Authenticate before its body is decoded.
+With API keys (server/auth.py), /v1/embeddings, the rerank and classify routes and /v1/models
+need `Authorization: Bearer KEY`, and /metrics does too with --metrics-auth; /health never does.
+A request without a valid key is answered 401 with WWW-Authenticate before its body is decoded.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from pollen.common.request import TRUNCATE_BY_NAME
 from pollen.server.auth import REALM
 from pollen.server.http11 import Request, Response
 from pollen.server.http_body import Rejected, choices, decode
+from pollen.server.http_classify import ClassifyBody, to_classify_answer, to_classify_request
 from pollen.server.http_rerank import RerankBody, to_rerank_answer, to_rerank_request
 from pollen.server.metrics import count_request
 from pollen.server.service import EmbedderService
@@ -74,7 +76,8 @@ class EmbeddingsBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _DECODER = msgspec.json.Decoder(EmbeddingsBody)
-_BODY_FIELDS = frozenset(EmbeddingsBody.__struct_fields__) | frozenset(RerankBody.__struct_fields__)
+_BODY_FIELDS = frozenset(EmbeddingsBody.__struct_fields__ + RerankBody.__struct_fields__
+                         + ClassifyBody.__struct_fields__)
 # The choices of each Literal field (`Literal[...] | None` included), named in refusals.
 _CHOICES = choices(EmbeddingsBody)
 _ENCODER = msgspec.json.Encoder()
@@ -90,9 +93,11 @@ _HTTP_STATUS = {
     grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.UNAVAILABLE: 503,
 }
-_ROUTES = {"/v1/embeddings": "POST", "/v1/rerank": "POST", "/v2/rerank": "POST", "/v1/models": "GET",
-           "/health": "GET", "/metrics": "GET"}
+_ROUTES = {"/v1/embeddings": "POST", "/v1/rerank": "POST", "/v2/rerank": "POST", "/v1/classify": "POST",
+           "/v1/models": "GET", "/health": "GET", "/metrics": "GET"}
 _RERANK = ("/v1/rerank", "/v2/rerank")
+# The routes whose requests count in pollen_requests_total.
+_COUNTED = ("/v1/embeddings", *_RERANK, "/v1/classify")
 
 
 # The service words its refusals in the proto's names; over HTTP the same things are spelled as
@@ -130,7 +135,7 @@ class HttpDoor:
         self.service = service
         self.registry = registry  # what /metrics serializes (server/metrics.py, exposition)
         self.keys = service.keys
-        self.closed = {"/v1/embeddings", "/v1/models", *_RERANK} | ({"/metrics"} if service.cfg.metrics_auth else set())
+        self.closed = {*_COUNTED, "/v1/models"} | ({"/metrics"} if service.cfg.metrics_auth else set())
         self.created = int(time.time())
         self.serving = False  # mirrors the gRPC health status: set by server/frontend.py
 
@@ -154,6 +159,8 @@ class HttpDoor:
             return await self.embeddings(request)
         if request.path in _RERANK:
             return await self.rerank(request)
+        if request.path == "/v1/classify":
+            return await self.classify(request)
         if request.path == "/v1/models":
             return Response(200, _ENCODER.encode({"object": "list", "data": [
                 {"id": model.name, "object": "model", "created": self.created, "owned_by": "pollen",
@@ -171,7 +178,7 @@ class HttpDoor:
         reason = self.keys.check(authorization)
         if reason is None:
             return None
-        if request.path == "/v1/embeddings" or request.path in _RERANK:
+        if request.path in _COUNTED:
             count_request(DOOR, grpc.StatusCode.UNAUTHENTICATED.name)
         response = error_response(401, reason, code="invalid_api_key")
         response.headers["WWW-Authenticate"] = REALM + (', error="invalid_token"' if authorization else "")
@@ -203,6 +210,18 @@ class HttpDoor:
         except RequestError as exc:
             return self.refused(exc, "rerank")
         return Response(200, _ENCODER.encode(to_rerank_answer(answer, message)))
+
+    async def classify(self, request: Request) -> Response:
+        try:
+            message = to_classify_request(request.body)
+        except Rejected as exc:
+            count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name)
+            return error_response(400, exc.message, code="invalid_request", param=exc.param)
+        try:
+            answer = await self.service.classify(message, DOOR)
+        except RequestError as exc:
+            return self.refused(exc, "classify")
+        return Response(200, _ENCODER.encode(to_classify_answer(answer)))
 
     @staticmethod
     def refused(exc: RequestError, route: str) -> Response:

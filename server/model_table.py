@@ -1,8 +1,9 @@
-"""The models a frontend serves, by name: each one's spec, tokenizer, admission and ranker, and
+"""The models a frontend serves, by name: each one's spec, tokenizer, admission, ranker and classifier, and
 the choice of the model a request gets.
 
 A request names its model (gRPC `model`, HTTP `model`) or names none and gets the first model,
-in --model's order, of the task its method needs (Embed: an embedder; Rerank: a reranker). A name
+in --model's order, of the task its method needs (Embed: an embedder; Rerank: a reranker;
+Classify: a classifier). A name
 that is not served, or a model that does not serve the method's task, is refused
 INVALID_ARGUMENT naming the models that can serve it.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pollen.common.errors import echo, invalid
 from pollen.common.model_spec import ModelSpec
 from pollen.server.admission import Admission
+from pollen.server.classify import Classifier
 from pollen.server.config import ServeConfig
 from pollen.server.rerank import Ranker
 from pollen.server.router import Router
@@ -28,6 +30,7 @@ class ServedModel:
     spec: ModelSpec
     admission: Admission
     ranker: Ranker
+    classifier: Classifier
 
     @property
     def name(self) -> str:
@@ -51,7 +54,7 @@ class ModelTable:
             admission = Admission(spec, tokenizer, executor, cfg.max_texts_per_request,
                                   default_truncate=cfg.default_truncate, model=index)
             ranker = Ranker(spec, admission, router, cfg.max_documents_per_request, cfg.tokenizer_threads)
-            models.append(ServedModel(index, spec, admission, ranker))
+            models.append(ServedModel(index, spec, admission, ranker, Classifier(spec, admission, router)))
         return cls(models)
 
     @property

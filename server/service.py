@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
 from google.protobuf import message_factory
+from google.protobuf.message import Message
 
 from pollen.common import encodings, status
 from pollen.common.errors import RequestError, cut, echo, invalid
@@ -44,6 +46,8 @@ UNDECODABLE_LOG_INTERVAL_S = 10.0
 # gRPC receives messages up to this many times --max-request-bytes (so that one a little over
 # is refused alone, see the module docstring); the bound on one message's memory in a frontend.
 GRPC_LIMIT_FACTOR = 2
+# The methods whose calls count in pollen_requests_total (the others: Tokenize, Info).
+COUNTED_METHODS = ("Embed", "EmbedStream", "Rerank", "RerankStream", "Classify")
 
 
 @dataclass(slots=True)
@@ -114,7 +118,7 @@ async def authorize(context, keys: auth.ApiKeys, method: str) -> None:
                          None)
     reason = keys.check(authorization)
     if reason is not None:
-        if method in ("Embed", "EmbedStream", "Rerank"):
+        if method in COUNTED_METHODS:
             count_request("grpc", grpc.StatusCode.UNAUTHENTICATED.name)
         _refused_log.warning("%s from %s refused UNAUTHENTICATED: %s", method, context.peer(), reason)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
@@ -196,7 +200,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         self.tracer = None
         self.flood_guard: FloodGuard | None = None  # the frontend sets it for a TCP address
         self.draining = False  # the frontend is stopping: streams read no more messages
-        self.streams: set[EmbedStreamCall] = set()  # the EmbedStream calls in progress
+        self.streams: set[StreamCall] = set()  # the EmbedStream and RerankStream calls in progress
         # Set once gRPC takes no more calls: a gRPC call that arrives while the frontend drains
         # waits at this door until then (see Frontend.shutdown), and then goes on.
         self.door_open = asyncio.Event()
@@ -264,14 +268,27 @@ class EmbedderService(pb_grpc.EmbedderServicer):
                                                         headers=context.invocation_metadata))
 
     async def EmbedStream(self, request_iterator, context):
-        """Answer each message as soon as it is done; a bad message gets an error answer only.
-        One that does not decode ends the stream INVALID_ARGUMENT, after the earlier ones' answers;
-        one over --max-request-bytes gets an error answer only (RESOURCE_EXHAUSTED). When the
-        frontend stops, the stream reads no more: the messages read are answered, then a stream
-        the client had not finished ends UNAVAILABLE."""
+        headers = context.invocation_metadata
+        async for response in self.stream(request_iterator, context, "EmbedStream", embed_error, lambda request: (
+                self.embed(request, "grpc", headers=headers, method="EmbedStream"))):
+            yield response
+
+    async def RerankStream(self, request_iterator, context):
+        async for response in self.stream(request_iterator, context, "RerankStream", rerank_error,
+                                          lambda request: self.rerank(request, "grpc")):
+            yield response
+
+    async def stream(self, request_iterator, context, method: str, error: ErrorAnswer, answer: Answer):
+        """A stream's answers (EmbedStream, RerankStream): each message's `answer` as soon as it
+        is done; a bad message gets an `error` answer only. One that does not decode ends the
+        stream INVALID_ARGUMENT, after the earlier ones' answers; one over --max-request-bytes
+        gets an error answer only (RESOURCE_EXHAUSTED). When the frontend stops, the stream reads
+        no more: the messages read are answered, then a stream the client had not finished ends
+        UNAVAILABLE."""
         if self.draining:
             await self.at_door()
-        stream = EmbedStreamCall(self, request_iterator, self.cfg.max_stream_in_flight, context.invocation_metadata)
+        stream = StreamCall(request_iterator, self.cfg.max_stream_in_flight, method, answer, error,
+                            self.draining)
         self.streams.add(stream)
         try:
             async for response in stream.responses():
@@ -283,7 +300,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
                                 "of this stream it read are answered; send the others again")
         if stream.undecodable is not None:
             count_request("grpc", grpc.StatusCode.INVALID_ARGUMENT.name)
-            await abort(context, undecodable(stream.undecodable, "EmbedStream",
+            await abort(context, undecodable(stream.undecodable, method,
                                              f"message {stream.received} of this stream"))
         if stream.failure is not None:
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error reading the stream: {stream.failure!r}")
@@ -330,6 +347,22 @@ class EmbedderService(pb_grpc.EmbedderServicer):
 
     async def ranked(self, request: pb.RerankRequest, deadline_ns: int) -> pb.RerankResponse:
         return await self.models.pick(request.model, "rerank", "Rerank").ranker.rerank(request, deadline_ns)
+
+    async def Classify(self, request, context):
+        if self.draining:
+            await self.at_door()
+        await refuse_unusable(context, request, "Classify", counted=True)
+        return await unary(context, "Classify", self.classify(request, "grpc", call_deadline(context)))
+
+    async def classify(self, request: pb.ClassifyRequest, door: str, deadline_ns: int = 0) -> pb.ClassifyResponse:
+        """One classify request through either door (server/classify.py), counted in the door's metrics."""
+        response = await counted(door, self.classified(request, deadline_ns))
+        count_request(door, "ok", len(request.texts), response.usage.prompt_tokens)
+        return response
+
+    async def classified(self, request: pb.ClassifyRequest, deadline_ns: int) -> pb.ClassifyResponse:
+        model = self.models.pick(request.model, "classify", "Classify")
+        return await model.classifier.classify(request, deadline_ns)
 
 
 def model_info(model: ServedModel) -> pb.ModelInfo:
@@ -392,28 +425,43 @@ async def unary(context, method: str, work):
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {cut(repr(exc))}")
 
 
-def error_response(request_id: str, exc: RequestError) -> pb.EmbedResponse:
-    return pb.EmbedResponse(id=request_id, error=pb.Error(code=status.number_of(exc.code), message=exc.message))
+def error_of(exc: RequestError) -> pb.Error:
+    return pb.Error(code=status.number_of(exc.code), message=exc.message)
 
 
-class EmbedStreamCall:
-    """One EmbedStream call. A reader task takes messages while fewer than `window` are
+def embed_error(request_id: str, exc: RequestError) -> pb.EmbedResponse:
+    return pb.EmbedResponse(id=request_id, error=error_of(exc))
+
+
+def rerank_error(request_id: str, exc: RequestError) -> pb.RerankResponse:
+    return pb.RerankResponse(id=request_id, error=error_of(exc))
+
+
+# A stream's answer to one of its messages, and the answer of a message that failed.
+Answer = Callable[[Message], Awaitable[Message]]
+ErrorAnswer = Callable[[str, RequestError], Message]
+
+
+class StreamCall:
+    """One EmbedStream or RerankStream call: `answer` answers a message, `error` builds the
+    answer of one that failed. A reader task takes messages while fewer than `window` are
     unanswered (read, and their answer not yet handed to gRPC); each accepted message is answered
     by its own task. A client that reads no answers therefore stops the reader once `window`
     answers wait: gRPC's flow control then pushes back on the client's writes, and the stream
     holds at most `window` messages and answers."""
 
-    def __init__(self, service: EmbedderService, requests, window: int, headers=None):
-        self.service = service
+    def __init__(self, requests, window: int, method: str, answer: Answer, error: ErrorAnswer,
+                 stopped: bool = False):
         self.requests = requests
-        self.headers = headers  # the call's invocation_metadata, read when tracing
+        self.method = method
+        self.respond, self.error = answer, error
         self.slots = asyncio.Semaphore(window)  # one per unanswered message
         self.answers: asyncio.Queue = asyncio.Queue()  # at most `window` long, by the slots
         self.in_flight: set[str] = set()
         self.tasks: set[asyncio.Task] = set()
         self.received = 0
         self.finished = False  # the client ended its side: every message was read
-        self.stopped = service.draining  # the server stops: no more messages are read
+        self.stopped = stopped  # the server stops: no more messages are read
         self.reading = False   # the reader waits for a slot or the next message
         self.reader: asyncio.Task | None = None
         self.undecodable: Undecodable | None = None  # the message that ended the stream
@@ -461,23 +509,23 @@ class EmbedStreamCall:
                     self.undecodable = request
                     break
                 if isinstance(request, Oversize):
-                    self.refuse(error_response(request.id, request.error(f"message {self.received} of this stream")),
+                    self.refuse(self.error(request.id, request.error(f"message {self.received} of this stream")),
                                 grpc.StatusCode.RESOURCE_EXHAUSTED)
                     continue
                 self.accept(request)
             while self.tasks:
                 await asyncio.wait(set(self.tasks))
         except Exception as exc:
-            log.exception("reading an EmbedStream failed")
+            log.exception("reading a %s failed", self.method)
             self.failure = exc
         finally:
             self.answers.put_nowait(None)
 
-    def accept(self, request: pb.EmbedRequest) -> None:
+    def accept(self, request: Message) -> None:
         if not request.id:
-            self.refuse(error_response("", invalid("id is required on EmbedStream messages")))
+            self.refuse(self.error("", invalid(f"id is required on {self.method} messages")))
         elif request.id in self.in_flight:
-            self.refuse(error_response(request.id, invalid(
+            self.refuse(self.error(request.id, invalid(
                 f"id {echo(request.id)} is still in flight on this stream; ids must be unique until answered")))
         else:
             self.in_flight.add(request.id)
@@ -485,19 +533,19 @@ class EmbedStreamCall:
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
-    def refuse(self, response: pb.EmbedResponse, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
+    def refuse(self, response: Message, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
         count_request("grpc", code.name)
         self.answers.put_nowait(response)
 
-    async def answer(self, request: pb.EmbedRequest) -> None:
+    async def answer(self, request: Message) -> None:
         try:
-            response = await self.service.embed(request, "grpc", headers=self.headers, method="EmbedStream")
+            response = await self.respond(request)
         except RequestError as exc:
-            response = error_response(request.id, exc)
+            response = self.error(request.id, exc)
         except Exception as exc:  # a bug must still answer the message, and say so
             log.exception("stream message %r failed", request.id)
-            response = error_response(request.id, RequestError(grpc.StatusCode.INTERNAL,
-                                                               f"internal error: {cut(repr(exc))}"))
+            response = self.error(request.id, RequestError(grpc.StatusCode.INTERNAL,
+                                                           f"internal error: {cut(repr(exc))}"))
         finally:
             self.in_flight.discard(request.id)
         self.answers.put_nowait(response)

@@ -289,6 +289,60 @@ class RerankResult(_message.Message):
     def __init__(self, index: _Optional[int] = ..., score: _Optional[float] = ..., document: _Optional[str] = ...) -> None: ...
 
 class RerankResponse(_message.Message):
+    __slots__ = ("id", "results", "usage", "timing", "model", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    results: _containers.RepeatedCompositeFieldContainer[RerankResult]
+    usage: Usage
+    timing: Timing
+    model: str
+    error: Error
+    def __init__(self, id: _Optional[str] = ..., results: _Optional[_Iterable[_Union[RerankResult, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., model: _Optional[str] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class ClassifyRequest(_message.Message):
+    __slots__ = ("id", "texts", "text_pairs", "raw_scores", "truncate", "max_tokens", "priority", "timeout_ms", "model")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_PAIRS_FIELD_NUMBER: _ClassVar[int]
+    RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    text_pairs: _containers.RepeatedScalarFieldContainer[str]
+    raw_scores: bool
+    truncate: Truncate
+    max_tokens: int
+    priority: Priority
+    timeout_ms: int
+    model: str
+    def __init__(self, id: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., text_pairs: _Optional[_Iterable[str]] = ..., raw_scores: _Optional[bool] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., max_tokens: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+
+class LabelScore(_message.Message):
+    __slots__ = ("label", "score")
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    label: str
+    score: float
+    def __init__(self, label: _Optional[str] = ..., score: _Optional[float] = ...) -> None: ...
+
+class ClassifyResult(_message.Message):
+    __slots__ = ("index", "labels")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    labels: _containers.RepeatedCompositeFieldContainer[LabelScore]
+    def __init__(self, index: _Optional[int] = ..., labels: _Optional[_Iterable[_Union[LabelScore, _Mapping]]] = ...) -> None: ...
+
+class ClassifyResponse(_message.Message):
     __slots__ = ("id", "results", "usage", "timing", "model")
     ID_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
@@ -296,8 +350,8 @@ class RerankResponse(_message.Message):
     TIMING_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     id: str
-    results: _containers.RepeatedCompositeFieldContainer[RerankResult]
+    results: _containers.RepeatedCompositeFieldContainer[ClassifyResult]
     usage: Usage
     timing: Timing
     model: str
-    def __init__(self, id: _Optional[str] = ..., results: _Optional[_Iterable[_Union[RerankResult, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., results: _Optional[_Iterable[_Union[ClassifyResult, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...

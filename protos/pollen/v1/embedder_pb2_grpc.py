@@ -59,6 +59,16 @@ class EmbedderStub:
                 request_serializer=pollen_dot_v1_dot_embedder__pb2.RerankRequest.SerializeToString,
                 response_deserializer=pollen_dot_v1_dot_embedder__pb2.RerankResponse.FromString,
                 _registered_method=True)
+        self.RerankStream = channel.stream_stream(
+                '/pollen.v1.Embedder/RerankStream',
+                request_serializer=pollen_dot_v1_dot_embedder__pb2.RerankRequest.SerializeToString,
+                response_deserializer=pollen_dot_v1_dot_embedder__pb2.RerankResponse.FromString,
+                _registered_method=True)
+        self.Classify = channel.unary_unary(
+                '/pollen.v1.Embedder/Classify',
+                request_serializer=pollen_dot_v1_dot_embedder__pb2.ClassifyRequest.SerializeToString,
+                response_deserializer=pollen_dot_v1_dot_embedder__pb2.ClassifyResponse.FromString,
+                _registered_method=True)
 
 
 class EmbedderServicer:
@@ -103,6 +113,22 @@ class EmbedderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RerankStream(self, request_iterator, context):
+        """Many rerank requests on one bidirectional stream, as EmbedStream: `id` required and unique
+        among the messages in flight, answers as each is done, a bad message answered with `error`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Classify(self, request, context):
+        """Label scores of texts (or text pairs) from a classifier (a sequence-classification head
+        with more than one label).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EmbedderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +156,16 @@ def add_EmbedderServicer_to_server(servicer, server):
                     servicer.Rerank,
                     request_deserializer=pollen_dot_v1_dot_embedder__pb2.RerankRequest.FromString,
                     response_serializer=pollen_dot_v1_dot_embedder__pb2.RerankResponse.SerializeToString,
+            ),
+            'RerankStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.RerankStream,
+                    request_deserializer=pollen_dot_v1_dot_embedder__pb2.RerankRequest.FromString,
+                    response_serializer=pollen_dot_v1_dot_embedder__pb2.RerankResponse.SerializeToString,
+            ),
+            'Classify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Classify,
+                    request_deserializer=pollen_dot_v1_dot_embedder__pb2.ClassifyRequest.FromString,
+                    response_serializer=pollen_dot_v1_dot_embedder__pb2.ClassifyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -267,6 +303,60 @@ class Embedder:
             '/pollen.v1.Embedder/Rerank',
             pollen_dot_v1_dot_embedder__pb2.RerankRequest.SerializeToString,
             pollen_dot_v1_dot_embedder__pb2.RerankResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RerankStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pollen.v1.Embedder/RerankStream',
+            pollen_dot_v1_dot_embedder__pb2.RerankRequest.SerializeToString,
+            pollen_dot_v1_dot_embedder__pb2.RerankResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Classify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pollen.v1.Embedder/Classify',
+            pollen_dot_v1_dot_embedder__pb2.ClassifyRequest.SerializeToString,
+            pollen_dot_v1_dot_embedder__pb2.ClassifyResponse.FromString,
             options,
             channel_credentials,
             insecure,
