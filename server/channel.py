@@ -67,6 +67,7 @@ class WorkerChannel:
         self.index = index
         self.frontend = frontend
         self.state = state
+        self.model_names: list[str] = []  # the served models' names, in --model's order (the frontend sets them)
         self.loop = asyncio.get_running_loop()
         self.inflight: dict[int, Request] = {}
         # Request ids admitted but not yet in the ring, one FIFO lane per priority.
@@ -302,6 +303,9 @@ class WorkerChannel:
 
     def on_ready(self, info: dict) -> None:
         self.ready.set()
+        for i, model in enumerate(info.get("models", ())):  # in --model's order; named as this server serves them
+            name = self.model_names[i] if i < len(self.model_names) else model["name"]
+            metrics.MODEL_MEMORY.labels(name, str(self.index)).set(model["memory_bytes"])
         log.info("worker %d ready: %s", self.index, info)
         self.on_ready_change()
         self.flush()

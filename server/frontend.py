@@ -113,6 +113,8 @@ class Frontend:
         state = ServerState.attach(fcfg.state)
         executor = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="pollen-tokenize")
         channels = [WorkerChannel(w, fcfg.index, state, spin_us=cfg.frontend_spin_us) for w in range(cfg.workers)]
+        for channel in channels:
+            channel.model_names = [spec.name for spec in specs]
         router = Router(cfg, channels, state)
         service = EmbedderService(cfg, ModelTable.build(cfg, specs, router, executor), router, fcfg.index)
         if cfg.grpc_flood_bytes and fcfg.listen and not fcfg.listen.startswith("unix:"):

@@ -38,7 +38,7 @@ from pollen.server.http11 import Request, Response
 from pollen.server.http_body import Rejected, choices, decode
 from pollen.server.http_classify import ClassifyBody, to_classify_answer, to_classify_request
 from pollen.server.http_rerank import RerankBody, to_rerank_answer, to_rerank_request
-from pollen.server.metrics import count_request
+from pollen.server.metrics import TASK_OF, count_request
 from pollen.server.service import EmbedderService
 from pollen.v1 import embedder_pb2 as pb
 
@@ -179,7 +179,7 @@ class HttpDoor:
         if reason is None:
             return None
         if request.path in _COUNTED:
-            count_request(DOOR, grpc.StatusCode.UNAUTHENTICATED.name)
+            count_request(DOOR, grpc.StatusCode.UNAUTHENTICATED.name, task=TASK_OF[request.path])
         response = error_response(401, reason, code="invalid_api_key")
         response.headers["WWW-Authenticate"] = REALM + (', error="invalid_token"' if authorization else "")
         return response
@@ -188,7 +188,7 @@ class HttpDoor:
         try:
             message, encoding_format = to_embed_request(request)
         except Rejected as exc:
-            count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name)
+            count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name, task="embed")
             return error_response(400, exc.message, code="invalid_request", param=exc.param)
         if message.model not in self.service.models.by_name:
             message.model = ""  # a name no served model has (EmbeddingsBody.model)
@@ -203,7 +203,7 @@ class HttpDoor:
         try:
             message = to_rerank_request(request.body)
         except Rejected as exc:
-            count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name)
+            count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name, task="rerank")
             return error_response(400, exc.message, code="invalid_request", param=exc.param)
         try:
             answer = await self.service.rerank(message, DOOR)
@@ -215,7 +215,7 @@ class HttpDoor:
         try:
             message = to_classify_request(request.body)
         except Rejected as exc:
-            count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name)
+            count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name, task="classify")
             return error_response(400, exc.message, code="invalid_request", param=exc.param)
         try:
             answer = await self.service.classify(message, DOOR)

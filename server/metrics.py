@@ -25,7 +25,7 @@ import asyncio
 import bisect
 import os
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pollen.shared_mem.server_state import PHASES
@@ -37,10 +37,15 @@ MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 _SECONDS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _TOKENS = tuple(2 ** i for i in range(4, 18))  # 16 .. 131072
 
-REQUESTS = Counter("pollen_requests", "Embedding requests answered, by door and outcome (ok or a status name).",
-                   ["door", "outcome"], registry=REGISTRY)
-TEXTS = Counter("pollen_texts", "Texts (or chunks) embedded, by door.", ["door"], registry=REGISTRY)
-TOKENS = Counter("pollen_tokens", "Tokens sent to the model, by door.", ["door"], registry=REGISTRY)
+REQUESTS = Counter("pollen_requests", "Requests answered, by door, outcome (ok or a status name) and task "
+                   "(embed, rerank, classify).", ["door", "outcome", "task"], registry=REGISTRY)
+TEXTS = Counter("pollen_texts", "Texts (or chunks, or rerank documents) answered, by door and task.",
+                ["door", "task"], registry=REGISTRY)
+TOKENS = Counter("pollen_tokens", "Tokens sent to the model, by door and task.", ["door", "task"], registry=REGISTRY)
+# The task each counted gRPC method and HTTP route serves: the `task` label.
+TASK_OF = {"Embed": "embed", "EmbedStream": "embed", "Rerank": "rerank", "RerankStream": "rerank",
+           "Classify": "classify", "/v1/embeddings": "embed", "/v1/rerank": "rerank", "/v2/rerank": "rerank",
+           "/v1/classify": "classify"}
 DROPPED = Counter("pollen_dropped", "Requests dropped before reaching the model, by reason "
                   "(deadline, cancelled).", ["reason"], registry=REGISTRY)
 QUEUE_SECONDS = Histogram("pollen_queue_seconds", "Admission to the start of the batch holding a "
@@ -51,6 +56,11 @@ BATCH_TOKENS = Histogram("pollen_batch_tokens", "Tokens in each batch a worker r
                          registry=REGISTRY)
 SEQUENCES = Counter("pollen_sequences", "Sequences (texts, windows, chunk documents) the workers ran.",
                     registry=REGISTRY)
+# Set by each frontend from a worker's READY record (worker/main.py measures it); the same figure
+# from every frontend, so the multiprocess value is their max.
+MODEL_MEMORY = Gauge("pollen_model_memory_bytes", "Device memory each model holds in each worker once warm (on CUDA "
+                     "what the allocator holds for it: weights, buffers, graphs; on the CPU its weights).",
+                     ["model", "worker"], multiprocess_mode="max", registry=REGISTRY)
 WORKER_RESTARTS = Counter("pollen_worker_restarts", "Worker processes restarted after dying (or hanging).",
                           registry=REGISTRY)
 
@@ -182,16 +192,16 @@ class _Forward:
 
 # The labelled children count_request increments, resolved once per label set: `labels()` costs
 # more than the increment itself (it checks and joins the values and takes the metric's lock), and
-# it ran three times per request. Both the doors and the outcomes are few (2 x the status codes).
-_REQUEST_COUNTERS: dict[tuple[str, str], tuple] = {}
+# it ran three times per request. The doors, outcomes and tasks are few (2 x the status codes x 3).
+_REQUEST_COUNTERS: dict[tuple[str, str, str], tuple] = {}
 
 
-def count_request(door: str, outcome: str, texts: int = 0, tokens: int = 0) -> None:
-    """One embedding request answered by a door: outcome "ok" or the gRPC status name."""
-    counters = _REQUEST_COUNTERS.get((door, outcome))
+def count_request(door: str, outcome: str, texts: int = 0, tokens: int = 0, task: str = "embed") -> None:
+    """One request of `task` answered by a door: outcome "ok" or the gRPC status name."""
+    counters = _REQUEST_COUNTERS.get((door, outcome, task))
     if counters is None:
-        counters = _REQUEST_COUNTERS[door, outcome] = (REQUESTS.labels(door, outcome), TEXTS.labels(door),
-                                                       TOKENS.labels(door))
+        counters = _REQUEST_COUNTERS[door, outcome, task] = (REQUESTS.labels(door, outcome, task),
+                                                             TEXTS.labels(door, task), TOKENS.labels(door, task))
     requests, text_count, token_count = counters
     DEFERRED.inc(requests)
     if texts:

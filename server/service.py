@@ -31,7 +31,7 @@ from pollen.common.throttled_log import ThrottledLog
 from pollen.server import auth, metrics
 from pollen.server.config import ServeConfig
 from pollen.server.flood_guard import FloodGuard
-from pollen.server.metrics import count_request
+from pollen.server.metrics import TASK_OF, count_request
 from pollen.server.model_table import ModelTable, ServedModel
 from pollen.server.router import Router
 from pollen.v1 import embedder_pb2 as pb
@@ -119,7 +119,7 @@ async def authorize(context, keys: auth.ApiKeys, method: str) -> None:
     reason = keys.check(authorization)
     if reason is not None:
         if method in COUNTED_METHODS:
-            count_request("grpc", grpc.StatusCode.UNAUTHENTICATED.name)
+            count_request("grpc", grpc.StatusCode.UNAUTHENTICATED.name, task=TASK_OF[method])
         _refused_log.warning("%s from %s refused UNAUTHENTICATED: %s", method, context.peer(), reason)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
@@ -256,7 +256,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         header dict; `method` names the gRPC call); the tracer calls back here with the `span`."""
         if span is None and self.tracer is not None:
             return await self.tracer.trace(self.embed, request, door, headers, method, deadline_ns=deadline_ns)
-        response = await counted(door, self.respond(request, deadline_ns, span))
+        response = await counted(door, self.respond(request, deadline_ns, span), "embed")
         count_request(door, "ok", response.rows, response.usage.prompt_tokens)
         return response
 
@@ -299,7 +299,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the server is stopping: the {stream.received} messages "
                                 "of this stream it read are answered; send the others again")
         if stream.undecodable is not None:
-            count_request("grpc", grpc.StatusCode.INVALID_ARGUMENT.name)
+            count_request("grpc", grpc.StatusCode.INVALID_ARGUMENT.name, task=TASK_OF[method])
             await abort(context, undecodable(stream.undecodable, method,
                                              f"message {stream.received} of this stream"))
         if stream.failure is not None:
@@ -341,8 +341,8 @@ class EmbedderService(pb_grpc.EmbedderServicer):
 
     async def rerank(self, request: pb.RerankRequest, door: str, deadline_ns: int = 0) -> pb.RerankResponse:
         """One rerank request through either door (server/rerank.py), counted in the door's metrics."""
-        response = await counted(door, self.ranked(request, deadline_ns))
-        count_request(door, "ok", len(request.documents), response.usage.prompt_tokens)
+        response = await counted(door, self.ranked(request, deadline_ns), "rerank")
+        count_request(door, "ok", len(request.documents), response.usage.prompt_tokens, "rerank")
         return response
 
     async def ranked(self, request: pb.RerankRequest, deadline_ns: int) -> pb.RerankResponse:
@@ -356,8 +356,8 @@ class EmbedderService(pb_grpc.EmbedderServicer):
 
     async def classify(self, request: pb.ClassifyRequest, door: str, deadline_ns: int = 0) -> pb.ClassifyResponse:
         """One classify request through either door (server/classify.py), counted in the door's metrics."""
-        response = await counted(door, self.classified(request, deadline_ns))
-        count_request(door, "ok", len(request.texts), response.usage.prompt_tokens)
+        response = await counted(door, self.classified(request, deadline_ns), "classify")
+        count_request(door, "ok", len(request.texts), response.usage.prompt_tokens, "classify")
         return response
 
     async def classified(self, request: pb.ClassifyRequest, deadline_ns: int) -> pb.ClassifyResponse:
@@ -379,19 +379,20 @@ def call_deadline(context) -> int:
     return time.monotonic_ns() + int(remaining * 1e9) if remaining is not None else 0
 
 
-async def counted(door: str, work):
+async def counted(door: str, work, task: str):
     """`work`'s answer; a refusal, a cancel (the client left, or we stop) or a failure counted in
-    the door's requests by its status (the caller counts the answer, with its rows and tokens)."""
+    the door's requests of `task` by its status (the caller counts the answer, with its rows and
+    tokens)."""
     try:
         return await work
     except RequestError as exc:
-        count_request(door, exc.code.name)
+        count_request(door, exc.code.name, task=task)
         raise
     except asyncio.CancelledError:
-        count_request(door, grpc.StatusCode.CANCELLED.name)
+        count_request(door, grpc.StatusCode.CANCELLED.name, task=task)
         raise
     except Exception:
-        count_request(door, grpc.StatusCode.INTERNAL.name)
+        count_request(door, grpc.StatusCode.INTERNAL.name, task=task)
         raise
 
 
@@ -410,7 +411,7 @@ async def refuse_unusable(context, request, method: str, *, counted: bool = Fals
     else:
         return
     if counted:
-        count_request("grpc", exc.code.name)
+        count_request("grpc", exc.code.name, task=TASK_OF[method])
     await abort(context, exc)
 
 
@@ -534,7 +535,7 @@ class StreamCall:
             task.add_done_callback(self.tasks.discard)
 
     def refuse(self, response: Message, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
-        count_request("grpc", code.name)
+        count_request("grpc", code.name, task=TASK_OF[self.method])
         self.answers.put_nowait(response)
 
     async def answer(self, request: Message) -> None:

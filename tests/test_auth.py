@@ -77,7 +77,7 @@ def test_http_with_either_key_is_served_and_health_and_metrics_stay_open(keyed):
     status, _, answer = http(server, "/health")
     assert (status, answer) == (200, {"status": "SERVING"})
     status, _, text = http(server, "/metrics")
-    assert status == 200 and 'pollen_requests_total{door="http",outcome="UNAUTHENTICATED"}' in text
+    assert status == 200 and 'pollen_requests_total{door="http",outcome="UNAUTHENTICATED",task="embed"}' in text
 
 
 def test_grpc_without_a_valid_key_is_unauthenticated_unary_and_stream(keyed):

@@ -65,7 +65,7 @@ def test_frontends_share_the_connections_and_answer_everything_once(reference):
         # FLUSH_S in their memory (server/metrics.py), so the sums are whole by then.
         time.sleep(FLUSH_S + 0.3)
         metrics = scrape(server)
-        assert sample(metrics, "pollen_requests_total", door="grpc", outcome="ok") == len(texts)
+        assert sample(metrics, "pollen_requests_total", door="grpc", outcome="ok", task="embed") == len(texts)
         assert sample(metrics, "pollen_sequences_total") == len(texts)
         assert sample(metrics, "pollen_queued_tokens") == 0
     finally:
@@ -156,6 +156,6 @@ def test_pollens_clients_spread_their_calls_over_the_frontends(reference):
 
         assert cosine_rows(asyncio.run(use_async()), reference(texts)).min() >= 0.9999
         time.sleep(FLUSH_S + 0.3)  # every frontend's counts written out (server/metrics.py)
-        assert sample(scrape(server), "pollen_requests_total", door="grpc", outcome="ok") == 2 * len(texts)
+        assert sample(scrape(server), "pollen_requests_total", door="grpc", outcome="ok", task="embed") == 2 * len(texts)
     finally:
         assert server.terminate() == 0

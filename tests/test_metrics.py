@@ -56,14 +56,14 @@ def test_counters_move_by_the_traffic(server, stub):
     after = scrape(server)
 
     all_grpc = [t for batch in grpc_texts + stream_texts for t in batch]
-    assert delta(before, after, "pollen_requests_total", door="grpc", outcome="ok") == 5
-    assert delta(before, after, "pollen_requests_total", door="grpc", outcome="INVALID_ARGUMENT") == 2
-    assert delta(before, after, "pollen_texts_total", door="grpc") == len(all_grpc)
-    assert delta(before, after, "pollen_tokens_total", door="grpc") == tokens(all_grpc)
-    assert delta(before, after, "pollen_requests_total", door="http", outcome="ok") == 1
-    assert delta(before, after, "pollen_requests_total", door="http", outcome="INVALID_ARGUMENT") == 2
-    assert delta(before, after, "pollen_texts_total", door="http") == 2
-    assert delta(before, after, "pollen_tokens_total", door="http") == tokens(http_texts)
+    assert delta(before, after, "pollen_requests_total", door="grpc", outcome="ok", task="embed") == 5
+    assert delta(before, after, "pollen_requests_total", door="grpc", outcome="INVALID_ARGUMENT", task="embed") == 2
+    assert delta(before, after, "pollen_texts_total", door="grpc", task="embed") == len(all_grpc)
+    assert delta(before, after, "pollen_tokens_total", door="grpc", task="embed") == tokens(all_grpc)
+    assert delta(before, after, "pollen_requests_total", door="http", outcome="ok", task="embed") == 1
+    assert delta(before, after, "pollen_requests_total", door="http", outcome="INVALID_ARGUMENT", task="embed") == 2
+    assert delta(before, after, "pollen_texts_total", door="http", task="embed") == 2
+    assert delta(before, after, "pollen_tokens_total", door="http", task="embed") == tokens(http_texts)
     # The other families are exposed (filled by the worker pool), so dashboards can rely on them.
     names = {name for name, _ in after}
     assert {"pollen_queued_tokens", "pollen_worker_restarts_total", "pollen_queue_seconds_count"} <= names
@@ -85,8 +85,8 @@ def test_http_client_leaving_cancels_its_request(server):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         after = scrape(server)
-        if delta(before, after, "pollen_requests_total", door="http", outcome="CANCELLED") == 1:
+        if delta(before, after, "pollen_requests_total", door="http", outcome="CANCELLED", task="embed") == 1:
             break
         time.sleep(0.2)
-    assert delta(before, after, "pollen_requests_total", door="http", outcome="CANCELLED") == 1
-    assert delta(before, after, "pollen_requests_total", door="http", outcome="ok") == 0
+    assert delta(before, after, "pollen_requests_total", door="http", outcome="CANCELLED", task="embed") == 1
+    assert delta(before, after, "pollen_requests_total", door="http", outcome="ok", task="embed") == 0

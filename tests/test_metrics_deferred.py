@@ -84,11 +84,11 @@ def test_a_loop_that_closed_with_its_flush_pending_does_not_stop_later_flushes(m
 
 
 def test_a_scrape_writes_the_scraped_process_s_counts_first():
-    before = metrics.REQUESTS.labels("grpc", "ok")._value.get()
+    before = metrics.REQUESTS.labels("grpc", "ok", "embed")._value.get()
 
     async def count_then_scrape():
         metrics.count_request("grpc", "ok", 1, 7)
         return generate_latest(metrics.exposition())
 
     text = asyncio.run(count_then_scrape()).decode()
-    assert f'pollen_requests_total{{door="grpc",outcome="ok"}} {before + 1:.1f}' in text
+    assert f'pollen_requests_total{{door="grpc",outcome="ok",task="embed"}} {before + 1:.1f}' in text

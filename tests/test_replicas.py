@@ -16,7 +16,7 @@ from pollen.client.targets import channel_target
 from tests.conftest import ServerProcess, free_port
 from tests.texts import varied_texts
 
-_OK = re.compile(r'^pollen_requests_total\{door="grpc",outcome="ok"\} ([0-9.e+]+)$', re.M)
+_OK = re.compile(r'^pollen_requests_total\{door="grpc",outcome="ok",task="embed"\} ([0-9.e+]+)$', re.M)
 
 
 def answered(server: ServerProcess) -> int:

@@ -118,3 +118,37 @@ def test_flags_that_change_one_checkpoint_are_refused_beside_another():
         ServeConfig.from_args(["--model", "a", "--model", "b", "--served-model-name", "x,y,z"], {})
     cfg = ServeConfig.from_args([], {"POLLEN_MODEL": "a,b", "POLLEN_SERVED_MODEL_NAME": "x"})
     assert cfg.model_paths() == ["a", "b"] and cfg.served_names() == ["x", None]
+
+
+def test_metrics_count_requests_by_task(server):
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://{server.http_listen}/metrics", timeout=30) as reply:
+            return reply.read().decode()
+
+    def count(text: str, outcome: str, task: str) -> float:
+        line = f'pollen_requests_total{{door="grpc",outcome="{outcome}",task="{task}"}} '
+        return next((float(x.split()[-1]) for x in text.splitlines() if x.startswith(line)), 0.0)
+
+    import time
+
+    before = scrape()
+    with grpc.insecure_channel(server.listen) as channel:
+        stub = pb_grpc.EmbedderStub(channel)
+        stub.Rerank(pb.RerankRequest(query=QUERY, documents=DOCS), timeout=30)
+        with pytest.raises(grpc.RpcError):
+            stub.Rerank(pb.RerankRequest(query=QUERY, documents=[]), timeout=30)
+        embed(stub)
+    time.sleep(1.5)  # each frontend writes its counts out at most half a second later (server/metrics.py)
+    after = scrape()
+    assert count(after, "ok", "rerank") - count(before, "ok", "rerank") == 1
+    assert count(after, "INVALID_ARGUMENT", "rerank") - count(before, "INVALID_ARGUMENT", "rerank") == 1
+    assert count(after, "ok", "embed") - count(before, "ok", "embed") == 1
+
+
+def test_each_model_s_memory_is_exported(server):
+    with urllib.request.urlopen(f"http://{server.http_listen}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    memory = {line.split('model="')[1].split('"')[0]: float(line.split()[-1])
+              for line in text.splitlines() if line.startswith("pollen_model_memory_bytes{")}
+    assert set(memory) == {"minilm", "ranker"}
+    assert memory["minilm"] > 80e6 > memory["ranker"] > 1e6  # MiniLM's 90 MB of float32 weights; the tiny one's
