@@ -87,7 +87,7 @@ class Classifier:
                           "second text's end cut (TRUNCATE_END), or is refused (TRUNCATE_NONE)")
         return truncate
 
-    async def classify(self, request: pb.ClassifyRequest, deadline_ns: int = 0) -> pb.ClassifyResponse:
+    async def classify(self, request: pb.ClassifyRequest, deadline_ns: int = 0, span=None) -> pb.ClassifyResponse:
         """The request's texts classified by this model (server/model_table.py chose it)."""
         truncate = self.check(request)
         deadline_ns = RequestOptions.deadline(deadline_ns, request.timeout_ms)
@@ -103,6 +103,8 @@ class Classifier:
         options = RequestOptions(Task.SCORE, 0, False, pb.ENCODING_FLOAT32, LANES[request.priority], deadline_ns,
                                  self.admission.model)
         admitted = Request(seqs, options, None, sum(map(len, seqs)))
+        if span is not None:  # the request's server/otel.py span, when tracing
+            span.admitted()
         result = await self.router.answer(admitted)
         logits = np.frombuffer(result.body, np.float32).reshape(result.rows, result.dims).astype(np.float64)
         return pb.ClassifyResponse(

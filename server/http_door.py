@@ -206,7 +206,7 @@ class HttpDoor:
             count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name, task="rerank")
             return error_response(400, exc.message, code="invalid_request", param=exc.param)
         try:
-            answer = await self.service.rerank(message, DOOR)
+            answer = await self.service.rerank(message, DOOR, headers=request.headers, route=request.path)
         except RequestError as exc:
             return self.refused(exc, "rerank")
         return Response(200, _ENCODER.encode(to_rerank_answer(answer, message)))
@@ -218,7 +218,7 @@ class HttpDoor:
             count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name, task="classify")
             return error_response(400, exc.message, code="invalid_request", param=exc.param)
         try:
-            answer = await self.service.classify(message, DOOR)
+            answer = await self.service.classify(message, DOOR, headers=request.headers)
         except RequestError as exc:
             return self.refused(exc, "classify")
         return Response(200, _ENCODER.encode(to_classify_answer(answer)))

@@ -98,11 +98,13 @@ class RequestSpan:
         """Admission (checks and tokenization) is done: the request goes to the workers."""
         self.span.set_attribute("pollen.tokenize_us", (time.monotonic_ns() - self.started_ns) // 1000)
 
-    def answered(self, response: pb.EmbedResponse) -> None:
+    def answered(self, response) -> None:
+        """An EmbedResponse (its rows and dims), a RerankResponse or a ClassifyResponse (its results)."""
+        figures = {"pollen.texts": response.rows, "pollen.dims": response.dims} if isinstance(
+            response, pb.EmbedResponse) else {"pollen.results": len(response.results)}
         self.span.set_attributes({
-            "pollen.outcome": "ok", "pollen.texts": response.rows, "pollen.dims": response.dims,
-            "pollen.tokens": response.usage.prompt_tokens, "pollen.queue_us": response.timing.queue_us,
-            "pollen.inference_us": response.timing.inference_us})
+            **figures, "pollen.outcome": "ok", "pollen.tokens": response.usage.prompt_tokens,
+            "pollen.queue_us": response.timing.queue_us, "pollen.inference_us": response.timing.inference_us})
         self.span.end()
 
     def failed(self, exc: BaseException) -> None:
@@ -134,7 +136,8 @@ class RequestTracer:
         for name in PROPAGATION_LOGGERS:
             logging.getLogger(name).addFilter(quiet)
 
-    def start(self, request: pb.EmbedRequest, door: str, headers: Headers, method: str) -> RequestSpan:
+    def start(self, request, door: str, headers: Headers, method: str, route: str = "/v1/embeddings",
+              task: str = "embed") -> RequestSpan:
         started_ns = time.monotonic_ns()
         parent = self.propagator.extract(carrier_of(headers))
         if door == "grpc":
@@ -143,15 +146,18 @@ class RequestTracer:
             if request.id:
                 attributes["pollen.request_id"] = cut(request.id)  # the stream message's id
         else:
-            name = "POST /v1/embeddings"
-            attributes = {"http.request.method": "POST", "http.route": "/v1/embeddings"}
+            name = f"POST {route}"
+            attributes = {"http.request.method": "POST", "http.route": route}
         attributes["pollen.door"] = door
+        attributes["pollen.task"] = task
         span = self.tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
         return RequestSpan(span, started_ns)
 
-    async def trace(self, counted, request: pb.EmbedRequest, door: str, headers: Headers, method: str, **kwargs):
-        """`counted(request, door, span=..., **kwargs)` (the service's embed) inside a span."""
-        span = self.start(request, door, headers, method)
+    async def trace(self, counted, request, door: str, headers: Headers, method: str, route: str = "/v1/embeddings",
+                    task: str = "embed", **kwargs):
+        """`counted(request, door, span=..., **kwargs)` (the service's embed, rerank or classify)
+        inside a span."""
+        span = self.start(request, door, headers, method, route, task)
         try:
             response = await counted(request, door, span=span, **kwargs)
         except BaseException as exc:

@@ -184,7 +184,7 @@ class Ranker:
                                documents[i:i + size], i) for i in range(0, len(documents), size)))
         return [seq for part in parts for seq in part]
 
-    async def rerank(self, request: pb.RerankRequest, deadline_ns: int = 0) -> pb.RerankResponse:
+    async def rerank(self, request: pb.RerankRequest, deadline_ns: int = 0, span=None) -> pb.RerankResponse:
         """The request's documents ranked by this model (server/model_table.py chose it)."""
         n = len(request.documents)
         if not n:
@@ -202,6 +202,8 @@ class Ranker:
         options = RequestOptions(Task.SCORE, 0, False, pb.ENCODING_FLOAT32, LANES[request.priority], deadline_ns,
                                  self.admission.model)
         admitted = Request(seqs, options, None, sum(map(len, seqs)))
+        if span is not None:  # the request's server/otel.py span, when tracing
+            span.admitted()
         result = await self.router.answer(admitted)
         rows = np.frombuffer(result.body, np.float32).reshape(result.rows, result.dims)
         return pb.RerankResponse(

@@ -274,8 +274,9 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             yield response
 
     async def RerankStream(self, request_iterator, context):
-        async for response in self.stream(request_iterator, context, "RerankStream", rerank_error,
-                                          lambda request: self.rerank(request, "grpc")):
+        headers = context.invocation_metadata
+        async for response in self.stream(request_iterator, context, "RerankStream", rerank_error, lambda request: (
+                self.rerank(request, "grpc", headers=headers, method="RerankStream"))):
             yield response
 
     async def stream(self, request_iterator, context, method: str, error: ErrorAnswer, answer: Answer):
@@ -337,32 +338,44 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         if self.draining:
             await self.at_door()
         await refuse_unusable(context, request, "Rerank", counted=True)
-        return await unary(context, "Rerank", self.rerank(request, "grpc", call_deadline(context)))
+        return await unary(context, "Rerank", self.rerank(request, "grpc", call_deadline(context),
+                                                          headers=context.invocation_metadata))
 
-    async def rerank(self, request: pb.RerankRequest, door: str, deadline_ns: int = 0) -> pb.RerankResponse:
-        """One rerank request through either door (server/rerank.py), counted in the door's metrics."""
-        response = await counted(door, self.ranked(request, deadline_ns), "rerank")
+    async def rerank(self, request: pb.RerankRequest, door: str, deadline_ns: int = 0, *, headers=None,
+                     method: str = "Rerank", route: str = "/v1/rerank", span=None) -> pb.RerankResponse:
+        """One rerank request through either door (server/rerank.py), counted in the door's
+        metrics; in a span of its own with a tracer (as `embed`)."""
+        if span is None and self.tracer is not None:
+            return await self.tracer.trace(self.rerank, request, door, headers, method, route=route, task="rerank",
+                                           deadline_ns=deadline_ns)
+        response = await counted(door, self.ranked(request, deadline_ns, span), "rerank")
         count_request(door, "ok", len(request.documents), response.usage.prompt_tokens, "rerank")
         return response
 
-    async def ranked(self, request: pb.RerankRequest, deadline_ns: int) -> pb.RerankResponse:
-        return await self.models.pick(request.model, "rerank", "Rerank").ranker.rerank(request, deadline_ns)
+    async def ranked(self, request: pb.RerankRequest, deadline_ns: int, span=None) -> pb.RerankResponse:
+        return await self.models.pick(request.model, "rerank", "Rerank").ranker.rerank(request, deadline_ns, span)
 
     async def Classify(self, request, context):
         if self.draining:
             await self.at_door()
         await refuse_unusable(context, request, "Classify", counted=True)
-        return await unary(context, "Classify", self.classify(request, "grpc", call_deadline(context)))
+        return await unary(context, "Classify", self.classify(request, "grpc", call_deadline(context),
+                                                              headers=context.invocation_metadata))
 
-    async def classify(self, request: pb.ClassifyRequest, door: str, deadline_ns: int = 0) -> pb.ClassifyResponse:
-        """One classify request through either door (server/classify.py), counted in the door's metrics."""
-        response = await counted(door, self.classified(request, deadline_ns), "classify")
+    async def classify(self, request: pb.ClassifyRequest, door: str, deadline_ns: int = 0, *, headers=None,
+                       span=None) -> pb.ClassifyResponse:
+        """One classify request through either door (server/classify.py), counted in the door's
+        metrics; in a span of its own with a tracer (as `embed`)."""
+        if span is None and self.tracer is not None:
+            return await self.tracer.trace(self.classify, request, door, headers, "Classify", route="/v1/classify",
+                                           task="classify", deadline_ns=deadline_ns)
+        response = await counted(door, self.classified(request, deadline_ns, span), "classify")
         count_request(door, "ok", len(request.texts), response.usage.prompt_tokens, "classify")
         return response
 
-    async def classified(self, request: pb.ClassifyRequest, deadline_ns: int) -> pb.ClassifyResponse:
+    async def classified(self, request: pb.ClassifyRequest, deadline_ns: int, span=None) -> pb.ClassifyResponse:
         model = self.models.pick(request.model, "classify", "Classify")
-        return await model.classifier.classify(request, deadline_ns)
+        return await model.classifier.classify(request, deadline_ns, span)
 
 
 def model_info(model: ServedModel) -> pb.ModelInfo:

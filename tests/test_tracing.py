@@ -241,3 +241,32 @@ def test_malformed_trace_headers_are_neither_quoted_nor_logged_per_request(http_
     text = log.read_text()
     assert secret not in text
     assert len([line for line in text.splitlines() if "WARNING" in line and "trace context" in line]) <= 2
+
+
+def test_rerank_calls_are_spans_with_their_task(http_collector, tmp_path):
+    from pollen.common.model_spec import default_model_path
+    from tests.test_rerank_api import DOCS, QUERY, make_cross_encoder
+
+    reranker = make_cross_encoder(tmp_path / "tiny-cross-encoder")
+    srv = ServerProcess("--model", default_model_path(), "--model", reranker, "--otlp-endpoint",
+                        http_collector.endpoint, env=FAST_EXPORT).start()
+    unary, http = traceparent(), traceparent()
+    try:
+        with grpc.insecure_channel(srv.listen) as channel:
+            reply = pb_grpc.EmbedderStub(channel).Rerank(pb.RerankRequest(query=QUERY, documents=DOCS),
+                                                         metadata=[("traceparent", unary[0])], timeout=30)
+        request = urllib.request.Request(f"http://127.0.0.1:{srv.http_port}/v2/rerank", method="POST",
+                                         data=json.dumps({"query": QUERY, "documents": DOCS}).encode(),
+                                         headers={"Content-Type": "application/json", "traceparent": http[0]})
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            http_reply = json.load(answer)
+        http_collector.wait_for(2)
+    finally:
+        assert srv.terminate() == 0
+    (span,) = http_collector.of_trace(unary[1])
+    assert span.parent_span_id.hex() == unary[2] and span.name == "pollen.v1.Embedder/Rerank"
+    check_timed(span, reply.usage.prompt_tokens)
+    assert attributes(span)["pollen.task"] == "rerank" and attributes(span)["pollen.results"] == len(DOCS)
+    (span,) = http_collector.of_trace(http[1])
+    assert span.name == "POST /v2/rerank" and attributes(span)["http.route"] == "/v2/rerank"
+    check_timed(span, http_reply["usage"]["prompt_tokens"])
