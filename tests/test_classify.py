@@ -5,8 +5,6 @@ HTTP /v1/classify route, pollen's client, and the refusals."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import urllib.error
 import urllib.request
 
@@ -18,7 +16,7 @@ from pollen.common.model_spec import default_model_path
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
 from tests.conftest import ServerProcess
-from tests.test_rerank_api import TOKENIZER_FILES
+from tests.st_models import copy_bert_tokenizer
 
 LABELS = ("contradiction", "entailment", "neutral")
 TEXTS = ["A man is playing a guitar.", "Bees make honey from nectar.", "東京 🙂 is a city", "stock prices fell"]
@@ -37,10 +35,7 @@ def make_classifier(path) -> str:
     with torch.no_grad():  # a sharper head than the init's, so the labels' scores differ clearly
         model.classifier.weight.mul_(20)
     model.save_pretrained(str(path))
-    for name in TOKENIZER_FILES:
-        source = os.path.join(default_model_path(), name)
-        if os.path.exists(source):
-            shutil.copy(source, os.path.join(path, name))
+    copy_bert_tokenizer(path)
     return str(path)
 
 

@@ -21,12 +21,12 @@ pytestmark = [pytest.mark.gpu,
                                  reason="needs POLLEN_BERT_TOKENIZER_DIR (MiniLM's tokenizer files)")]
 
 import json  # noqa: E402
-import shutil  # noqa: E402
 
 from pollen.v1 import embedder_pb2 as pb  # noqa: E402
 from pollen.v1 import embedder_pb2_grpc as pb_grpc  # noqa: E402
 from tests.conftest import ServerProcess  # noqa: E402
-from tests.test_rerank_api import DOCS, QUERY, TOKENIZER_FILES  # noqa: E402
+from tests.st_models import copy_bert_tokenizer  # noqa: E402
+from tests.test_rerank_api import DOCS, QUERY  # noqa: E402
 
 TEXTS = [f"query number {i} about bees, honey and the hive" for i in range(64)]
 
@@ -39,10 +39,7 @@ def small_bert(path, head: bool) -> str:
     config = BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
                         intermediate_size=1536, max_position_embeddings=512, num_labels=1)
     (BertForSequenceClassification if head else BertModel)(config).eval().save_pretrained(str(path))
-    for name in TOKENIZER_FILES:
-        source = os.path.join(os.environ["POLLEN_BERT_TOKENIZER_DIR"], name)
-        if os.path.exists(source):
-            shutil.copy(source, os.path.join(path, name))
+    copy_bert_tokenizer(path)
     if not head:
         os.makedirs(os.path.join(path, "1_Pooling"))
         with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:

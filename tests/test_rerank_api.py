@@ -5,8 +5,6 @@ Scores are compared with sentence-transformers' CrossEncoder on the same checkpo
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import urllib.error
 import urllib.request
@@ -15,10 +13,10 @@ import grpc
 import numpy as np
 import pytest
 
-from pollen.common.model_spec import default_model_path
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
 from tests.conftest import POLLEN, ServerProcess
+from tests.st_models import copy_bert_tokenizer
 
 QUERY = "how do bees make honey"
 DOCS = ["Bees collect nectar and store it in the hive, where it thickens into honey.",
@@ -26,7 +24,6 @@ DOCS = ["Bees collect nectar and store it in the hive, where it thickens into ho
         "Honey bees live in colonies with one queen.",
         "A recipe for banana bread with walnuts.",
         "Nectar is evaporated by fanning wings until it becomes honey, then capped with wax."]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
 
 def make_cross_encoder(path) -> str:
@@ -37,10 +34,7 @@ def make_cross_encoder(path) -> str:
     config = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=128, max_position_embeddings=128, num_labels=1)
     BertForSequenceClassification(config).eval().save_pretrained(str(path))
-    for name in TOKENIZER_FILES:
-        source = os.path.join(default_model_path(), name)
-        if os.path.exists(source):
-            shutil.copy(source, os.path.join(path, name))
+    copy_bert_tokenizer(path)
     return str(path)
 
 
