@@ -59,10 +59,11 @@ def make_gemma3(path, bidirectional: bool = True, **extra):
 
 
 def make_embedding_gemma(tmp_path, name: str = "st", **extra):
-    """EmbeddingGemma's folder: mean pooling, Dense 64 -> 128 and 128 -> 64 (identity, no bias),
-    Normalize, its prompts; returns (folder, reference)."""
+    """EmbeddingGemma's folder: mean pooling, Dense hidden -> 4 x hidden and back (identity, no
+    bias; 768 -> 3072 -> 768 in EmbeddingGemma), Normalize, its prompts; returns (folder, reference)."""
     make_gemma3(tmp_path / "hf", **extra)
-    modules = [dense(64, 128, bias=False, seed=1), dense(128, 64, bias=False, seed=2)]
+    hidden = extra.get("hidden_size", SHAPE["hidden_size"])
+    modules = [dense(hidden, 4 * hidden, bias=False, seed=1), dense(4 * hidden, hidden, bias=False, seed=2)]
     path = tmp_path / name
     reference = save_st(path, tmp_path / "hf", "mean", dense=modules, normalize=True, prompts=PROMPTS)
     return path, reference
@@ -131,7 +132,14 @@ def test_causal_gemma3_matches_sentence_transformers(tmp_path):
     assert spec.causal and spec.pooling == "last"
     model = load_model(str(tmp_path / "st"))
     assert model.attention[True].window == 7
-    assert_rows_match(engine_rows(model, token_ids(tmp_path / "st", TEXTS)), reference.encode(TEXTS), lengths=True)
+    expected = reference.encode(TEXTS)
+    assert_rows_match(engine_rows(model, token_ids(tmp_path / "st", TEXTS)), expected, lengths=True)
+    # `--attention causal` on the bidirectional checkpoint (the same weights) serves it as
+    # transformers would with the flag off: the causal window too.
+    make_gemma3(tmp_path / "bidirectional")
+    flipped = load_model(str(tmp_path / "bidirectional"), attention="causal", pooling="last")
+    assert flipped.attention[True].window == 7
+    assert_rows_match(engine_rows(flipped, token_ids(tmp_path / "st", TEXTS)), expected, lengths=True)
 
 
 @pytest.fixture
