@@ -14,6 +14,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from pollen.common.gemma3_config import read_layout as read_gemma3_layout
 from pollen.common.modernbert_config import read_layout as read_modernbert_layout
 
 # One encoder serves all four; RoBERTa-style models only number positions differently, and
@@ -30,8 +31,11 @@ MPNET_TYPES = ("mpnet",)
 MPNET_BUCKETS = 32
 # ModernBERT encoders (gte-modernbert, modernbert-embed): RoPE, GeGLU, global and sliding-window layers.
 MODERNBERT_TYPES = ("modernbert",)
+# Gemma3 text layers (EmbeddingGemma): four norms a layer, GeGLU, global and sliding-window layers,
+# bidirectional where use_bidirectional_attention says so.
+GEMMA3_TYPES = ("gemma3_text",)
 # Every model_type pollen serves.
-SUPPORTED_TYPES = ENCODER_TYPES + MPNET_TYPES + DECODER_TYPES + MODERNBERT_TYPES
+SUPPORTED_TYPES = ENCODER_TYPES + MPNET_TYPES + DECODER_TYPES + MODERNBERT_TYPES + GEMMA3_TYPES
 # Bidirectional encoders: causal attention is not offered.
 BIDIRECTIONAL_FAMILIES = ("bert", "mpnet", "modernbert")
 # model_types whose checkpoints carry remote code (auto_map) that pollen implements itself; any
@@ -99,7 +103,8 @@ class DenseModule:
 class ModelSpec:
     path: str  # model directory (absolute)
     name: str  # human-readable, for logs and Info answers
-    family: str  # engine family: "bert" (BERT, RoBERTa, XLM-R, DistilBERT), "mpnet", "modernbert", "qwen3" (decoders)
+    # engine family: "bert" (BERT, RoBERTa, XLM-R, DistilBERT), "mpnet", "modernbert", "qwen3" (decoders), "gemma3"
+    family: str
     hidden_size: int  # width of the embeddings: the pooled rows', or the last Dense module's output
     max_tokens: int  # limit per text, special tokens included
     vocab_size: int
@@ -287,6 +292,9 @@ def _family(path: str, config: dict) -> tuple[str, bool, str]:
         except ValueError as e:
             raise UnsupportedModel(f"{path}: {e}") from None
         return "modernbert", False, "mean"
+    if model_type in GEMMA3_TYPES:
+        bidirectional = _check_gemma3_config(path, config)
+        return "gemma3", not bidirectional, "mean" if bidirectional else "last"
     raise UnsupportedModel(f"{path}: model_type {model_type!r} is not supported; supported: {SUPPORTED_TYPES}")
 
 
@@ -415,6 +423,20 @@ def _check_decoder_config(path: str, config: dict) -> None:
     if heads % kv_heads:
         raise UnsupportedModel(f"{path}: num_attention_heads {heads} is not a multiple of "
                                f"num_key_value_heads {kv_heads}")
+
+
+def _check_gemma3_config(path: str, config: dict) -> bool:
+    """Whether the checked Gemma3 config reads bidirectionally (use_bidirectional_attention)."""
+    try:
+        layout = read_gemma3_layout(config)
+    except ValueError as e:
+        raise UnsupportedModel(f"{path}: {e}") from None
+    for params in layout.rope.values():
+        _check_rope(path, {**config, "rope_parameters": params})
+    if config["num_attention_heads"] % layout.kv_heads:
+        raise UnsupportedModel(f"{path}: num_attention_heads {config['num_attention_heads']} is not a multiple of "
+                               f"num_key_value_heads {layout.kv_heads}")
+    return layout.bidirectional
 
 
 def rope_parameters(config: dict) -> dict:

@@ -42,14 +42,15 @@ def copy_bert_tokenizer(path) -> None:
             shutil.copy(source, os.path.join(path, name))
 
 
-def save_bpe_tokenizer(path, template: str = "<s> $A </s>", vocab_size: int = 400) -> int:
+def save_bpe_tokenizer(path, template: str = "<s> $A </s>", vocab_size: int = 400, bos: str = "<s>",
+                       eos: str = "</s>") -> int:
     """A byte-level BPE trained on texts() words, its post-processor adding `template`'s special
-    tokens (e5-mistral's "<s> $A </s>"; Qwen's "$A <|endoftext|>"), saved as transformers saves a
-    fast tokenizer; returns its vocabulary size."""
+    tokens (e5-mistral's "<s> $A </s>"; Qwen's "$A <|endoftext|>"; Gemma's "<bos> $A <eos>" with
+    bos and eos named so), saved as transformers saves a fast tokenizer; returns its vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<s>", "</s>", "<pad>", "<|endoftext|>"]
+    specials = [bos, eos, "<pad>", "<|endoftext|>"]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -59,7 +60,7 @@ def save_bpe_tokenizer(path, template: str = "<s> $A </s>", vocab_size: int = 40
     used = [s for s in specials if s in template.split()]
     tok.post_processor = processors.TemplateProcessing(single=template,
                                                        special_tokens=[(s, tok.token_to_id(s)) for s in used])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token="<pad>")
     fast.save_pretrained(str(path))
     return tok.get_vocab_size()
 

@@ -19,13 +19,15 @@ from pollen.worker.models.base import EmbeddingModel
 from pollen.worker.models.bert import BertEncoder
 from pollen.worker.models.checkpoint import HeadTensor, full_name
 from pollen.worker.models.dense import load_dense
+from pollen.worker.models.gemma3 import Gemma3Encoder
 from pollen.worker.models.modernbert import ModernBertEncoder
 from pollen.worker.models.mpnet import MPNetEncoder
 from pollen.worker.models.ops import Ops, reference_ops
 from pollen.worker.models.qwen3 import Qwen3Encoder
 
-FAMILIES: dict[str, type[EmbeddingModel]] = {"bert": BertEncoder, "modernbert": ModernBertEncoder,
-                                             "mpnet": MPNetEncoder, "qwen3": Qwen3Encoder}
+FAMILIES: dict[str, type[EmbeddingModel]] = {"bert": BertEncoder, "gemma3": Gemma3Encoder,
+                                             "modernbert": ModernBertEncoder, "mpnet": MPNetEncoder,
+                                             "qwen3": Qwen3Encoder}
 
 
 def load_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
