@@ -6,19 +6,21 @@
 #   POLLEN_QWEN3_TOKENIZER=/path/to/tokenizer.json bash load/run_gpu.sh
 #   STEPS="engine e2e" bash load/run_gpu.sh
 #
-# Steps, all by default, in this order: tests engine e2e concurrency mixed one_client http.
+# Steps, all by default, in this order: tests engine e2e concurrency mixed one_client http rerank
+# two_models.
 # The models are random weights in the real shapes (load/gpu_models.py, written once under
 # /tmp/pollen-ckpt); the servers tokenize with the real Qwen3 tokenizer.json, which
-# POLLEN_QWEN3_TOKENIZER names (concurrency, mixed, one_client and http need it). With h2load on
+# POLLEN_QWEN3_TOKENIZER names (concurrency, mixed, one_client, http, rerank and two_models need it;
+# rerank and two_models also a BERT tokenizer directory, POLLEN_BERT_TOKENIZER_DIR). With h2load on
 # PATH (Debian/Ubuntu: nghttp2-client), concurrency also measures unary calls from it. A failed
 # step does not stop the ones after it; the exit status says whether any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-$(command -v python || command -v python3)}
-steps=" ${STEPS:-tests engine e2e concurrency mixed one_client http} "
+steps=" ${STEPS:-tests engine e2e concurrency mixed one_client http rerank two_models} "
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 tok=(--tokenizer "${POLLEN_QWEN3_TOKENIZER:-}")
-for name in concurrency mixed one_client http; do
+for name in concurrency mixed one_client http rerank two_models; do
     if [[ $steps == *" $name "* && ! -f ${POLLEN_QWEN3_TOKENIZER:-} ]]; then
         echo "$name needs POLLEN_QWEN3_TOKENIZER, the real Qwen3 tokenizer.json" >&2
         exit 2
@@ -43,6 +45,10 @@ step concurrency "$py" load/bench_concurrency.py "${tok[@]}" --clients 1,128,512
 step mixed "$py" load/bench_mixed.py "${tok[@]}" --seconds 6 --interactive-clients 1
 step one_client "$py" load/bench_one_client.py "${tok[@]}" --frontends 0 --calls 1500 --clients sync,aio
 step http "$py" load/bench_http.py --device cuda "${tok[@]}"
+step rerank "$py" load/bench_rerank.py --bert-tokenizer "${POLLEN_BERT_TOKENIZER_DIR:-}" \
+    --qwen3-tokenizer "${POLLEN_QWEN3_TOKENIZER:-}"
+step two_models "$py" load/bench_two_models.py --bert-tokenizer "${POLLEN_BERT_TOKENIZER_DIR:-}" \
+    --qwen3-tokenizer "${POLLEN_QWEN3_TOKENIZER:-}"
 
 if [[ -n $failed ]]; then
     echo "failed:$failed" >&2

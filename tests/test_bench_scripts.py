@@ -104,7 +104,7 @@ def invocations(script: pathlib.Path) -> dict[str, set[str]]:
         if line.lstrip().startswith("#"):
             continue
         for match in re.finditer(r"(load/bench_\w+\.py)([^;|&]*)", line):
-            out.setdefault(match[1], set()).update(re.findall(r"(?<![\w-])--[a-z][a-z-]*", match[2]))
+            out.setdefault(match[1], set()).update(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", match[2]))
     return out
 
 
