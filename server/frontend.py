@@ -40,6 +40,9 @@ from pollen.server.model_table import ModelTable
 from pollen.server.router import Router
 from pollen.server.served_model import served_specs
 from pollen.server.service import GRPC_LIMIT_FACTOR, EmbedderService, add_to_server
+from pollen.server.tei_service import SERVICE_NAMES as TEI_SERVICES
+from pollen.server.tei_service import add_to_server as add_tei_to_server
+from pollen.server.tei_service import serving_names
 from pollen.shared_mem.ring_pair import RingPair
 from pollen.shared_mem.server_state import ServerState
 from pollen.v1 import embedder_pb2 as pb
@@ -47,7 +50,7 @@ from pollen.v1 import embedder_pb2 as pb
 log = logging.getLogger("pollen.frontend")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Embedder"].full_name
-SERVICES = ("", SERVICE_NAME)  # the names the health service answers for
+SERVICES = ("", SERVICE_NAME)  # the names the health service answers for (and TEI's: `health_names`)
 QUIET_S = 0.2  # a draining frontend stops gRPC once no call has arrived for this long
 HOLD_S = 1.0   # or after this long at most (half the grace where that is shorter)
 
@@ -76,12 +79,19 @@ def grpc_options(cfg: ServeConfig) -> list[tuple]:
 def grpc_server(cfg: ServeConfig, service: EmbedderService, listen: str):
     server = grpc.aio.server(options=grpc_options(cfg))
     add_to_server(service, server)  # deserializers that never raise: bad bytes get INVALID_ARGUMENT
+    add_tei_to_server(service, server)  # TEI's tei.v1 beside it (server/tei_service.py)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    reflection.enable_server_reflection([SERVICE_NAME, *TEI_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME],
+                                        server)
     if listen and server.add_insecure_port(listen) == 0:
         raise OSError(f"cannot listen on {listen}")
     return server, health_servicer
+
+
+def health_names(service: EmbedderService) -> tuple[str, ...]:
+    """The TEI services that serve while the server does: those whose task a model serves."""
+    return serving_names({model.task for model in service.models.models})
 
 
 class Frontend:
@@ -173,8 +183,12 @@ class Frontend:
     async def set_health(self, serving: bool) -> None:
         self.serving = serving
         code = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in SERVICES:
+        served = health_names(self.service)
+        for name in SERVICES + served:
             await self.health.set(name, code)
+        for name in TEI_SERVICES:  # a TEI service whose task no model serves never serves (as in TEI)
+            if name not in served:
+                await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.door:
             self.door.serving = serving
 

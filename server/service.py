@@ -88,13 +88,20 @@ def lenient(message_type, max_bytes: int):
 
 def add_to_server(service: EmbedderService, server) -> None:
     """Register every Embedder method (read from the proto's descriptor) with lenient deserializers."""
+    add_service(service, server, SERVICE, service)
+
+
+def add_service(service: EmbedderService, server, descriptor, methods) -> None:
+    """Register every method of the gRPC service `descriptor` as `methods`' method of its name
+    (pollen.v1's: the EmbedderService; TEI's: server/tei_service.py), with lenient deserializers,
+    behind `service`'s API keys and flood guard."""
     kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
              (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
     handlers = {}
-    for method in SERVICE.methods:
+    for method in descriptor.methods:
         request = message_factory.GetMessageClass(method.input_type)
         response = message_factory.GetMessageClass(method.output_type)
-        behavior = getattr(service, method.name)
+        behavior = getattr(methods, method.name)
         if service.keys:
             behavior = guarded(behavior, service.keys, method.name, method.server_streaming)
         if service.flood_guard is not None:
@@ -102,8 +109,8 @@ def add_to_server(service: EmbedderService, server) -> None:
         handlers[method.name] = kinds[method.client_streaming, method.server_streaming](
             behavior, request_deserializer=lenient(request, service.cfg.max_request_bytes),
             response_serializer=response.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
-    server.add_registered_method_handlers(SERVICE.full_name, handlers)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
+    server.add_registered_method_handlers(descriptor.full_name, handlers)
 
 
 _undecodable_log = ThrottledLog(log, UNDECODABLE_LOG_INTERVAL_S)

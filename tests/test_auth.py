@@ -114,6 +114,24 @@ def test_grpc_with_the_key_is_served_unary_and_stream(keyed):
         assert KEYS[0] not in str(info) and KEYS[1] not in str(info)
 
 
+def test_teis_grpc_api_is_behind_the_keys(keyed):
+    """tei.v1's methods, unary and stream, refused without a key as pollen.v1's are; served with one."""
+    tei_stubs = pytest.importorskip("tei_client.stubs")
+    tei, tei_grpc = tei_stubs.tei_pb2, tei_stubs.tei_pb2_grpc
+    server, _ = keyed
+    with grpc.insecure_channel(server.listen) as channel:
+        embed, info = tei_grpc.EmbedStub(channel), tei_grpc.InfoStub(channel)
+        calls = [lambda m: embed.Embed(tei.EmbedRequest(inputs="x"), metadata=m, timeout=30),
+                 lambda m: info.Info(tei.InfoRequest(), metadata=m, timeout=30),
+                 lambda m: list(embed.EmbedStream(iter([tei.EmbedRequest(inputs="x")]), metadata=m, timeout=30))]
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as refused:
+                call(bearer("wrong-key"))
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert len(calls[0](bearer(KEYS[0])).embeddings) == 384
+        assert len(calls[2](bearer(KEYS[1]))[0].embeddings) == 384
+
+
 def test_the_clients_send_the_key(keyed):
     from pollen.client import AsyncClient, Client, EmbedError
 
