@@ -21,8 +21,9 @@ TRUNCATE_NAMES = ("none", "end", "start")
 # rings, the tokenizer and logs. --http-max-connections must fit under the open-files limit with these.
 FD_RESERVE = 256
 
-DESCRIPTION = ("Serve the text embeddings of one model over gRPC (pollen.v1.Embedder, with health and reflection) "
-               "and HTTP (OpenAI-compatible /v1/embeddings), in the foreground until SIGTERM or Ctrl-C. Every flag "
+DESCRIPTION = ("Serve embedding, reranking and classification models over gRPC (pollen.v1.Embedder and TEI's tei.v1, "
+               "with health and reflection) and HTTP (OpenAI-compatible /v1/embeddings, Cohere-shaped /v1/rerank), "
+               "in the foreground until SIGTERM or Ctrl-C. Every flag "
                "is also a variable: POLLEN_ and its name in capitals (POLLEN_MAX_BATCH_TOKENS); a flag given wins.")
 MODEL, NETWORK, PROCESSES, LIMITS, GPU, OBSERVABILITY, ENGINE = (
     "model", "network", "processes", "limits", "GPU (--device cuda)", "observability", "engine switches")
