@@ -38,6 +38,7 @@ from pollen.server.http11 import Request, Response
 from pollen.server.http_body import Rejected, choices, decode
 from pollen.server.http_classify import ClassifyBody, to_classify_answer, to_classify_request
 from pollen.server.http_rerank import RerankBody, to_rerank_answer, to_rerank_request
+from pollen.server.http_tei import TEI_ROUTES, TeiRoutes
 from pollen.server.metrics import TASK_OF, count_request
 from pollen.server.service import EmbedderService
 from pollen.v1 import embedder_pb2 as pb
@@ -93,11 +94,14 @@ _HTTP_STATUS = {
     grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.UNAVAILABLE: 503,
 }
-_ROUTES = {"/v1/embeddings": "POST", "/v1/rerank": "POST", "/v2/rerank": "POST", "/v1/classify": "POST",
-           "/v1/models": "GET", "/health": "GET", "/metrics": "GET"}
+_ROUTES = {"/v1/embeddings": "POST", "/embeddings": "POST", "/v1/rerank": "POST", "/v2/rerank": "POST",
+           "/v1/classify": "POST", "/v1/models": "GET", "/health": "GET", "/metrics": "GET", **TEI_ROUTES}
 _RERANK = ("/v1/rerank", "/v2/rerank")
 # The routes whose requests count in pollen_requests_total.
 _COUNTED = ("/v1/embeddings", *_RERANK, "/v1/classify")
+# TEI's routes (server/http_tei.py), and the OpenAI route under TEI's other name for it.
+_TEI = frozenset(TEI_ROUTES)
+_OPENAI = ("/v1/embeddings", "/embeddings")
 
 
 # The service words its refusals in the proto's names; over HTTP the same things are spelled as
@@ -135,7 +139,8 @@ class HttpDoor:
         self.service = service
         self.registry = registry  # what /metrics serializes (server/metrics.py, exposition)
         self.keys = service.keys
-        self.closed = {*_COUNTED, "/v1/models"} | ({"/metrics"} if service.cfg.metrics_auth else set())
+        self.closed = {*_COUNTED, *_OPENAI, *_TEI, "/v1/models"} | ({"/metrics"} if service.cfg.metrics_auth else set())
+        self.tei = TeiRoutes(service)
         self.created = int(time.time())
         self.serving = False  # mirrors the gRPC health status: set by server/frontend.py
 
@@ -145,6 +150,9 @@ class HttpDoor:
         if method is None:
             return error_response(404, f"no route {echo(request.path)}; routes: {', '.join(_ROUTES)}",
                                   code="not_found")
+        if request.path == "/" and request.method in ("GET", "HEAD"):  # TEI's health check
+            return Response(200 if self.serving else 503, b"" if self.serving else
+                            _ENCODER.encode({"error": "unhealthy", "error_type": "unhealthy"}))
         if self.keys and request.path in self.closed:
             refusal = self.refuse_unauthorized(request)
             if refusal is not None:
@@ -155,8 +163,10 @@ class HttpDoor:
                                       code="method_not_allowed")
             response.headers["Allow"] = allow
             return response
-        if request.path == "/v1/embeddings":
+        if request.path in _OPENAI:
             return await self.embeddings(request)
+        if request.path in _TEI:
+            return await self.tei.handle(request)
         if request.path in _RERANK:
             return await self.rerank(request)
         if request.path == "/v1/classify":
