@@ -60,7 +60,7 @@ class EmbeddingsBody(msgspec.Struct, forbid_unknown_fields=True):
     # A served model's name picks it; any other name (OpenAI's clients must send one, and most send
     # one this server cannot know, such as text-embedding-3-small) gets the first embedding model.
     model: str | None = None
-    dimensions: Positive32 | None = None
+    dimensions: NonNegative32 | None = None  # 0: the full size, as gRPC's 0
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None            # accepted and ignored
     # pollen's own options, as in EmbedRequest (lower-case enum names).
@@ -110,6 +110,16 @@ _OPENAI = ("/v1/embeddings", "/embeddings")
 _PROTO_ENUM = re.compile(r"\b(?:TRUNCATE|LONG_INPUT|PRIORITY|ENCODING)_([A-Z0-9_]+)\b")
 _PROTO_LIST = re.compile(r"\b(?:texts|token_ids)\[")
 _LEADING_FIELD = re.compile(r"^(?:the default )?([a-z_]+)\b")
+
+
+# Token ids on the OpenAI route are refused unless --openai-token-ids: an OpenAI client's ids are
+# tiktoken's (LangChain's OpenAIEmbeddings sends cl100k ids by default), and embedded as this model's
+# ids they give wrong vectors without an error.
+TOKEN_IDS_REFUSED = (
+    "input holds token ids, which this server cannot know to be its model's ids: OpenAI clients tokenize with "
+    "tiktoken (LangChain's OpenAIEmbeddings does by default), and those ids would give wrong vectors. Send the "
+    "texts instead (LangChain: OpenAIEmbeddings(..., check_embedding_ctx_length=False)), or start the server "
+    "with --openai-token-ids if your client sends this model's own ids (as Tokenize or /tokenize returns them)")
 
 
 def http_wording(message: str) -> tuple[str, str | None]:
@@ -200,10 +210,14 @@ class HttpDoor:
         except Rejected as exc:
             count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name, task="embed")
             return error_response(400, exc.message, code="invalid_request", param=exc.param)
+        if message.token_ids and not self.service.cfg.openai_token_ids:
+            count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name, task="embed")
+            return error_response(400, TOKEN_IDS_REFUSED, code="token_ids_refused", param="input")
         if message.model not in self.service.models.by_name:
             message.model = ""  # a name no served model has (EmbeddingsBody.model)
         try:
-            answer = await self.service.embed(message, DOOR, headers=request.headers)
+            answer = await self.service.embed(message, DOOR, headers=request.headers,
+                                              max_inputs=self.service.cfg.max_openai_inputs)
         except RequestError as exc:
             return self.refused(exc, "embeddings")
         return Response(200, _ENCODER.encode(to_openai(answer, encoding_format, answer.model)))

@@ -171,12 +171,14 @@ def add_inputs(message: pb.EmbedRequest, inputs) -> None:
 
 
 _PROTO_TRUNCATE = re.compile(r"set truncate to TRUNCATE_\w+(?: or TRUNCATE_\w+)?")
+_LONG_INPUT = re.compile(r",? or set long_input to LONG_INPUT_\w+")
 _PROTO_LIST = re.compile(r"\b(?:texts|token_ids|documents)\[")
 
 
 def tei_wording(message: str) -> str:
     """A service refusal in the words of TEI's fields (truncate is a bool there)."""
-    return _PROTO_LIST.sub("inputs[", _PROTO_TRUNCATE.sub("set truncate to true", message))
+    message = _PROTO_TRUNCATE.sub("set truncate to true", _LONG_INPUT.sub("", message))
+    return _PROTO_LIST.sub("inputs[", message)
 
 
 def from_request_error(exc: RequestError) -> TeiError:
