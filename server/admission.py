@@ -105,9 +105,10 @@ class Admission(ModelChecks):
         self.executor = executor
         self.max_texts = max_texts
 
-    def check_count(self, inputs: int) -> None:
-        if inputs > self.max_texts:
-            raise invalid(f"{inputs} inputs in one request, over the limit of {self.max_texts}; split the request")
+    def check_count(self, inputs: int, limit: int = 0) -> None:
+        limit = limit or self.max_texts
+        if inputs > limit:
+            raise invalid(f"{inputs} inputs in one request, over the limit of {limit}; split the request")
 
     def truncate(self, request: pb.EmbedRequest | pb.TokenizeRequest) -> int:
         """The request's truncate, or the server's default when the request leaves it unset."""
@@ -117,14 +118,14 @@ class Admission(ModelChecks):
             raise invalid(f"truncate {request.truncate} is not a known Truncate value")
         return request.truncate
 
-    def check_options(self, request: pb.EmbedRequest) -> None:
+    def check_options(self, request: pb.EmbedRequest, max_inputs: int = 0) -> None:
         given = [name for name, n in (("texts", len(request.texts)), ("token_ids", len(request.token_ids)),
                                       ("chunks", len(request.chunks))) if n]
         if len(given) > 1:
             raise invalid(f"set exactly one of texts, token_ids and chunks, not both {' and '.join(given)}")
         if not given:
             raise invalid("the request has neither texts nor token_ids nor chunks")
-        self.check_count(len(request.texts) + len(request.token_ids) + len(request.chunks))
+        self.check_count(len(request.texts) + len(request.token_ids) + len(request.chunks), max_inputs)
         if request.encoding not in _ENCODINGS:
             raise invalid(f"encoding {request.encoding} is not a known Encoding value")
         if request.long_input not in _LONG_INPUTS:
@@ -143,10 +144,11 @@ class Admission(ModelChecks):
             raise invalid("long_input LONG_INPUT_CHUNK_MEAN applies to texts, not to chunks "
                           "(a contextual-chunk document must fit in one sequence)")
 
-    async def admit(self, request: pb.EmbedRequest, deadline_ns: int = 0) -> Request:
+    async def admit(self, request: pb.EmbedRequest, deadline_ns: int = 0, max_inputs: int = 0) -> Request:
         """The request as token-id sequences and resolved options; `deadline_ns` (CLOCK_MONOTONIC,
-        0: none) is when it must reach the model."""
-        self.check_options(request)
+        0: none) is when it must reach the model; `max_inputs` the inputs it may hold (0: the
+        server's max_texts). Past max_texts the router sends it as several records."""
+        self.check_options(request, max_inputs)
         truncate = self.truncate(request)
         limit = self.limit(request.max_tokens)
         rows = None

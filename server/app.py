@@ -169,6 +169,7 @@ async def serve(cfg: ServeConfig, metrics_dir: str | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     supervisor = Supervisor(cfg, metrics_dir)
+    started = False
     try:
         names = ", ".join(spec.name for spec in specs)
         log.info("loading %s on %d %s worker(s), %d frontend(s)", names, cfg.workers, cfg.device, cfg.frontends)
@@ -182,6 +183,8 @@ async def serve(cfg: ServeConfig, metrics_dir: str | None = None) -> None:
         else:
             starting.cancel()
         log.info("stopping: finishing the work in flight (up to %.0f s)", cfg.shutdown_grace)
+        started = True
     finally:
         await supervisor.stop()
-        log.info("stopped")
+        if started:  # a failed start ends with its error (logged by the caller), not with "stopped"
+            log.info("stopped")

@@ -111,6 +111,9 @@ class ServeConfig:
     api_key_file: str | None = _flag(NETWORK, None, "a file of API keys, one a line (# starts a comment), accepted "
                                      "beside --api-key", shown="none", metavar="FILE")
     metrics_auth: bool = _flag(NETWORK, False, "GET /metrics needs an API key too (health checks never do)")
+    openai_token_ids: bool = _flag(NETWORK, False, "/v1/embeddings takes token ids as input; off, they are refused: "
+                                   "OpenAI's clients (LangChain's OpenAIEmbeddings) send tiktoken's ids, not the "
+                                   "model's")
     device: str = _flag(PROCESSES, "cpu", "where workers run the model (cuda: one worker per GPU)",
                         choices=("cpu", "cuda"))
     workers: int = _flag(PROCESSES, 1, "CPU worker processes (they share the cores)")
@@ -139,6 +142,8 @@ class ServeConfig:
     max_queued_tokens: int = _flag(LIMITS, 2_000_000, "tokens admitted but not yet answered, over all workers; past "
                                    "it requests get RESOURCE_EXHAUSTED")
     max_texts_per_request: int = _flag(LIMITS, 512, "texts (or token-id lists) in one request")
+    max_openai_inputs: int = _flag(LIMITS, 2048, "inputs in one OpenAI /v1/embeddings request (OpenAI's own limit); "
+                                   "past --max-texts-per-request they travel to the workers as several records")
     max_documents_per_request: int = _flag(LIMITS, 1000, "documents in one rerank request (as Cohere's API)")
     max_stream_in_flight: int = _flag(LIMITS, 256, "EmbedStream or RerankStream messages one stream may have "
                                       "unanswered; past it the stream is not read until the client reads answers")

@@ -72,7 +72,8 @@ HELD_BYTES = 64 << 10
 _REASONS = {
     100: "Continue", 200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
     408: "Request Timeout", 411: "Length Required", 413: "Content Too Large", 415: "Unsupported Media Type",
-    429: "Too Many Requests", 431: "Request Header Fields Too Large", 499: "Client Closed Request",
+    422: "Unprocessable Content", 424: "Failed Dependency", 429: "Too Many Requests",
+    431: "Request Header Fields Too Large", 499: "Client Closed Request",
     500: "Internal Server Error", 501: "Not Implemented", 503: "Service Unavailable",
     504: "Gateway Timeout", 505: "HTTP Version Not Supported",
 }

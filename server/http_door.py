@@ -38,6 +38,7 @@ from pollen.server.http11 import Request, Response
 from pollen.server.http_body import Rejected, choices, decode
 from pollen.server.http_classify import ClassifyBody, to_classify_answer, to_classify_request
 from pollen.server.http_rerank import RerankBody, to_rerank_answer, to_rerank_request
+from pollen.server.http_tei import TEI_ROUTES, TeiRoutes
 from pollen.server.metrics import TASK_OF, count_request
 from pollen.server.service import EmbedderService
 from pollen.v1 import embedder_pb2 as pb
@@ -59,7 +60,7 @@ class EmbeddingsBody(msgspec.Struct, forbid_unknown_fields=True):
     # A served model's name picks it; any other name (OpenAI's clients must send one, and most send
     # one this server cannot know, such as text-embedding-3-small) gets the first embedding model.
     model: str | None = None
-    dimensions: Positive32 | None = None
+    dimensions: NonNegative32 | None = None  # 0: the full size, as gRPC's 0
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None            # accepted and ignored
     # pollen's own options, as in EmbedRequest (lower-case enum names).
@@ -93,11 +94,14 @@ _HTTP_STATUS = {
     grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.UNAVAILABLE: 503,
 }
-_ROUTES = {"/v1/embeddings": "POST", "/v1/rerank": "POST", "/v2/rerank": "POST", "/v1/classify": "POST",
-           "/v1/models": "GET", "/health": "GET", "/metrics": "GET"}
+_ROUTES = {"/v1/embeddings": "POST", "/embeddings": "POST", "/v1/rerank": "POST", "/v2/rerank": "POST",
+           "/v1/classify": "POST", "/v1/models": "GET", "/health": "GET", "/metrics": "GET", **TEI_ROUTES}
 _RERANK = ("/v1/rerank", "/v2/rerank")
 # The routes whose requests count in pollen_requests_total.
 _COUNTED = ("/v1/embeddings", *_RERANK, "/v1/classify")
+# TEI's routes (server/http_tei.py), and the OpenAI route under TEI's other name for it.
+_TEI = frozenset(TEI_ROUTES)
+_OPENAI = ("/v1/embeddings", "/embeddings")
 
 
 # The service words its refusals in the proto's names; over HTTP the same things are spelled as
@@ -106,6 +110,16 @@ _COUNTED = ("/v1/embeddings", *_RERANK, "/v1/classify")
 _PROTO_ENUM = re.compile(r"\b(?:TRUNCATE|LONG_INPUT|PRIORITY|ENCODING)_([A-Z0-9_]+)\b")
 _PROTO_LIST = re.compile(r"\b(?:texts|token_ids)\[")
 _LEADING_FIELD = re.compile(r"^(?:the default )?([a-z_]+)\b")
+
+
+# Token ids on the OpenAI route are refused unless --openai-token-ids: an OpenAI client's ids are
+# tiktoken's (LangChain's OpenAIEmbeddings sends cl100k ids by default), and embedded as this model's
+# ids they give wrong vectors without an error.
+TOKEN_IDS_REFUSED = (
+    "input holds token ids, which this server cannot know to be its model's ids: OpenAI clients tokenize with "
+    "tiktoken (LangChain's OpenAIEmbeddings does by default), and those ids would give wrong vectors. Send the "
+    "texts instead (LangChain: OpenAIEmbeddings(..., check_embedding_ctx_length=False)), or start the server "
+    "with --openai-token-ids if your client sends this model's own ids (as Tokenize or /tokenize returns them)")
 
 
 def http_wording(message: str) -> tuple[str, str | None]:
@@ -135,7 +149,8 @@ class HttpDoor:
         self.service = service
         self.registry = registry  # what /metrics serializes (server/metrics.py, exposition)
         self.keys = service.keys
-        self.closed = {*_COUNTED, "/v1/models"} | ({"/metrics"} if service.cfg.metrics_auth else set())
+        self.closed = {*_COUNTED, *_OPENAI, *_TEI, "/v1/models"} | ({"/metrics"} if service.cfg.metrics_auth else set())
+        self.tei = TeiRoutes(service)
         self.created = int(time.time())
         self.serving = False  # mirrors the gRPC health status: set by server/frontend.py
 
@@ -145,6 +160,9 @@ class HttpDoor:
         if method is None:
             return error_response(404, f"no route {echo(request.path)}; routes: {', '.join(_ROUTES)}",
                                   code="not_found")
+        if request.path == "/" and request.method in ("GET", "HEAD"):  # TEI's health check
+            return Response(200 if self.serving else 503, b"" if self.serving else
+                            _ENCODER.encode({"error": "unhealthy", "error_type": "unhealthy"}))
         if self.keys and request.path in self.closed:
             refusal = self.refuse_unauthorized(request)
             if refusal is not None:
@@ -155,8 +173,10 @@ class HttpDoor:
                                       code="method_not_allowed")
             response.headers["Allow"] = allow
             return response
-        if request.path == "/v1/embeddings":
+        if request.path in _OPENAI:
             return await self.embeddings(request)
+        if request.path in _TEI:
+            return await self.tei.handle(request)
         if request.path in _RERANK:
             return await self.rerank(request)
         if request.path == "/v1/classify":
@@ -190,10 +210,14 @@ class HttpDoor:
         except Rejected as exc:
             count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name, task="embed")
             return error_response(400, exc.message, code="invalid_request", param=exc.param)
+        if message.token_ids and not self.service.cfg.openai_token_ids:
+            count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name, task="embed")
+            return error_response(400, TOKEN_IDS_REFUSED, code="token_ids_refused", param="input")
         if message.model not in self.service.models.by_name:
             message.model = ""  # a name no served model has (EmbeddingsBody.model)
         try:
-            answer = await self.service.embed(message, DOOR, headers=request.headers)
+            answer = await self.service.embed(message, DOOR, headers=request.headers,
+                                              max_inputs=self.service.cfg.max_openai_inputs)
         except RequestError as exc:
             return self.refused(exc, "embeddings")
         return Response(200, _ENCODER.encode(to_openai(answer, encoding_format, answer.model)))

@@ -38,9 +38,14 @@ class Request:
     sent: bool = False    # in the ring (or the worker) rather than the backlog
     drop_reason: str = ""  # set when the frontend asked the worker to forget it
 
-    def parts(self, max_record: int) -> list[Request]:
-        """This request as parts of at most max_record bytes each, in output order; ValueError
-        for a unit too large for one record."""
+    def outputs(self) -> int:
+        """The rows the answer holds (a RowPlan's rows: at least its outputs)."""
+        return len(self.seqs) if self.rows is None else len(self.rows.seq)
+
+    def parts(self, max_record: int, max_rows: int = 0) -> list[Request]:
+        """This request as parts of at most max_record bytes and (from the second unit of a part
+        on) max_rows rows each (0: any), in output order; ValueError for a unit too large for one
+        record."""
         seqs, rows = self.seqs, self.rows
         parts, start = [], None
         for s0, s1, r0, r1 in units(seqs, rows):
@@ -50,7 +55,8 @@ class Request:
                                  f"request record can carry ({max_record} bytes)")
             if start is None:
                 start = (s0, r0)
-            elif record_bytes(seqs[start[0]:s1], r1 - start[1] if rows is not None else 0) > max_record:
+            elif (record_bytes(seqs[start[0]:s1], r1 - start[1] if rows is not None else 0) > max_record
+                  or (max_rows and r1 - start[1] > max_rows)):
                 parts.append(self.part(start, (s0, r0)))
                 start = (s0, r0)
         parts.append(self.part(start, (len(seqs), len(rows.seq) if rows is not None else len(seqs))))

@@ -70,10 +70,13 @@ class Router:
         now = time.monotonic_ns()
         request.req_id = next(self.ids)
         request.record = records.encode_request(request.req_id, now, request.seqs, request.options, request.rows)
-        if len(request.record) <= self.max_record:
+        # A record holds at most --max-texts-per-request outputs (the response ring is sized for
+        # one batch of them: server/app.py); the OpenAI route's longer lists travel as parts too.
+        max_rows = self.cfg.max_texts_per_request
+        if len(request.record) <= self.max_record and request.outputs() <= max_rows:
             return await self.send(request)
         try:
-            parts = request.parts(self.max_record)
+            parts = request.parts(self.max_record, max_rows)
         except ValueError as exc:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{exc}; split it") from None
         for part in parts:

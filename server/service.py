@@ -213,15 +213,16 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         self.door_open = asyncio.Event()
         self.last_arrival = 0.0  # time.monotonic() when the last call reached the door
 
-    async def respond(self, request: pb.EmbedRequest, deadline_ns: int, span) -> pb.EmbedResponse:
+    async def respond(self, request: pb.EmbedRequest, deadline_ns: int, span, max_inputs: int = 0) -> pb.EmbedResponse:
         """Admit, route and answer one EmbedRequest (uncounted: `embed` counts). deadline_ns:
         CLOCK_MONOTONIC ns by which the request must reach the model (0: none); the request's own
         timeout_ms, counted from now, applies as well. span: the request's server/otel.py
-        RequestSpan when tracing, told when admission is done."""
+        RequestSpan when tracing, told when admission is done. max_inputs: the inputs the request
+        may hold (0: --max-texts-per-request; the OpenAI route's is --max-openai-inputs)."""
         model = self.models.pick(request.model, "embed", "Embed")
         deadline_ns = RequestOptions.deadline(deadline_ns, request.timeout_ms)
         try:
-            admitted = await model.admission.admit(request, deadline_ns)
+            admitted = await model.admission.admit(request, deadline_ns, max_inputs)
         except asyncio.CancelledError:
             metrics.DROPPED.labels(reason="cancelled").inc()  # the client left while we tokenized
             raise
@@ -256,14 +257,15 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         return time.monotonic() - self.last_arrival >= seconds
 
     async def embed(self, request: pb.EmbedRequest, door: str, *, headers=None, method: str = "Embed",
-                    span=None, deadline_ns: int = 0) -> pb.EmbedResponse:
+                    span=None, deadline_ns: int = 0, max_inputs: int = 0) -> pb.EmbedResponse:
         """One embedding request through either door: respond(), counted in the door's request,
         text and token metrics. With a tracer, the call runs in a span (server/otel.py) whose
         parent is the trace context in `headers` (gRPC's invocation_metadata method, or HTTP's
         header dict; `method` names the gRPC call); the tracer calls back here with the `span`."""
         if span is None and self.tracer is not None:
-            return await self.tracer.trace(self.embed, request, door, headers, method, deadline_ns=deadline_ns)
-        response = await counted(door, self.respond(request, deadline_ns, span), "embed")
+            return await self.tracer.trace(self.embed, request, door, headers, method, deadline_ns=deadline_ns,
+                                           max_inputs=max_inputs)
+        response = await counted(door, self.respond(request, deadline_ns, span, max_inputs), "embed")
         count_request(door, "ok", response.rows, response.usage.prompt_tokens)
         return response
 

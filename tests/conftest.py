@@ -127,7 +127,9 @@ def shm_segments(pid: int) -> list[str]:
 
 @pytest.fixture(scope="session")
 def server():
-    srv = ServerProcess("--max-texts-per-request", "64", "--max-request-bytes", str(1 << 20)).start()
+    # --openai-token-ids: the HTTP tests send the model's own ids (its default refusal: test_langchain_openai.py).
+    srv = ServerProcess("--max-texts-per-request", "64", "--max-request-bytes", str(1 << 20),
+                        "--openai-token-ids", "on").start()
     yield srv
     assert srv.terminate() == 0
     assert shm_segments(srv.pid) == []

@@ -120,7 +120,7 @@ def test_models_and_health(server, stub):
     ({"input": 5}, ("Expected", "$.input"), "input"),
     ({"input": ["ok", 7.5]}, ("$.input[1]",), "input[1]"),
     ({"input": "x", "dimensions": "32"}, ("Expected `int", "$.dimensions"), "dimensions"),
-    ({"input": "x", "dimensions": 0}, (">= 1", "$.dimensions"), "dimensions"),
+    ({"input": "x", "dimensions": -1}, (">= 0", "$.dimensions"), "dimensions"),
     ({"input": "x", "encoding_format": "hex"}, ("float", "base64"), "encoding_format"),
     ({"input": "x", "encoding": "int4"}, ("ubinary",), "encoding"),
     ({"input": "x", "normalise": True}, ("unknown field", "normalise"), None),
@@ -144,10 +144,16 @@ def test_bad_bodies_get_openai_style_400(server, body, words, param):
     assert payload["error"]["param"] == param
 
 
-def test_too_many_texts_is_400(server):
-    status, payload = post(server, {"input": ["x"] * 65})  # the fixture's limit is 64
+def test_openai_route_takes_2048_inputs_in_records_of_max_texts(server, stub):
+    texts = [f"text {i} of bees" for i in range(130)]  # over the fixture's --max-texts-per-request of 64
+    status, payload = post(server, {"input": texts})
+    assert status == 200 and [d["index"] for d in payload["data"]] == list(range(130))
+    got = np.array([d["embedding"] for d in payload["data"]])
+    want = np.concatenate([grpc_vectors(stub, texts[i:i + 64]) for i in range(0, 130, 64)])
+    assert np.abs(got - want).max() <= 1e-6
+    status, payload = post(server, {"input": ["x"] * 2049})  # --max-openai-inputs: 2048
     assert status == 400
-    assert_openai_error(payload, "over the limit of 64")
+    assert_openai_error(payload, "over the limit of 2048")
 
 
 def raw_exchange(server, data: bytes) -> tuple[int, dict, bytes]:

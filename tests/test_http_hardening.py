@@ -213,7 +213,7 @@ def test_idle_sockets_filling_every_slot_leave_health_and_clients_answered(guard
 @pytest.fixture(scope="module")
 def unread_server():
     srv = ServerProcess("--http-unread-bytes", str(UNREAD_BYTES), "--http-write-timeout",
-                        str(UNREAD_WRITE_TIMEOUT_S)).start()
+                        str(UNREAD_WRITE_TIMEOUT_S), "--openai-token-ids", "on").start()
     yield srv
     assert srv.terminate() == 0
 
