@@ -47,6 +47,7 @@ from pollen.server.http11 import Request, Response
 from pollen.server.http_body import Rejected, choices, decode
 from pollen.server.model_table import ServedModel
 from pollen.server.service import EmbedderService
+from pollen.server.tei_tokens import tei_tokens
 from pollen.v1 import embedder_pb2 as pb
 
 DOOR = "http"
@@ -200,26 +201,9 @@ def version() -> str:
         return "0"
 
 
-def byte_offsets(text: str) -> np.ndarray:
-    """offsets[i]: the UTF-8 byte offset of character i of `text` (and len(text): its byte size)."""
-    points = np.frombuffer(text.encode("utf-32-le"), np.uint32)
-    sizes = 1 + (points >= 0x80).astype(np.int64) + (points >= 0x800) + (points >= 0x10000)
-    return np.concatenate([[0], np.cumsum(sizes)])
-
-
 def tokens_of(text: str, encoding) -> list[dict]:
-    """One encoding as TEI's SimpleTokens: a special token with its own text and no offsets, any
-    other token with the input's text it covers and that text's byte offsets."""
-    at = byte_offsets(text)
-    out = []
-    for token_id, (start, stop), special, token in zip(encoding.ids, encoding.offsets, encoding.special_tokens_mask,
-                                                       encoding.tokens):
-        if special:
-            out.append({"id": token_id, "text": token, "special": True, "start": None, "stop": None})
-        else:
-            out.append({"id": token_id, "text": text[start:stop], "special": False,
-                        "start": int(at[start]), "stop": int(at[stop])})
-    return out
+    """One encoding as TEI's SimpleTokens (server/tei_tokens.py), as JSON objects."""
+    return [token._asdict() for token in tei_tokens(text, encoding)]
 
 
 class TeiRoutes:

@@ -27,6 +27,7 @@ import numpy as np
 from pollen.common.errors import RequestError, invalid
 from pollen.server import service as svc
 from pollen.server.service import EmbedderService, Oversize, Undecodable
+from pollen.server.tei_tokens import tei_tokens
 from pollen.tei.v1 import tei_pb2 as tei
 from pollen.v1 import embedder_pb2 as pb
 
@@ -271,18 +272,9 @@ class TeiService:
         text = prompt + request.inputs
         encoding = await admission.run(len(text), admission.tokenizer.tokenizer.encode, text, None,
                                        False, request.add_special_tokens)
-        data = text.encode()
-        starts = np.cumsum([0] + [len(c.encode()) for c in text]).tolist()  # char -> byte offset
-        tokens = []
-        for token_id, token, (a, b), special in zip(encoding.ids, encoding.tokens, encoding.offsets,
-                                                    encoding.special_tokens_mask):
-            if special:
-                tokens.append(tei.SimpleToken(id=token_id, text=token, special=True))
-            else:
-                start, stop = starts[a], starts[b]
-                tokens.append(tei.SimpleToken(id=token_id, text=data[start:stop].decode(errors="replace"),
-                                              special=False, start=start, stop=stop))
-        return tei.EncodeResponse(tokens=tokens)
+        return tei.EncodeResponse(tokens=[
+            tei.SimpleToken(**{k: v for k, v in token._asdict().items() if v is not None})
+            for token in tei_tokens(text, encoding)])
 
     async def Decode(self, request, context):
         return await self.call(context, "Decode", request, self.decode)
