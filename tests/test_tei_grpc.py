@@ -211,3 +211,22 @@ def test_a_task_no_model_serves_is_a_failed_precondition(embedder, reranker):
         tei_grpc.EmbedStub(grpc.insecure_channel(reranker.listen)).Embed(tei.EmbedRequest(inputs="bee"), timeout=10)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "Embed needs an embedding model" in err.value.details()
+
+
+def test_tei_client_over_http_gets_pollens_answers(embedder, reranker):
+    """tei-client's HttpClient, unchanged, against TEI's HTTP routes (server/http_tei.py): health,
+    info, embed, tokenize and rerank give what pollen.v1 gives for the same texts."""
+    client = tei_client.HttpClient(f"http://{embedder.http_listen}")
+    assert client.health()
+    assert client.info().server_model_id == "minilm"
+    got = np.array(client.embed(TEXTS), np.float32)
+    reply = ours(embedder).Embed(pb.EmbedRequest(texts=TEXTS, normalize=True), timeout=30)
+    assert np.abs(got - np.frombuffer(reply.embeddings, np.float32).reshape(reply.rows, reply.dims)).max() <= 1e-5
+    (tokens,) = client.tokenize(TEXTS[:1])
+    ids = ours(embedder).Tokenize(pb.TokenizeRequest(texts=TEXTS[:1]), timeout=30).tokens[0].ids
+    assert [t.id for t in tokens.tokens] == list(ids)
+    ranker = tei_client.HttpClient(f"http://{reranker.http_listen}")
+    ranked = ranker.rerank(QUERY, DOCS)
+    mine = ours(reranker).Rerank(pb.RerankRequest(query=QUERY, documents=DOCS), timeout=30)
+    assert [r.index for r in ranked.ranks] == [r.index for r in mine.results]
+    assert np.allclose([r.score for r in ranked.ranks], [r.score for r in mine.results], atol=1e-6)
