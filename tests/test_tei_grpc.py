@@ -7,6 +7,8 @@ FAILED_PRECONDITION naming what is missing; the streams answer in order and end 
 failure, as TEI's do."""
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import numpy as np
 import pytest
@@ -25,6 +27,17 @@ from tei_client.stubs import tei_pb2 as tei  # noqa: E402
 from tei_client.stubs import tei_pb2_grpc as tei_grpc  # noqa: E402
 
 TEXTS = ["a bee on a flower", "the stock market closed higher", "honey is made from nectar", "naïve café ☕ crème"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def event_loop_for_grpc_client():
+    """tei-client's GrpcClient opens a grpc.aio channel as it is built, which takes the thread's
+    event loop; an earlier test's asyncio.run leaves the main thread none."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    yield
+    asyncio.set_event_loop(None)
+    loop.close()
 
 
 @pytest.fixture(scope="module")
