@@ -189,34 +189,25 @@ def phase(server: ServerProcess, conn: http.client.HTTPConnection, idle: int) ->
 
 @pytest.mark.slow
 def test_idle_sockets_filling_every_slot_leave_health_and_clients_answered(guarded):
-    """The good client's p99 under the flood stays under twice its quiet figure, measured up to
-    three times (as tests/test_grpc_floods.py does): on a 2-core machine one measurement's tail
-    can be another process's scheduling. Every other check holds on every attempt."""
     frontend = frontend_pids(guarded)[0]
     good = http.client.HTTPConnection("127.0.0.1", guarded.http_port, timeout=30)
     latencies(good, 50)  # warm up
-    for _ in range(3):
-        quiet, calm = phase(guarded, good, 0)
-        before = memory_mb(frontend)["VmRSS"]
-        reset_peak(frontend)
-        attacked, flood = phase(guarded, good, CAP)
-        peak = memory_mb(frontend)["VmHWM"]
-        again, _ = phase(guarded, good, 0)
-        reference = max(p99(quiet), p99(again))
-        print(f"p99 quiet {p99(quiet) * 1e3:.2f} / {p99(again) * 1e3:.2f} ms, under the flood "
-              f"{p99(attacked) * 1e3:.2f} ms ({len(attacked)} requests); {flood['opened']} idle sockets; "
-              f"RSS {before} -> peak {peak} MB")
-        assert set(calm["statuses"]) == {200}
-        assert flood["opened"] > 2 * CAP, flood["opened"]  # every slot was taken, and taken again once closed
-        refused = [s for s in flood["statuses"] if s != 200]
-        assert len(flood["statuses"]) > 20 and not refused, refused[:5]
-        assert peak - before < FLOOD_RSS_MB
-        if p99(attacked) < 2 * reference:
-            break
-        time.sleep(1)  # let the machine settle, then measure both again
-    else:
-        pytest.fail("the good client's p99 under the flood went over twice its quiet figure in 3 attempts")
+    quiet, calm = phase(guarded, good, 0)
+    before = memory_mb(frontend)["VmRSS"]
+    reset_peak(frontend)
+    attacked, flood = phase(guarded, good, CAP)
+    peak = memory_mb(frontend)["VmHWM"]
+    again, _ = phase(guarded, good, 0)
     good.close()
+    reference = max(p99(quiet), p99(again))
+    print(f"p99 quiet {p99(quiet) * 1e3:.2f} / {p99(again) * 1e3:.2f} ms, under the flood {p99(attacked) * 1e3:.2f} ms "
+          f"({len(attacked)} requests); {flood['opened']} idle sockets; RSS {before} -> peak {peak} MB")
+    assert set(calm["statuses"]) == {200}
+    assert flood["opened"] > 2 * CAP, flood["opened"]  # every slot was taken, and taken again once closed
+    refused = [s for s in flood["statuses"] if s != 200]
+    assert len(flood["statuses"]) > 20 and not refused, refused[:5]
+    assert p99(attacked) < 2 * reference
+    assert peak - before < FLOOD_RSS_MB
 
 
 @pytest.fixture(scope="module")
