@@ -1,12 +1,13 @@
 """Raw HTTP/2 attackers for tests/test_grpc_floods.py, each on one TCP connection, built on the h2
 project's framing (hyperframe) and header coding (hpack):
 
-    python -m tests.h2flood KIND HOST:PORT SECONDS
+    python -m tests.h2flood KIND HOST:PORT SECONDS [MOST]
 
 KIND is `reset` (HEADERS, a message and RST_STREAM for stream after stream: the rapid reset),
 `open` (streams opened with half a message and left so, 20,000 of them, past any limit the
 server announces) or
-`ping` (PING frames as fast as the socket takes them). Frames are built once and their stream ids
+`ping` (PING frames as fast as the socket takes them); `ping-call` the same beside an open call.
+MOST caps the streams or pings sent (20,000 streams for `open`). Frames are built once and their stream ids
 patched, so that the attacker spends little CPU per frame. It reads everything the server sends
 on a thread of its own and prints one JSON line: what it sent, what came back (RST_STREAM,
 REFUSED_STREAM, PING acks, GOAWAY and its code) and when the server closed the connection.
@@ -145,15 +146,15 @@ def streams(attacker: Attacker, seconds: float, reset: bool, most: int = 1 << 30
     return {"streams": sent}
 
 
-def pings(attacker: Attacker, seconds: float, with_call: bool) -> dict:
-    """PING after PING; `with_call`: on a connection with a call open (an EmbedStream that
-    sends nothing), as a client with work in progress has."""
+def pings(attacker: Attacker, seconds: float, with_call: bool, most: int = 1 << 30) -> dict:
+    """PING after PING (`most` of them, in batches); `with_call`: on a connection with a call open
+    (an EmbedStream that sends nothing), as a client with work in progress has."""
     if with_call:
         block = header_block("EmbedStream")
         attacker.sock.sendall(frame(HEADERS, END_HEADERS, 1, block))
     batch = b"".join(frame(PING, 0, 0, struct.pack(">Q", i)) for i in range(BATCH))
     until, sent = time.monotonic() + seconds, 0
-    while time.monotonic() < until and attacker.closed_after_s is None:
+    while time.monotonic() < until and attacker.closed_after_s is None and sent < most:
         try:
             attacker.sock.sendall(batch)
         except OSError:
@@ -164,13 +165,14 @@ def pings(attacker: Attacker, seconds: float, with_call: bool) -> dict:
 
 def main(argv: list[str]) -> int:
     kind, target, seconds = argv[0], argv[1], float(argv[2])
+    most = int(argv[3]) if len(argv) > 3 else 20_000 if kind == "open" else 1 << 30
     attacker = Attacker(target)
     time.sleep(0.2)  # the server's SETTINGS and first WINDOW_UPDATE
     if kind.startswith("ping"):
-        sent = pings(attacker, seconds, kind == "ping-call")
+        sent = pings(attacker, seconds, kind == "ping-call", most)
     else:
-        sent = streams(attacker, seconds, reset=kind == "reset", most=20_000 if kind == "open" else 1 << 30)
-        time.sleep(max(0.0, attacker.t0 + seconds - time.monotonic()))  # the streams stay open
+        sent = streams(attacker, seconds, reset=kind == "reset", most=most)
+    time.sleep(max(0.0, attacker.t0 + seconds - time.monotonic()))  # the streams stay open
     time.sleep(0.5)  # what the server still sends
     print(json.dumps({"kind": kind, "pid": os.getpid(), **attacker.summary(**sent)}), flush=True)
     return 0
