@@ -29,8 +29,10 @@ ATTEMPTS = 3        # quiet-then-flood measurements; one within the p99 bound pa
 ENHANCE_YOUR_CALM = 0xB
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def server(tmp_path_factory):
+    """A server of its own for each test: what one flood leaves behind (the frontend's grown heap,
+    calls still being torn down on a slow machine) never weighs on the next test's figures."""
     log = tmp_path_factory.mktemp("floods") / "server.log"
     srv = ServerProcess(log=str(log)).start()
     srv.frontend = frontend_pids(srv)[0]
