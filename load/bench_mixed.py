@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import dataclasses
 import multiprocessing
 import os
 import random
@@ -43,43 +44,67 @@ def documents(n: int, seed: int = 6) -> list[str]:
     return [" ".join(_sentence(rng) for _ in range(k)) for k in lengths]
 
 
-def stream_docs(target: str, docs: list[str], priority: str, seconds: float, processes: int = 2) -> dict:
-    """Tokens/s of documents through EmbedStream for `seconds` (answers' usage counted)."""
-    parts = [docs[i::processes] for i in range(processes)]
-    with multiprocessing.get_context("spawn").Pool(processes) as pool:
-        got = pool.starmap(_stream_process, [(target, part, priority, seconds) for part in parts])
-    tokens = sum(g["tokens"] for g in got)
-    return {"tokens_per_s": tokens / seconds, "tokens": tokens, "errors": sum(g["errors"] for g in got)}
+@dataclasses.dataclass(frozen=True)
+class StreamLoad:
+    """How the stream client loads the server: `processes` client processes, each with `streams`
+    EmbedStream calls that keep `window` messages of `per_message` texts in flight; the calls of a
+    process share one connection, or each has its own (`connection_per_stream`), which the kernel
+    spreads over the server's frontends. The first `warm` seconds are not counted."""
+    processes: int = 2
+    streams: int = STREAMS
+    window: int = WINDOW
+    per_message: int = PER_MESSAGE
+    connection_per_stream: bool = False
+    warm: float = 1.0
+    normalize: bool = False
 
 
-def _stream_process(target: str, docs: list[str], priority: str, seconds: float) -> dict:
+def stream_docs(target: str, docs: list[str], priority: str, seconds: float, processes: int = 2,
+                load: StreamLoad | None = None) -> dict:
+    """Tokens/s (answers' usage counted) and texts/s of documents through EmbedStream for `seconds`,
+    each stream going round the documents."""
+    load = load or StreamLoad(processes=processes)
+    parts = [(target, docs[i::load.processes], priority, seconds, load) for i in range(load.processes)]
+    if load.processes == 1:  # no process to start
+        got = [_stream_process(*parts[0])]
+    else:
+        with multiprocessing.get_context("spawn").Pool(load.processes) as pool:
+            got = pool.starmap(_stream_process, parts)
+    tokens, texts = sum(g["tokens"] for g in got), sum(g["texts"] for g in got)
+    return {"tokens_per_s": tokens / seconds, "tokens": tokens, "texts_per_s": texts / seconds, "texts": texts,
+            "errors": sum(g["errors"] for g in got)}
+
+
+def _stream_process(target: str, docs: list[str], priority: str, seconds: float, load: StreamLoad) -> dict:
     import uvloop
 
-    return uvloop.run(_streams(target, docs, priority, seconds))
+    return uvloop.run(_streams(target, docs, priority, seconds, load))
 
 
-async def _streams(target: str, docs: list[str], priority: str, seconds: float) -> dict:
+async def _streams(target: str, docs: list[str], priority: str, seconds: float, load: StreamLoad) -> dict:
     import grpc
 
     from pollen.v1 import embedder_pb2 as pb
     from pollen.v1 import embedder_pb2_grpc as pb_grpc
 
     prio = pb.PRIORITY_BULK if priority == "bulk" else pb.PRIORITY_INTERACTIVE
-    counted = {"tokens": 0, "errors": 0}
-    start = time.monotonic() + 1.0  # the first second is warm-up
+    counted = {"tokens": 0, "texts": 0, "errors": 0}
+    start = time.monotonic() + load.warm
     end = start + seconds
+    per = load.per_message
 
     async def one(stub, offset: int) -> None:
         call = stub.EmbedStream(timeout=3600)
-        window = asyncio.Semaphore(WINDOW)
+        window = asyncio.Semaphore(load.window)
 
         async def write():
             n = offset
             while time.monotonic() < end:
                 await window.acquire()
-                chunk = [docs[(n + k) % len(docs)] for k in range(PER_MESSAGE)]
-                await call.write(pb.EmbedRequest(id=str(n), texts=chunk, truncate=pb.TRUNCATE_END, priority=prio))
-                n += PER_MESSAGE * STREAMS
+                chunk = [docs[(n + k) % len(docs)] for k in range(per)]
+                await call.write(pb.EmbedRequest(id=str(n), texts=chunk, truncate=pb.TRUNCATE_END, priority=prio,
+                                                 normalize=load.normalize))
+                n += per * load.streams
             await call.done_writing()
 
         writer = asyncio.create_task(write())
@@ -89,11 +114,18 @@ async def _streams(target: str, docs: list[str], priority: str, seconds: float) 
                 counted["errors"] += 1
             elif start <= time.monotonic() <= end:
                 counted["tokens"] += answer.usage.prompt_tokens
+                counted["texts"] += answer.rows
         await writer
 
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.EmbedderStub(channel)
-        await asyncio.gather(*(one(stub, i * PER_MESSAGE) for i in range(STREAMS)))
+    # A channel option of its own makes each stream's channel a connection of its own.
+    channels = [grpc.aio.insecure_channel(target, options=[("pollen.load.connection", i)])
+                for i in range(load.streams if load.connection_per_stream else 1)]
+    try:
+        stubs = [pb_grpc.EmbedderStub(c) for c in channels]
+        await asyncio.gather(*(one(stubs[i % len(stubs)], i * per) for i in range(load.streams)))
+    finally:
+        for c in channels:
+            await c.close()
     return counted
 
 

@@ -7,20 +7,21 @@
 #   STEPS="engine e2e" bash load/run_gpu.sh
 #
 # Steps, all by default, in this order: tests engine e2e concurrency mixed one_client http rerank
-# two_models.
-# The models are random weights in the real shapes (load/gpu_models.py, written once under
+# two_models models.
+# The models are random weights in the real shapes (load/gpu_models.py, load/arch_models.py, written once under
 # /tmp/pollen-ckpt); the servers tokenize with the real Qwen3 tokenizer.json, which
-# POLLEN_QWEN3_TOKENIZER names (concurrency, mixed, one_client, http, rerank and two_models need it;
-# rerank and two_models also a BERT tokenizer directory, POLLEN_BERT_TOKENIZER_DIR). With h2load on
+# POLLEN_QWEN3_TOKENIZER names (concurrency, mixed, one_client, http, rerank, two_models and models
+# need it; rerank and two_models also a BERT tokenizer directory, POLLEN_BERT_TOKENIZER_DIR, which
+# models uses too, with the STS-B test CSV that POLLEN_STSB names). With h2load on
 # PATH (Debian/Ubuntu: nghttp2-client), concurrency also measures unary calls from it. A failed
 # step does not stop the ones after it; the exit status says whether any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-$(command -v python || command -v python3)}
-steps=" ${STEPS:-tests engine e2e concurrency mixed one_client http rerank two_models} "
+steps=" ${STEPS:-tests engine e2e concurrency mixed one_client http rerank two_models models} "
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 tok=(--tokenizer "${POLLEN_QWEN3_TOKENIZER:-}")
-for name in concurrency mixed one_client http rerank two_models; do
+for name in concurrency mixed one_client http rerank two_models models; do
     if [[ $steps == *" $name "* && ! -f ${POLLEN_QWEN3_TOKENIZER:-} ]]; then
         echo "$name needs POLLEN_QWEN3_TOKENIZER, the real Qwen3 tokenizer.json" >&2
         exit 2
@@ -48,6 +49,8 @@ step http "$py" load/bench_http.py --device cuda "${tok[@]}"
 step rerank "$py" load/bench_rerank.py --bert-tokenizer "${POLLEN_BERT_TOKENIZER_DIR:-}" \
     --qwen3-tokenizer "${POLLEN_QWEN3_TOKENIZER:-}"
 step two_models "$py" load/bench_two_models.py --bert-tokenizer "${POLLEN_BERT_TOKENIZER_DIR:-}" \
+    --qwen3-tokenizer "${POLLEN_QWEN3_TOKENIZER:-}"
+step models "$py" load/bench_models.py --bert-tokenizer "${POLLEN_BERT_TOKENIZER_DIR:-}" \
     --qwen3-tokenizer "${POLLEN_QWEN3_TOKENIZER:-}"
 
 if [[ -n $failed ]]; then

@@ -1,9 +1,11 @@
-"""load/'s result files, A/B table and GPU run scripts, on this machine (no GPU, no server): the
-result convention's names and round trip, the A/B verdicts, tables of partial runs, and every flag
-load/run_gpu.sh and load/ab_commits.sh pass being one the benchmark takes."""
+"""load/'s result files, A/B table and GPU run scripts, on this machine (no GPU): the result
+convention's names and round trip, the A/B verdicts, tables of partial runs, every flag
+load/run_gpu.sh and load/ab_commits.sh pass being one the benchmark takes, and load/bench_models.py's
+smoke run on the CPU (tiny models, real servers)."""
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import re
 import subprocess
@@ -14,7 +16,7 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from load import ab_report, results_file  # noqa: E402
+from load import ab_report, arch_models, results_file  # noqa: E402
 
 
 @pytest.mark.parametrize("name, kind", [("NVIDIA H200", "gpu-h200"), ("NVIDIA H100 80GB HBM3", "gpu-h100-80gb-hbm3"),
@@ -120,3 +122,24 @@ def test_the_gpu_scripts_pass_only_flags_the_benchmarks_take(script):
         assert helped.returncode == 0, helped.stderr
         unknown = {f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}\b", helped.stdout)}
         assert not unknown, f"{script} passes {bench} {sorted(unknown)}"
+
+
+@pytest.mark.slow
+def test_bench_models_smoke_run_serves_every_shape_and_writes_its_table(tmp_path):
+    """load/bench_models.py --device cpu: tiny versions of every shape built, served by `pollen serve`
+    and encoded by sentence-transformers, which counts the same tokens as the server; one row each."""
+    out = tmp_path / "models-cpu.md"
+    run = subprocess.run([sys.executable, str(REPO / "load" / "bench_models.py"), "--device", "cpu", "--root",
+                          str(tmp_path / "ckpt"), "--out", str(out)],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = {r["shape"]: r for r in results_file.read_figures(out)["rows"]}
+    assert list(rows) == list(arch_models.SHAPES)
+    table = out.read_text()
+    for name, row in rows.items():
+        assert row["pollen"]["texts"] > 0 and row["pollen"]["errors"] == 0
+        assert row["pollen"]["tokens"] >= row["pollen"]["texts"] * 8  # texts of 8 to 48 tokens
+        assert row["reference"]["tokens"] == row["tokens"]  # sentence-transformers' tokenizer agrees
+        assert all(row["reference"][f"bs{bs}"]["tokens_per_s"] > 0 for bs in (32, 128))
+        assert re.search(rf"^\| {re.escape(name)} \| .+ \| [\d.,]+x \|$", table, re.M), name
