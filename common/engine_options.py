@@ -58,6 +58,11 @@ class EngineOptions:
     products need it). Off: keep the checkpoint's weights, and with them the query kernels off:
     to compare numerics with the unfolded model."""
 
+    cpu_prepack: bool = True
+    """On the CPU: every product through oneDNN with its weight reordered once at load (and BERT's
+    GELU in the same pass: worker/models/cpu_linear.py) instead of nn.Linear's sgemm, which repacks
+    the weight on each call. Off: torch's nn.Linear: to measure what it gives."""
+
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)

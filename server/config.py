@@ -179,6 +179,7 @@ class ServeConfig:
     skinny_configs: str | None = _engine_flag("skinny_configs")
     flash_attn: bool = _engine_flag("flash_attn")
     fold_norms: bool = _engine_flag("fold_norms")
+    cpu_prepack: bool = _engine_flag("cpu_prepack")
     # Not a flag: --frontends was left at auto and pollen chose the count (check_shm may lower it).
     frontends_automatic: bool = dataclasses.field(default=False, init=False, repr=False)
 

@@ -58,7 +58,8 @@ def load_one(cfg: WorkerConfig, index: int, path: str, device: str, several: boo
     # First-call costs, and on CUDA the likely query graphs, before READY rather than on a client.
     # Several models share the warm-up budget.
     engine.warm_up(cfg.warmup_seconds / len(cfg.model.split(",")))
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    # On the CPU, packed weights are buffers (worker/models/cpu_linear.py).
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     memory = torch.cuda.memory_reserved(device) - before if cuda else weights
     print(f"pollen-worker[{cfg.index}]: model {index} ({os.path.basename(path)}) holds {memory / 2**20:.0f} MiB "
           f"on {device} ({weights / 2**20:.0f} MiB of weights)", file=sys.stderr, flush=True)

@@ -20,6 +20,7 @@ from pollen.common.engine_options import EngineOptions
 from pollen.common.model_spec import ModelSpec, position_offset
 from pollen.worker.models.attention import VarlenAttention
 from pollen.worker.models.base import EmbeddingModel
+from pollen.worker.models.cpu_linear import pack
 from pollen.worker.models.heads import make_head
 from pollen.worker.models.ops import Ops
 
@@ -39,13 +40,23 @@ class BertLayer(nn.Module):
         self.mlp_norm = nn.LayerNorm(hidden, eps=eps)
         # HF "gelu" is the exact erf form; "gelu_new"/"gelu_pytorch_tanh" the tanh approximation.
         self.gelu = "none" if act == "gelu" else "tanh"
+        self.up_applies_gelu = False  # prepack fused the GELU into `up`
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv(x).view(tokens, 3, self.heads, -1).unbind(1)
         attn = self.attention(q, k, v, cu_seqlens, max_seqlen, causal=False).reshape(tokens, -1)
         x = self.attn_norm(x + self.attn_out(attn))
-        return self.mlp_norm(x + self.down(F.gelu(self.up(x), approximate=self.gelu)))
+        up = self.up(x) if self.up_applies_gelu else F.gelu(self.up(x), approximate=self.gelu)
+        return self.mlp_norm(x + self.down(up))
+
+    def prepack(self) -> int:
+        """On the CPU: `up` through oneDNN with its GELU in the same pass (worker/models/cpu_linear.py)."""
+        packed = pack(self.up, "gelu" if self.gelu == "none" else "gelu_tanh")
+        if packed is self.up:
+            return 0
+        self.up, self.up_applies_gelu = packed, True
+        return 1
 
 
 # Checkpoint names of one layer's tensors (our name -> theirs, each without .weight/.bias), by layout.

@@ -18,6 +18,7 @@ from pollen.worker.models.attention import backend as attention_backend
 from pollen.worker.models.base import EmbeddingModel
 from pollen.worker.models.bert import BertEncoder
 from pollen.worker.models.checkpoint import HeadTensor, full_name
+from pollen.worker.models.cpu_linear import prepack_linears
 from pollen.worker.models.dense import load_dense
 from pollen.worker.models.gemma3 import Gemma3Encoder
 from pollen.worker.models.modernbert import ModernBertEncoder
@@ -47,6 +48,8 @@ def load_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float3
     model.dense_modules = load_dense(spec.dense, device)  # after the check that the map covers the parameters
     model.eval()
     model.requires_grad_(False)
+    if torch.device(device).type == "cpu" and options.cpu_prepack:
+        prepack_linears(model)
     return model
 
 
