@@ -1,7 +1,8 @@
 """load/'s result files, A/B table and GPU run scripts, on this machine (no GPU): the result
 convention's names and round trip, the A/B verdicts, tables of partial runs, every flag
-load/run_gpu.sh and load/ab_commits.sh pass being one the benchmark takes, and load/bench_models.py's
-smoke run on the CPU (tiny models, real servers)."""
+load/run_gpu.sh and load/ab_commits.sh pass being one the benchmark takes, load/bench_models.py's
+smoke run on the CPU (tiny models, real servers), and load/bench_cpu.py's (pollen against
+sentence-transformers and ONNX Runtime, quiet and busy)."""
 from __future__ import annotations
 
 import argparse
@@ -143,3 +144,37 @@ def test_bench_models_smoke_run_serves_every_shape_and_writes_its_table(tmp_path
         assert row["reference"]["tokens"] == row["tokens"]  # sentence-transformers' tokenizer agrees
         assert all(row["reference"][f"bs{bs}"]["tokens_per_s"] > 0 for bs in (32, 128))
         assert re.search(rf"^\| {re.escape(name)} \| .+ \| [\d.,]+x \|$", table, re.M), name
+
+
+@pytest.mark.slow
+def test_bench_cpu_smoke_run_measures_each_contender_quiet_and_busy(tmp_path):
+    """load/bench_cpu.py --smoke: pollen, sentence-transformers and ONNX Runtime (the checkpoint exported
+    to ONNX) on the same texts, quiet and under one busy process; every figure measured, every vector
+    within 0.9999 cosine of sentence-transformers', memory per process, and the issue's ratios."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    out = tmp_path / "cpu.md"
+    run = subprocess.run([sys.executable, str(REPO / "load" / "bench_cpu.py"), "--smoke", "--out", str(out),
+                          "--onnx-dir", str(tmp_path / "onnx")],
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    figures = results_file.read_figures(out)
+    rows = {(r["contender"], r["condition"]): r for r in figures["rows"]}
+    for key in ("pollen", "st", "ort"):
+        for condition in ("quiet", "busy"):
+            row = rows[(key, condition)]
+            for metric in ("query_p50_ms", "query_p99_ms", "cpu_ms_per_query", "docs_texts_per_s", "docs_tokens_per_s",
+                           "docs_cpu_s", "pss_mib"):
+                assert row[metric]["median"] > 0, (key, condition, metric)
+            assert row["min_cosine"] >= 0.9999, (key, condition)
+            assert all(m["pss_mib"] > 0 for m in row["memory_per_process"].values()), (key, condition)
+    assert len(rows[("pollen", "quiet")]["memory_per_process"]) >= 3  # supervisor, frontend, worker
+    assert "fastembed" in figures["contenders"] or figures["skipped"]["fastembed"]
+    assert all(r["min_cosine"] >= 0.9999 for r in figures["runs"])
+    assert {"pollen / ORT query p50, quiet", "pollen / ORT docs texts/s, quiet", "pollen / ORT CPU seconds per query, quiet",
+            "pollen docs texts/s, busy / quiet", "pollen / sentence-transformers docs texts/s, busy",
+            "pollen query p50, busy / quiet"} <= set(figures["ratios"])
+    assert figures["onnx_export"]["reused"] is False  # a fresh folder: exported by this run
+    text = out.read_text()
+    assert "| pollen | busy |" in text and "| ONNX Runtime | quiet |" in text and "while True: pass" in text
