@@ -35,6 +35,7 @@ class WorkerConfig:
     bulk_batch_tokens: int = 0  # cap on bulk tokens per batch; 0: max_batch_tokens
     bulk_sms: int = 0  # cuda: SMs of the bulk lane (ServeConfig.bulk_sms)
     spin_us: int = 0  # microseconds the loop polls the request rings before it sleeps
+    adapt_worker_threads: bool = True  # cpu: one thread or `threads` per batch, measured (worker/thread_choice.py)
     warmup_seconds: float = 0.0  # seconds of graph captures before READY
     engine_options: EngineOptions = dataclasses.field(default_factory=EngineOptions)  # the kernels' switches
 

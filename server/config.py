@@ -122,6 +122,9 @@ class ServeConfig:
                            "leave, at most 16")
     worker_threads: int = _flag(PROCESSES, 0, "torch threads per CPU worker", words={"auto": 0},
                                 shown="auto, the cores divided among the workers")
+    adapt_worker_threads: bool = _flag(PROCESSES, True, "a CPU worker runs each batch on one thread or on "
+                                       "--worker-threads, whichever its recent batches measured faster: on cores other "
+                                       "processes keep busy, one thread; off, always --worker-threads")
     tokenizer_threads: int = _flag(PROCESSES, 2, "threads that tokenize requests over 2,048 characters (shorter "
                                    "ones are tokenized on the event loop)")
     worker_spin_us: int = _flag(PROCESSES, -1, "microseconds an idle worker polls its request rings before it "

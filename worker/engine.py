@@ -7,6 +7,7 @@ preparation under the GPU's work; on the CPU, submit simply computes.
 """
 from __future__ import annotations
 
+import time
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -16,6 +17,7 @@ from pollen.common.request import Lane
 from pollen.worker.models.base import EmbeddingModel
 from pollen.worker.models.pooling import pool_rows
 from pollen.worker.packed import PackedBatch, warm_up_batch
+from pollen.worker.thread_choice import ThreadChoice
 
 
 class PendingRows(Protocol):
@@ -85,12 +87,21 @@ class EagerEngine:
     side_by_side = False  # one batch at a time: the lanes mix in the batcher instead
     bulk_sms = 0
 
-    def __init__(self, model: EmbeddingModel):
+    def __init__(self, model: EmbeddingModel, threads: int | None = None, adapt_threads: bool = True):
         self.model = model
         self.pooling = model.spec.pooling
+        self.threads = ThreadChoice(threads or torch.get_num_threads(), adapt_threads)
 
     def submit(self, batch: PackedBatch, out=None, normalize: np.ndarray | None = None,
                lane: Lane = Lane.INTERACTIVE) -> ReadyRows:
+        tokens = len(batch.ids)
+        threads = self.threads.threads_for(tokens)
+        started = time.perf_counter()
+        rows = self._run(batch, out, normalize)
+        self.threads.ran(threads, tokens, time.perf_counter() - started)
+        return rows
+
+    def _run(self, batch: PackedBatch, out, normalize: np.ndarray | None) -> ReadyRows:
         t = torch.from_numpy
         with torch.inference_mode():
             hidden = self.model.hidden_states(t(batch.ids), t(batch.positions), t(batch.cu_seqlens),
@@ -126,11 +137,13 @@ class EagerEngine:
         self.submit(warm_up_batch()).result()
 
 
-def make_engine(model: EmbeddingModel, device: str, **options) -> Engine:
-    """options (max_batch_tokens, cuda_graphs, graph_max_tokens, defer_capture, bulk_sms,
-    interactive_step) matter to the CUDA engine only."""
+def make_engine(model: EmbeddingModel, device: str, threads: int | None = None, adapt_threads: bool = True,
+                **options) -> Engine:
+    """threads and adapt_threads matter to the CPU engine only (worker/thread_choice.py); options
+    (max_batch_tokens, cuda_graphs, graph_max_tokens, defer_capture, bulk_sms, interactive_step)
+    to the CUDA engine only."""
     if device.startswith("cuda"):
         from pollen.worker.cuda_engine import CudaEngine
 
         return CudaEngine(model, device, **options)
-    return EagerEngine(model)
+    return EagerEngine(model, threads, adapt_threads)

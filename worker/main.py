@@ -52,7 +52,8 @@ def load_one(cfg: WorkerConfig, index: int, path: str, device: str, several: boo
     before = torch.cuda.memory_reserved(device) if cuda else 0
     model = load_model(path, device=device, dtype=getattr(torch, cfg.dtype), pooling=cfg.pooling,
                        attention=cfg.attention, options=cfg.engine_options)
-    engine = make_engine(model, device, max_batch_tokens=cfg.max_batch_tokens, cuda_graphs=cfg.cuda_graphs,
+    engine = make_engine(model, device, threads=cfg.threads, adapt_threads=cfg.adapt_worker_threads,
+                         max_batch_tokens=cfg.max_batch_tokens, cuda_graphs=cfg.cuda_graphs,
                          graph_max_tokens=cfg.graph_max_tokens or None, defer_capture=True,
                          bulk_sms=cfg.bulk_sms, interactive_step=int(several and model.spec.task != "embed"))
     # First-call costs, and on CUDA the likely query graphs, before READY rather than on a client.

@@ -1,0 +1,73 @@
+"""The CPU engine's thread count per batch (worker/thread_choice.py): the count whose recent
+batches ran faster (small batches by their seconds, large ones per token, learned apart), the
+other one probed every PROBE_EVERY batches of the class; and the flag that turns it off, carried
+to the worker."""
+from __future__ import annotations
+
+import torch
+
+from pollen.worker.thread_choice import LEARN_TOKENS, PROBE_EVERY, ThreadChoice
+
+
+def drive(choice: ThreadChoice, seconds_per_token: dict[int, float], batches: int, tokens: int = 1024) -> list[int]:
+    used = []
+    for _ in range(batches):
+        count = choice.threads_for(tokens)
+        assert torch.get_num_threads() == count
+        used.append(count)
+        choice.ran(count, tokens, seconds_per_token[count] * tokens)
+    return used
+
+
+def test_busy_cores_move_batches_to_one_thread_and_back():
+    before = torch.get_num_threads()
+    try:
+        choice = ThreadChoice(2)
+        quiet = drive(choice, {2: 1.0, 1: 1.7}, 100)
+        assert quiet[:2] == [2, 1]  # each count measured once first
+        assert abs(quiet[2:].count(1) - len(quiet[2:]) / PROBE_EVERY) <= 1  # then only the probes
+        busy = drive(choice, {2: 5.0, 1: 2.0}, 100)
+        assert busy[:2] == [2, 1]  # the first slow batch, then the count that now wins
+        assert busy[2:].count(2) <= len(busy) // PROBE_EVERY + 1
+        assert drive(choice, {2: 1.0, 1: 1.7}, PROBE_EVERY + 3)[-1] == 2  # found again by a probe
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_small_and_large_batches_learn_apart():
+    before = torch.get_num_threads()
+    try:
+        choice = ThreadChoice(2)
+        drive(choice, {2: 5.0, 1: 2.0}, 4)  # docs: one thread is faster
+        assert choice.large.current == 1
+        small = drive(choice, {2: 0.1, 1: 99.0}, 50, tokens=LEARN_TOKENS - 1)  # queries: two are
+        assert small[:2] == [2, 1] and small[2:].count(1) <= len(small) // PROBE_EVERY + 1
+        assert choice.small.current == 2 and choice.large.current == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_query_figure_is_its_batch_seconds():
+    choice = ThreadChoice(2)
+    choice.ran(2, 10, 0.004)
+    choice.ran(1, 200, 0.005)
+    assert choice.small.cost == {2: 0.004, 1: 0.005}
+
+
+def test_off_or_one_thread_never_changes_the_count():
+    before = torch.get_num_threads()
+    try:
+        assert set(drive(ThreadChoice(2, adapt=False), {2: 9.0, 1: 1.0}, 60)) == {2}
+        assert set(drive(ThreadChoice(1), {1: 1.0}, 10)) == {1}
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_flag_reaches_the_worker_config():
+    from pollen.common.worker_config import WorkerConfig
+    from pollen.server.config import ServeConfig
+
+    for args, want in (([], True), (["--adapt-worker-threads", "off"], False)):
+        cfg = ServeConfig.from_args(["--max-batch-tokens", "8192", *args], environ={})
+        worker = WorkerConfig.of(cfg, 0, control_fd=3, state="s", cpu_cores=[])
+        assert worker.adapt_worker_threads is want

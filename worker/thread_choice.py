@@ -1,0 +1,81 @@
+"""How many threads the CPU engine's batches run on, chosen by what the batches measure.
+
+A CPU sidecar shares its cores with the service it serves. On idle cores, torch's intra-op pool
+of one thread per core is fastest (a docs batch of all-MiniLM-L6-v2 about 1.5x one thread, a
+query's forward about 1.4x). When other processes keep the cores busy, each parallel region waits
+at its barrier for the thread that lost its core, and a layer has dozens of regions: the same
+batches then run several times slower on two threads than on one (the pool's spinning threads
+burn the time the others need). No setting is right for both, and which one holds changes with
+the neighbours' load.
+
+So the engine measures, in two classes of batch that it learns apart: small ones (under
+LEARN_TOKENS tokens: queries, whose time is mostly fixed costs, so a batch's seconds are its
+figure) and large ones (docs: seconds per token). In each class, every batch records its figure
+under the thread count it ran on (an exponential average for the count in use); batches run on the
+count with the lower figure, and every PROBE_EVERY-th batch of the class runs on the other one,
+whose figure that probe replaces, so a count's figure never goes stale by more than that many
+batches of its class.
+"""
+from __future__ import annotations
+
+import torch
+
+LEARN_TOKENS = 256
+PROBE_EVERY = 24
+SMOOTHING = 0.3  # the weight of the newest batch in the count in use's average
+
+
+class CountChoice:
+    """One class of batch's choice between the counts in `counts` (the first is the default)."""
+
+    def __init__(self, counts: tuple[int, ...]):
+        self.counts = counts
+        self.cost: dict[int, float | None] = dict.fromkeys(counts)
+        self.current = counts[0]
+        self.since_probe = 0
+
+    def next_count(self) -> int:
+        if len(self.counts) == 1:
+            return self.current
+        untried = [c for c in self.counts if self.cost[c] is None]
+        if untried:
+            return untried[0]
+        if self.since_probe >= PROBE_EVERY:
+            self.since_probe = 0
+            return next(c for c in self.counts if c != self.current)
+        return self.current
+
+    def ran(self, count: int, figure: float) -> None:
+        old = self.cost[count]
+        # A probe's figure replaces its count's average, which is PROBE_EVERY batches stale: the
+        # neighbours' load may have changed since. The count in use's batches are averaged.
+        fresh = old is None or count != self.current
+        self.cost[count] = figure if fresh else old + SMOOTHING * (figure - old)
+        self.since_probe += 1
+        known = {c: v for c, v in self.cost.items() if v is not None}
+        self.current = min(known, key=known.get)
+
+
+class ThreadChoice:
+    """Between one thread and `most` (the --worker-threads count); with `adapt` off, always `most`."""
+
+    def __init__(self, most: int, adapt: bool = True):
+        counts = (most, 1) if adapt and most > 1 else (most,)
+        self.small, self.large = CountChoice(counts), CountChoice(counts)
+
+    def _class(self, tokens: int) -> CountChoice:
+        return self.large if tokens >= LEARN_TOKENS else self.small
+
+    def threads_for(self, tokens: int) -> int:
+        """The count the next batch of `tokens` runs on (set on torch's pool)."""
+        count = self._class(tokens).next_count()
+        if torch.get_num_threads() != count:
+            torch.set_num_threads(count)
+        return count
+
+    def ran(self, count: int, tokens: int, seconds: float) -> None:
+        """A batch of `tokens` took `seconds` on `count` threads."""
+        if tokens >= LEARN_TOKENS:
+            self.large.ran(count, seconds / tokens)
+        else:
+            self.small.ran(count, seconds)
