@@ -71,3 +71,17 @@ def test_the_flag_reaches_the_worker_config():
         cfg = ServeConfig.from_args(["--max-batch-tokens", "8192", *args], environ={})
         worker = WorkerConfig.of(cfg, 0, control_fd=3, state="s", cpu_cores=[])
         assert worker.adapt_worker_threads is want
+
+
+def test_a_step_in_load_switches_after_one_batch():
+    before = torch.get_num_threads()
+    try:
+        choice = ThreadChoice(2)
+        drive(choice, {2: 1.0, 1: 1.5}, 10)
+        assert choice.large.current == 2
+        assert drive(choice, {2: 4.0, 1: 2.0}, 2) == [2, 1]  # 4x its average: replaced at once
+        choice = ThreadChoice(2)
+        drive(choice, {2: 1.0, 1: 1.5}, 10)
+        assert drive(choice, {2: 1.8, 1: 1.5}, 2) == [2, 2]  # under STEP: averaged, no switch yet
+    finally:
+        torch.set_num_threads(before)

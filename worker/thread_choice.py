@@ -12,7 +12,8 @@ So the engine measures, in two classes of batch that it learns apart: small ones
 LEARN_TOKENS tokens: queries, whose time is mostly fixed costs, so a batch's seconds are its
 figure) and large ones (docs: seconds per token). In each class, every batch records its figure
 under the thread count it ran on (an exponential average for the count in use); batches run on the
-count with the lower figure, and every PROBE_EVERY-th batch of the class runs on the other one,
+count with the lower figure (one batch over STEP times its count's average replaces it: a change of
+load shows at once), and every PROBE_EVERY-th batch of the class runs on the other one,
 whose figure that probe replaces, so a count's figure never goes stale by more than that many
 batches of its class.
 """
@@ -23,6 +24,7 @@ import torch
 LEARN_TOKENS = 256
 PROBE_EVERY = 24
 SMOOTHING = 0.3  # the weight of the newest batch in the count in use's average
+STEP = 2.0  # a batch this many times its count's average is taken at once: the load changed
 
 
 class CountChoice:
@@ -48,8 +50,10 @@ class CountChoice:
     def ran(self, count: int, figure: float) -> None:
         old = self.cost[count]
         # A probe's figure replaces its count's average, which is PROBE_EVERY batches stale: the
-        # neighbours' load may have changed since. The count in use's batches are averaged.
-        fresh = old is None or count != self.current
+        # neighbours' load may have changed since. The count in use's batches are averaged, unless
+        # one is STEP times slower: cores just taken by others slow every batch on two threads
+        # several times over, and averaging that in would cost several such batches before the switch.
+        fresh = old is None or count != self.current or figure > STEP * old
         self.cost[count] = figure if fresh else old + SMOOTHING * (figure - old)
         self.since_probe += 1
         known = {c: v for c, v in self.cost.items() if v is not None}
