@@ -85,3 +85,17 @@ def test_a_step_in_load_switches_after_one_batch():
         assert drive(choice, {2: 1.8, 1: 1.5}, 2) == [2, 2]  # under STEP: averaged, no switch yet
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_step_seen_by_queries_moves_docs_too():
+    before = torch.get_num_threads()
+    try:
+        choice = ThreadChoice(2)
+        drive(choice, {2: 1.0, 1: 1.5}, 10)  # docs, quiet: two threads
+        drive(choice, {2: 1.0, 1: 1.4}, 10, tokens=10)  # queries, quiet: two threads
+        assert choice.small.current == choice.large.current == 2
+        assert drive(choice, {2: 5.0, 1: 2.0}, 2, tokens=10) == [2, 1]  # queries see the step
+        assert choice.large.current == 1  # docs scaled by it: their first batch runs on one thread
+        assert drive(choice, {2: 5.0, 1: 2.0}, 1) == [1]
+    finally:
+        torch.set_num_threads(before)

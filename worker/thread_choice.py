@@ -15,7 +15,8 @@ under the thread count it ran on (an exponential average for the count in use); 
 count with the lower figure (one batch over STEP times its count's average replaces it: a change of
 load shows at once), and every PROBE_EVERY-th batch of the class runs on the other one,
 whose figure that probe replaces, so a count's figure never goes stale by more than that many
-batches of its class.
+batches of its class. A step seen in one class scales the other class's figure for that count by
+the same factor, so docs arriving after queries saw the cores taken start on the right count.
 """
 from __future__ import annotations
 
@@ -47,15 +48,28 @@ class CountChoice:
             return next(c for c in self.counts if c != self.current)
         return self.current
 
-    def ran(self, count: int, figure: float) -> None:
+    def ran(self, count: int, figure: float) -> float | None:
+        """Record a batch's figure; the factor it is slower than its count's figure was, where that
+        is a step (over STEP), else None."""
         old = self.cost[count]
         # A probe's figure replaces its count's average, which is PROBE_EVERY batches stale: the
         # neighbours' load may have changed since. The count in use's batches are averaged, unless
         # one is STEP times slower: cores just taken by others slow every batch on two threads
         # several times over, and averaging that in would cost several such batches before the switch.
-        fresh = old is None or count != self.current or figure > STEP * old
+        step = old is not None and figure > STEP * old
+        fresh = old is None or count != self.current or step
         self.cost[count] = figure if fresh else old + SMOOTHING * (figure - old)
         self.since_probe += 1
+        self._choose()
+        return figure / old if step else None
+
+    def scale(self, count: int, factor: float) -> None:
+        """What another class just measured: `count` is `factor` times slower than it was."""
+        if self.cost.get(count) is not None:
+            self.cost[count] *= factor
+            self._choose()
+
+    def _choose(self) -> None:
         known = {c: v for c, v in self.cost.items() if v is not None}
         self.current = min(known, key=known.get)
 
@@ -78,8 +92,11 @@ class ThreadChoice:
         return count
 
     def ran(self, count: int, tokens: int, seconds: float) -> None:
-        """A batch of `tokens` took `seconds` on `count` threads."""
-        if tokens >= LEARN_TOKENS:
-            self.large.ran(count, seconds / tokens)
-        else:
-            self.small.ran(count, seconds)
+        """A batch of `tokens` took `seconds` on `count` threads. A step in one class's figure
+        scales the other's for that count: the load that slowed queries slows docs alike, and
+        finding out from a docs batch of its own costs that batch several times over."""
+        large = tokens >= LEARN_TOKENS
+        this, other = (self.large, self.small) if large else (self.small, self.large)
+        step = this.ran(count, seconds / tokens if large else seconds)
+        if step is not None:
+            other.scale(count, step)
