@@ -27,7 +27,7 @@ def test_busy_cores_move_batches_to_one_thread_and_back():
         assert quiet[:2] == [2, 1]  # each count measured once first
         assert abs(quiet[2:].count(1) - len(quiet[2:]) / PROBE_EVERY) <= 1  # then only the probes
         busy = drive(choice, {2: 5.0, 1: 2.0}, 100)
-        assert busy[:2] == [2, 1]  # the first slow batch, then the count that now wins
+        assert busy[:3] == [2, 2, 1]  # two slow batches confirm the step, then the count that now wins
         assert busy[2:].count(2) <= len(busy) // PROBE_EVERY + 1
         assert drive(choice, {2: 1.0, 1: 1.7}, PROBE_EVERY + 3)[-1] == 2  # found again by a probe
     finally:
@@ -73,16 +73,20 @@ def test_the_flag_reaches_the_worker_config():
         assert worker.adapt_worker_threads is want
 
 
-def test_a_step_in_load_switches_after_one_batch():
+def test_a_step_in_load_switches_after_two_batches_and_a_hiccup_does_not():
     before = torch.get_num_threads()
     try:
         choice = ThreadChoice(2)
         drive(choice, {2: 1.0, 1: 1.5}, 10)
         assert choice.large.current == 2
-        assert drive(choice, {2: 4.0, 1: 2.0}, 2) == [2, 1]  # 4x its average: replaced at once
+        assert drive(choice, {2: 4.0, 1: 2.0}, 3) == [2, 2, 1]  # 4x its average twice: replaced
         choice = ThreadChoice(2)
         drive(choice, {2: 1.0, 1: 1.5}, 10)
         assert drive(choice, {2: 1.8, 1: 1.5}, 2) == [2, 2]  # under STEP: averaged, no switch yet
+        choice = ThreadChoice(2)
+        drive(choice, {2: 1.0, 1: 1.5}, 10)
+        drive(choice, {2: 9.0, 1: 1.5}, 1)  # one hiccup: left out of the average
+        assert drive(choice, {2: 1.0, 1: 1.5}, 3) == [2, 2, 2] and choice.large.cost[2] == 1.0
     finally:
         torch.set_num_threads(before)
 
@@ -94,8 +98,9 @@ def test_a_step_seen_by_queries_moves_docs_too():
         drive(choice, {2: 1.0, 1: 1.5}, 10)  # docs, quiet: two threads
         drive(choice, {2: 1.0, 1: 1.4}, 10, tokens=10)  # queries, quiet: two threads
         assert choice.small.current == choice.large.current == 2
-        assert drive(choice, {2: 5.0, 1: 2.0}, 2, tokens=10) == [2, 1]  # queries see the step
+        assert drive(choice, {2: 5.0, 1: 2.0}, 3, tokens=10) == [2, 2, 1]  # queries see the step
         assert choice.large.current == 1  # docs scaled by it: their first batch runs on one thread
-        assert drive(choice, {2: 5.0, 1: 2.0}, 1) == [1]
+        docs = drive(choice, {2: 5.0, 1: 2.0}, PROBE_EVERY // 4 + 2)
+        assert docs[0] == 1 and docs.count(2) == 1  # and probe two threads soon, to check
     finally:
         torch.set_num_threads(before)

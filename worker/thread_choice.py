@@ -12,11 +12,12 @@ So the engine measures, in two classes of batch that it learns apart: small ones
 LEARN_TOKENS tokens: queries, whose time is mostly fixed costs, so a batch's seconds are its
 figure) and large ones (docs: seconds per token). In each class, every batch records its figure
 under the thread count it ran on (an exponential average for the count in use); batches run on the
-count with the lower figure (one batch over STEP times its count's average replaces it: a change of
-load shows at once), and every PROBE_EVERY-th batch of the class runs on the other one,
-whose figure that probe replaces, so a count's figure never goes stale by more than that many
-batches of its class. A step seen in one class scales the other class's figure for that count by
-the same factor, so docs arriving after queries saw the cores taken start on the right count.
+count with the lower figure (two batches in a row over STEP times their count's figure replace it:
+a change of load shows at once, a lone hiccup does not), and every PROBE_EVERY-th batch of the class
+runs on the other one, whose figure that probe replaces, so a count's figure never goes stale by
+more than that many batches of its class. A step seen in one class scales the other class's
+figure for that count by the same factor (and brings that class's next probe closer, to check
+it), so docs arriving after queries saw the cores taken start on the right count.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ import torch
 LEARN_TOKENS = 256
 PROBE_EVERY = 24
 SMOOTHING = 0.3  # the weight of the newest batch in the count in use's average
-STEP = 2.0  # a batch this many times its count's average is taken at once: the load changed
+STEP = 2.0  # STEP_BATCHES batches in a row this many times their count's figure: the load changed
+STEP_BATCHES = 2
 
 
 class CountChoice:
@@ -36,6 +38,7 @@ class CountChoice:
         self.cost: dict[int, float | None] = dict.fromkeys(counts)
         self.current = counts[0]
         self.since_probe = 0
+        self.slow, self.slow_factor = 0, 0.0  # batches in a row over STEP, and the least factor among them
 
     def next_count(self) -> int:
         if len(self.counts) == 1:
@@ -49,24 +52,34 @@ class CountChoice:
         return self.current
 
     def ran(self, count: int, figure: float) -> float | None:
-        """Record a batch's figure; the factor it is slower than its count's figure was, where that
-        is a step (over STEP), else None."""
+        """Record a batch's figure; where it confirms a step (the STEP_BATCHES-th batch in a row
+        over STEP times its count's figure), the factor it is slower by, else None."""
         old = self.cost[count]
-        # A probe's figure replaces its count's average, which is PROBE_EVERY batches stale: the
-        # neighbours' load may have changed since. The count in use's batches are averaged, unless
-        # one is STEP times slower: cores just taken by others slow every batch on two threads
-        # several times over, and averaging that in would cost several such batches before the switch.
-        step = old is not None and figure > STEP * old
-        fresh = old is None or count != self.current or step
-        self.cost[count] = figure if fresh else old + SMOOTHING * (figure - old)
+        over = old is not None and count == self.current and figure > STEP * old
+        self.slow = self.slow + 1 if over else 0
+        self.slow_factor = min(self.slow_factor, figure / old) if self.slow > 1 else (figure / old if over else 0.0)
+        step = self.slow >= STEP_BATCHES
+        if old is None or count != self.current or step:
+            # A probe's figure replaces its count's figure, which is PROBE_EVERY batches stale:
+            # the neighbours' load may have changed since; so does a confirmed step (cores just
+            # taken by others slow every batch on two threads several times over, and averaging
+            # that in would cost several such batches before the switch).
+            self.cost[count] = figure
+        elif not over:  # one batch over STEP is left out until the next confirms it: a hiccup
+            self.cost[count] = old + SMOOTHING * (figure - old)
         self.since_probe += 1
         self._choose()
-        return figure / old if step else None
+        if not step:
+            return None
+        self.slow = 0
+        return self.slow_factor
 
     def scale(self, count: int, factor: float) -> None:
-        """What another class just measured: `count` is `factor` times slower than it was."""
+        """What another class just measured: `count` is `factor` times slower than it was. The
+        next probe comes sooner, to check it for this class."""
         if self.cost.get(count) is not None:
             self.cost[count] *= factor
+            self.since_probe = max(self.since_probe, PROBE_EVERY - PROBE_EVERY // 4)
             self._choose()
 
     def _choose(self) -> None:
