@@ -15,6 +15,7 @@ from pollen.client.messages import (
     classify_request,
     concatenate,
     decode,
+    decode_tokens,
     label_scores,
     split,
 )
@@ -62,6 +63,17 @@ class AsyncClient:
         except grpc.RpcError as exc:
             raise EmbedError.from_rpc(exc, self.target) from None
         return concatenate([decode(r) for r in replies])
+
+    async def embed_tokens(self, texts: str | Sequence[str], **options) -> list[np.ndarray]:
+        """As Client.embed_tokens; the pieces over max_texts_per_request are sent concurrently."""
+        pieces = split(texts, (await self.info()).max_texts_per_request)
+        try:
+            replies = await asyncio.gather(*(self._connections.next()[1].Embed(
+                build_request(p, outputs=("tokens",), **options), timeout=self.timeout, metadata=self._metadata)
+                for p in pieces))
+        except grpc.RpcError as exc:
+            raise EmbedError.from_rpc(exc, self.target) from None
+        return [vectors for reply in replies for vectors in decode_tokens(reply)]
 
     async def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None,
                      **options) -> list[tuple[int, float]]:

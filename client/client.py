@@ -16,6 +16,7 @@ from pollen.client.messages import (
     classify_request,
     concatenate,
     decode,
+    decode_tokens,
     label_scores,
     split,
 )
@@ -71,6 +72,19 @@ class Client:
                 raise EmbedError.from_rpc(exc, self.target) from None
             parts.append(decode(reply))
         return concatenate(parts)
+
+    def embed_tokens(self, texts: str | Sequence[str], **options) -> list[np.ndarray]:
+        """Each text's token vectors (outputs OUTPUT_TOKENS): a float32 [tokens, dims] array per
+        text, special tokens included, normalized unless normalize=False. Options as embed's."""
+        vectors = []
+        for piece in split(texts, self.info().max_texts_per_request):
+            try:
+                reply = self._connections.next()[1].Embed(build_request(piece, outputs=("tokens",), **options),
+                                                          timeout=self.timeout, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                raise EmbedError.from_rpc(exc, self.target) from None
+            vectors += decode_tokens(reply)
+        return vectors
 
     def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None,
                **options) -> list[tuple[int, float]]:

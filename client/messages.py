@@ -12,6 +12,7 @@ from pollen.v1 import embedder_pb2 as pb
 _ENUMS = {
     "encoding": ("ENCODING_", pb.Encoding), "truncate": ("TRUNCATE_", pb.Truncate),
     "long_input": ("LONG_INPUT_", pb.LongInput), "priority": ("PRIORITY_", pb.Priority),
+    "outputs": ("OUTPUT_", pb.Output),
 }
 
 
@@ -64,15 +65,15 @@ def enum_value(field: str, value) -> int:
 def build_request(texts: str | Sequence[str], *, dimensions: int = 0, normalize: bool = True,
                   encoding="float32", truncate=None, max_tokens: int = 0, prompt_name: str = "",
                   prompt: str = "", long_input="truncate", priority="interactive", timeout_ms: int = 0,
-                  request_id: str = "") -> pb.EmbedRequest:
+                  request_id: str = "", outputs: Sequence = ()) -> pb.EmbedRequest:
     """An EmbedRequest for texts (one string is one text). Enums take names or pb values;
-    truncate None leaves it unset, for the server's --default-truncate."""
+    truncate None leaves it unset, for the server's --default-truncate; outputs () is dense."""
     texts = [texts] if isinstance(texts, str) else list(texts)
     request = pb.EmbedRequest(
         id=request_id, texts=texts, dimensions=dimensions or 0, normalize=normalize,
         encoding=enum_value("encoding", encoding), max_tokens=max_tokens, prompt_name=prompt_name, prompt=prompt,
         long_input=enum_value("long_input", long_input), priority=enum_value("priority", priority),
-        timeout_ms=timeout_ms)
+        timeout_ms=timeout_ms, outputs=[enum_value("outputs", o) for o in outputs])
     if truncate is not None:
         request.truncate = enum_value("truncate", truncate)
     return request
@@ -117,6 +118,14 @@ def decode(response: pb.EmbedResponse) -> np.ndarray:
     if response.encoding == pb.ENCODING_INT8:
         return ScaledInt8Array(rows, list(response.scales))
     return rows.copy()
+
+
+def decode_tokens(response: pb.EmbedResponse) -> list[np.ndarray]:
+    """The answer's token vectors (outputs OUTPUT_TOKENS): a float32 [tokens, dims] array per text."""
+    if response.HasField("error"):
+        raise EmbedError(status.code_of(response.error.code), response.error.message, response.id)
+    rows = np.frombuffer(response.token_embeddings, np.float32).reshape(-1, response.dims)
+    return np.split(rows.copy(), np.cumsum(response.token_counts)[:-1])
 
 
 def concatenate(parts: list[np.ndarray]) -> np.ndarray:

@@ -25,6 +25,7 @@ import numpy as np
 from pollen.common.errors import echo, invalid
 from pollen.common.model_spec import MIN_MATRYOSHKA_DIMS, ModelSpec
 from pollen.common.request import LANES, TRUNCATE_BY_NAME, RequestOptions, Task
+from pollen.server import token_vectors
 from pollen.server.request import Request
 from pollen.server.tokenizer import PROMPT_MAX_CHARS, TextTokenizer
 from pollen.shared_mem.records import RowPlan
@@ -98,9 +99,11 @@ class ModelChecks:
 
 class Admission(ModelChecks):
     def __init__(self, spec: ModelSpec, tokenizer: TextTokenizer, executor: Executor, max_texts: int,
-                 default_truncate: str = "none", model: int = 0):
+                 default_truncate: str = "none", model: int = 0,
+                 token_limits: token_vectors.TokenLimits = token_vectors.TokenLimits(0, 0)):
         super().__init__(spec, tokenizer)
         self.model = model  # the model's index among the server's (RequestOptions.model)
+        self.token_limits = token_limits  # outputs OUTPUT_TOKENS' bounds (server/token_vectors.py)
         self.default_truncate = TRUNCATE_BY_NAME[default_truncate]
         self.executor = executor
         self.max_texts = max_texts
@@ -133,6 +136,7 @@ class Admission(ModelChecks):
         if request.priority not in _PRIORITIES:
             raise invalid(f"priority {request.priority} is not a known Priority value")
         self.check_dimensions(request.dimensions)
+        token_vectors.wanted(request, self.spec)
         chunk_mean = request.long_input == pb.LONG_INPUT_CHUNK_MEAN
         if request.token_ids:
             if request.prompt_name or request.prompt:
@@ -173,6 +177,11 @@ class Admission(ModelChecks):
                 seqs = await self.run(chars, self.tokenizer.encode, list(request.texts), truncate, limit, prompt)
         options = RequestOptions(Task.EMBED, request.dimensions, request.normalize, request.encoding,
                                  LANES[request.priority], deadline_ns, self.model)
+        if token_vectors.wanted(request, self.spec)[1]:
+            # Raw full-width rows, a row per token: the frontend cuts and normalizes (token_vectors.finish).
+            rows = token_vectors.plan(seqs, self.token_limits)
+            options = RequestOptions(Task.EMBED, 0, False, pb.ENCODING_FLOAT32, LANES[request.priority],
+                                     deadline_ns, self.model)
         return Request(seqs, options, rows, sum(map(len, seqs)))
 
     async def admit_tokenize(self, request: pb.TokenizeRequest) -> list[np.ndarray]:

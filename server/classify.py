@@ -14,10 +14,9 @@ import numpy as np
 
 from pollen.common.errors import invalid
 from pollen.common.model_spec import ModelSpec
-from pollen.common.request import LANES, RequestOptions, Task
+from pollen.common.request import RequestOptions
 from pollen.server.admission import Admission
-from pollen.server.request import Request
-from pollen.server.rerank import PairForm
+from pollen.server.rerank import PairForm, head_rows
 from pollen.server.router import Router
 from pollen.server.tokenizer import TextTokenizer
 from pollen.v1 import embedder_pb2 as pb
@@ -100,14 +99,9 @@ class Classifier:
         else:
             seqs = await self.admission.run(chars, lambda: tokenizer.encode(texts, truncate, limit,
                                                                             chunk_mean_hint=False))
-        options = RequestOptions(Task.SCORE, 0, False, pb.ENCODING_FLOAT32, LANES[request.priority], deadline_ns,
-                                 self.admission.model)
-        admitted = Request(seqs, options, None, sum(map(len, seqs)))
-        if span is not None:  # the request's server/otel.py span, when tracing
-            span.admitted()
-        result = await self.router.answer(admitted)
-        logits = np.frombuffer(result.body, np.float32).reshape(result.rows, result.dims).astype(np.float64)
+        rows, admitted, timing = await head_rows(self.router, self.admission, seqs, request.priority, deadline_ns,
+                                                 span)
+        logits = rows.astype(np.float64)
         return pb.ClassifyResponse(
             id=request.id, results=labelled(self.spec.labels, logits if request.raw_scores else softmax(logits)),
-            usage=pb.Usage(prompt_tokens=admitted.tokens), model=self.spec.name,
-            timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us))
+            usage=pb.Usage(prompt_tokens=admitted.tokens), model=self.spec.name, timing=timing)

@@ -148,6 +148,8 @@ class ServeConfig:
     max_openai_inputs: int = _flag(LIMITS, 2048, "inputs in one OpenAI /v1/embeddings request (OpenAI's own limit); "
                                    "past --max-texts-per-request they travel to the workers as several records")
     max_documents_per_request: int = _flag(LIMITS, 1000, "documents in one rerank request (as Cohere's API)")
+    max_token_vectors: int = _flag(LIMITS, 16384, "token vectors (outputs tokens: one per token of every text) "
+                                   "in one request; each costs the model's width in float32s")
     max_stream_in_flight: int = _flag(LIMITS, 256, "EmbedStream or RerankStream messages one stream may have "
                                       "unanswered; past it the stream is not read until the client reads answers")
     max_request_bytes: int = _flag(LIMITS, 8 << 20, "the largest gRPC message or HTTP body; a larger one gets "

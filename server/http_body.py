@@ -24,9 +24,12 @@ class Rejected(Exception):
 
 
 def choices(struct: type) -> dict[str, tuple]:
-    """The choices of each Literal field (`Literal[...] | None` included), named in refusals."""
-    return {f.name: get_args(t) for f in msgspec.structs.fields(struct)
-            for t in (f.type, *get_args(f.type)) if get_origin(t) is Literal}
+    """The choices of each Literal field (`Literal[...] | None` and a list of them included), named
+    in refusals."""
+    def literals(t) -> list:
+        return [t] if get_origin(t) is Literal else [a for arg in get_args(t) for a in literals(arg)]
+
+    return {f.name: get_args(found[0]) for f in msgspec.structs.fields(struct) if (found := literals(f.type))}
 
 
 def decode(decoder: msgspec.json.Decoder, data: bytes, field_choices: dict[str, tuple]):
@@ -41,8 +44,9 @@ def decode(decoder: msgspec.json.Decoder, data: bytes, field_choices: dict[str, 
         param = match.group(1) if match else None
         # msgspec quotes the bad value (an enum value, an unknown field's name) whole: cut it.
         text = cut(text[:match.start()], _MSGSPEC_CHARS) + match.group() if match else cut(text, _MSGSPEC_CHARS)
-        if param in field_choices:  # msgspec names the bad value; name the good ones too
-            text += f" (one of: {', '.join(field_choices[param])})"
+        field = re.sub(r"\[\d+\]$", "", param or "")  # a list's item (outputs[0]) has its list's choices
+        if field in field_choices:  # msgspec names the bad value; name the good ones too
+            text += f" (one of: {', '.join(field_choices[field])})"
         raise Rejected(f"invalid request body: {text}", param) from None
     except msgspec.DecodeError as exc:
         raise Rejected(f"the body is not valid JSON: {cut(str(exc), _MSGSPEC_CHARS)}") from None

@@ -28,6 +28,7 @@ from typing import Annotated, Literal
 
 import grpc
 import msgspec
+import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pollen.common import encodings
@@ -74,6 +75,9 @@ class EmbeddingsBody(msgspec.Struct, forbid_unknown_fields=True):
     chunks: list[str] | None = None    # contextual chunks of ONE document, instead of `input`
     priority: Literal["interactive", "bulk"] = "interactive"
     timeout_ms: NonNegative32 = 0
+    # What each data item carries, any subset: "dense" (`embedding`), "tokens" (`token_embeddings`,
+    # a vector per token); "sparse" needs a model with a sparse head. None: ["dense"].
+    outputs: list[Literal["dense", "sparse", "tokens"]] | None = None
 
 
 _DECODER = msgspec.json.Decoder(EmbeddingsBody)
@@ -84,6 +88,7 @@ _CHOICES = choices(EmbeddingsBody)
 _ENCODER = msgspec.json.Encoder()
 _LONG_INPUTS = {"truncate": pb.LONG_INPUT_TRUNCATE, "chunk_mean": pb.LONG_INPUT_CHUNK_MEAN}
 _PRIORITIES = {"interactive": pb.PRIORITY_INTERACTIVE, "bulk": pb.PRIORITY_BULK}
+_OUTPUTS = {"dense": pb.OUTPUT_DENSE, "sparse": pb.OUTPUT_SPARSE, "tokens": pb.OUTPUT_TOKENS}
 
 # gRPC statuses to HTTP, as Google's API guidelines map them, except UNIMPLEMENTED (an option this
 # build does not offer: the client can change its request, so 400 rather than a 5xx).
@@ -107,7 +112,7 @@ _OPENAI = ("/v1/embeddings", "/embeddings")
 # The service words its refusals in the proto's names; over HTTP the same things are spelled as
 # this door's JSON has them: enum values lower-case without their prefix (TRUNCATE_END: "end"),
 # and a text or id list's index under `input` (texts[3], token_ids[3]: input[3]).
-_PROTO_ENUM = re.compile(r"\b(?:TRUNCATE|LONG_INPUT|PRIORITY|ENCODING)_([A-Z0-9_]+)\b")
+_PROTO_ENUM = re.compile(r"\b(?:TRUNCATE|LONG_INPUT|PRIORITY|ENCODING|OUTPUT)_([A-Z0-9_]+)\b")
 _PROTO_LIST = re.compile(r"\b(?:texts|token_ids)\[")
 _LEADING_FIELD = re.compile(r"^(?:the default )?([a-z_]+)\b")
 
@@ -267,6 +272,10 @@ def to_embed_request(request: Request) -> tuple[pb.EmbedRequest, str]:
         model=body.model or "")
     if body.truncate is not None:  # left unset, the server's default applies (server/admission.py)
         message.truncate = TRUNCATE_BY_NAME[body.truncate]
+    if body.outputs is not None:
+        if not body.outputs:
+            raise Rejected("outputs is an empty list: name at least one of dense, sparse, tokens", "outputs")
+        message.outputs.extend(_OUTPUTS[name] for name in body.outputs)
     if body.chunks is not None:
         if body.input is not None:
             raise Rejected("set either input or chunks, not both", "chunks")
@@ -309,20 +318,31 @@ def _ids(ids: list[int], where: str) -> list[int]:
     return ids
 
 
+def json_vector(row, encoding_format: str, encoding: int):
+    if encoding_format == "base64":
+        return base64.b64encode(row.tobytes()).decode("ascii")
+    if encoding == pb.ENCODING_BFLOAT16:
+        return encodings.widen_bfloat16(row).tolist()
+    return row.tolist()
+
+
 def to_openai(answer: pb.EmbedResponse, encoding_format: str, model: str) -> dict:
     rows = encodings.rows_of(answer.embeddings, answer.rows, answer.dims, answer.encoding)
     data = []
     for i, row in enumerate(rows):
-        if encoding_format == "base64":
-            vector = base64.b64encode(row.tobytes()).decode("ascii")
-        elif answer.encoding == pb.ENCODING_BFLOAT16:
-            vector = encodings.widen_bfloat16(row).tolist()
-        else:
-            vector = row.tolist()
-        item = {"object": "embedding", "index": i, "embedding": vector}
+        item = {"object": "embedding", "index": i, "embedding": json_vector(row, encoding_format, answer.encoding)}
         if answer.scales:
             item["scale"] = answer.scales[i]
         data.append(item)
+    if answer.token_counts:  # outputs "tokens": each text's token vectors, beside its dense one if asked
+        token_rows = np.frombuffer(answer.token_embeddings, np.float32).reshape(-1, answer.dims)
+        start = 0
+        for i, count in enumerate(answer.token_counts):
+            if i == len(data):
+                data.append({"object": "embedding", "index": i})
+            data[i]["token_embeddings"] = [json_vector(row, encoding_format, pb.ENCODING_FLOAT32)
+                                           for row in token_rows[start:start + count]]
+            start += count
     tokens = answer.usage.prompt_tokens
     return {"object": "list", "data": data, "model": model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

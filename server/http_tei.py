@@ -12,8 +12,9 @@ EmbedderService methods as pollen's own routes:
     POST /tokenize      {inputs, add_special_tokens, prompt_name} -> [[{id, text, special, start, stop}]]
                         (start and stop: UTF-8 byte offsets into the (prompted) input; null for special tokens)
     POST /decode        {ids, skip_special_tokens} -> [str]
-    POST /embed_all, /embed_sparse: 424, as TEI answers a model that does not serve them: pollen's
-                        engine returns pooled vectors only, and serves no SPLADE model.
+    POST /embed_all     {inputs, truncate, truncation_direction, prompt_name} -> [[[f32]]]: every token's
+                        last hidden state, special tokens included, not normalized (outputs OUTPUT_TOKENS)
+    POST /embed_sparse  424, as TEI answers a model that does not serve it: pollen serves no SPLADE model yet.
     POST /              the default route of the first served model's task, as TEI serves it:
                         /embed for an embedder (/similarity when `inputs` is an object, which is what
                         huggingface_hub's InferenceClient.sentence_similarity sends), /rerank for a
@@ -84,6 +85,13 @@ class EmbedBody(msgspec.Struct):
     encoding_format: Literal["float"] = "float"  # huggingface_hub sends it; TEI's vectors are floats
 
 
+class EmbedAllBody(msgspec.Struct):
+    inputs: Any
+    truncate: bool | None = None
+    truncation_direction: Direction = "right"
+    prompt_name: str | None = None
+
+
 class SimilarityParameters(msgspec.Struct):
     truncate: bool | None = None
     truncation_direction: Direction = "right"
@@ -128,7 +136,7 @@ class DecodeBody(msgspec.Struct):
 
 
 _DECODERS = {body: msgspec.json.Decoder(body) for body in
-             (EmbedBody, SimilarityBody, RerankBody, PredictBody, TokenizeBody, DecodeBody)}
+             (EmbedBody, EmbedAllBody, SimilarityBody, RerankBody, PredictBody, TokenizeBody, DecodeBody)}
 _CHOICES = {body: choices(body) for body in _DECODERS}
 
 
@@ -282,9 +290,17 @@ class TeiRoutes:
         return (rows[1:] @ rows[0]).tolist()
 
     async def embed_all(self, request: Request) -> list:
-        self.model("embed")
-        raise TeiError("/embed_all is not served: pollen's engine returns pooled vectors, not per-token embeddings",
-                       "backend")
+        """Every token's last hidden state, special tokens included, not normalized: a list of
+        token vectors per input."""
+        body = body_of(EmbedAllBody, request.body)
+        model = self.model("embed")
+        message = pb.EmbedRequest(normalize=False, prompt_name=body.prompt_name or "", outputs=[pb.OUTPUT_TOKENS],
+                                  model=model.name, id=f"tei-{uuid.uuid4().hex}")
+        add_inputs(message, body.inputs)
+        set_truncate(message, body.truncate, body.truncation_direction)
+        answer = await self.service.embed(message, DOOR, headers=request.headers)
+        rows = np.frombuffer(answer.token_embeddings, np.float32).reshape(-1, answer.dims)
+        return [part.tolist() for part in np.split(rows, np.cumsum(answer.token_counts)[:-1])]
 
     async def embed_sparse(self, request: Request) -> list:
         self.model("embed")

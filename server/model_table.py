@@ -19,9 +19,19 @@ from pollen.server.classify import Classifier
 from pollen.server.config import ServeConfig
 from pollen.server.rerank import Ranker
 from pollen.server.router import Router
+from pollen.server.token_vectors import TokenLimits
 from pollen.server.tokenizer import TextTokenizer
+from pollen.shared_mem import records
+from pollen.shared_mem.ring import Ring
 
 KINDS = {"embed": "an embedding model", "rerank": "a reranker", "classify": "a classifier"}
+
+
+def token_limits(cfg: ServeConfig, spec: ModelSpec) -> TokenLimits:
+    """outputs OUTPUT_TOKENS' bounds: --max-token-vectors a request, and a text's rows within one
+    answer record at the model's width (the worker's batcher caps a batch's rows the same way)."""
+    per_text = records.max_batch_rows(Ring.max_record_for(cfg.response_ring_bytes), spec.output_dims)
+    return TokenLimits(cfg.max_token_vectors, per_text)
 
 
 @dataclass(slots=True, eq=False)
@@ -52,7 +62,8 @@ class ModelTable:
         for index, (path, spec) in enumerate(zip(cfg.model_paths(), specs)):
             tokenizer = TextTokenizer(path, spec.max_tokens, tiktoken=cfg.tiktoken)
             admission = Admission(spec, tokenizer, executor, cfg.max_texts_per_request,
-                                  default_truncate=cfg.default_truncate, model=index)
+                                  default_truncate=cfg.default_truncate, model=index,
+                                  token_limits=token_limits(cfg, spec))
             ranker = Ranker(spec, admission, router, cfg.max_documents_per_request, cfg.tokenizer_threads)
             models.append(ServedModel(index, spec, admission, ranker, Classifier(spec, admission, router)))
         return cls(models)

@@ -147,6 +147,19 @@ class PairFrame:
         return out
 
 
+async def head_rows(router: Router, admission: Admission, seqs: list[np.ndarray], priority: int,
+                    deadline_ns: int, span=None) -> tuple[np.ndarray, Request, pb.Timing]:
+    """`seqs` down the embeddings' path as one Task.SCORE request: the head's float32 rows (one per
+    sequence), the request as admitted (its tokens are the usage) and the answer's timing."""
+    options = RequestOptions(Task.SCORE, 0, False, pb.ENCODING_FLOAT32, LANES[priority], deadline_ns, admission.model)
+    admitted = Request(seqs, options, None, sum(map(len, seqs)))
+    if span is not None:  # the request's server/otel.py span, when tracing
+        span.admitted()
+    result = await router.answer(admitted)
+    rows = np.frombuffer(result.body, np.float32).reshape(result.rows, result.dims)
+    return rows, admitted, pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us)
+
+
 def scores(rows: np.ndarray, raw: bool) -> np.ndarray:
     """The relevance score of each pair from its head's output (one logit): the sigmoid, as
     sentence-transformers' CrossEncoder applies it, or the logit itself with `raw`."""
@@ -199,14 +212,8 @@ class Ranker:
         truncate = request.truncate if request.HasField("truncate") else pb.TRUNCATE_END
         frame = self.builder.frame(request.query, request.instruction, limit, truncate, request.max_document_tokens)
         seqs = await self.document_pairs(frame, list(request.documents))
-        options = RequestOptions(Task.SCORE, 0, False, pb.ENCODING_FLOAT32, LANES[request.priority], deadline_ns,
-                                 self.admission.model)
-        admitted = Request(seqs, options, None, sum(map(len, seqs)))
-        if span is not None:  # the request's server/otel.py span, when tracing
-            span.admitted()
-        result = await self.router.answer(admitted)
-        rows = np.frombuffer(result.body, np.float32).reshape(result.rows, result.dims)
+        rows, admitted, timing = await head_rows(self.router, self.admission, seqs, request.priority, deadline_ns,
+                                                 span)
         return pb.RerankResponse(
             id=request.id, results=ranked(request, scores(rows, request.raw_scores)),
-            usage=pb.Usage(prompt_tokens=admitted.tokens), model=self.spec.name,
-            timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us))
+            usage=pb.Usage(prompt_tokens=admitted.tokens), model=self.spec.name, timing=timing)

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 
@@ -28,7 +29,7 @@ from pollen.common import encodings, status
 from pollen.common.errors import RequestError, cut, echo, invalid
 from pollen.common.request import RequestOptions
 from pollen.common.throttled_log import ThrottledLog
-from pollen.server import auth, metrics
+from pollen.server import auth, metrics, token_vectors
 from pollen.server.config import ServeConfig
 from pollen.server.flood_guard import FloodGuard
 from pollen.server.metrics import TASK_OF, count_request
@@ -229,6 +230,9 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         if span is not None:
             span.admitted()
         result = await self.router.answer(admitted)
+        dense, tokens = token_vectors.wanted(request, model.spec)
+        if tokens:
+            return self.with_tokens(request, model, admitted, result, dense)
         body, scales = result.body, ()
         if result.encoding == pb.ENCODING_INT8:
             body, scale_array = encodings.split_int8(body, result.rows, result.dims)
@@ -238,6 +242,20 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             encoding=result.encoding, usage=pb.Usage(prompt_tokens=admitted.tokens),
             timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us), scales=scales,
             model=model.name)
+
+    @staticmethod
+    def with_tokens(request: pb.EmbedRequest, model: ServedModel, admitted, result, dense: bool) -> pb.EmbedResponse:
+        """The answer to outputs OUTPUT_TOKENS from the worker's raw token rows (server/token_vectors.py)."""
+        counts = [len(s) for s in admitted.seqs]
+        raw = np.frombuffer(result.body, np.float32).reshape(result.rows, result.dims)
+        pooled, rows = token_vectors.finish(raw, counts, model.spec.pooling, request.dimensions, request.normalize,
+                                            dense)
+        return pb.EmbedResponse(
+            id=request.id, embeddings=b"" if pooled is None else pooled.tobytes(),
+            rows=0 if pooled is None else len(pooled), dims=rows.shape[1], encoding=pb.ENCODING_FLOAT32,
+            usage=pb.Usage(prompt_tokens=admitted.tokens),
+            timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us), model=model.name,
+            token_embeddings=rows.tobytes(), token_counts=counts)
 
     def drain(self) -> None:
         """The frontend stops: every stream stops reading (what each has read is still answered),

@@ -1,12 +1,13 @@
 """TEI's gRPC API (`tei.v1`, protos/pollen/tei/v1/tei.proto) on pollen's gRPC port, beside pollen.v1.
 
 Each TEI method is a pollen.v1 request through EmbedderService (server/service.py): Embed is an
-`embed` of one text, Rerank a `rerank`, Predict and PredictPair a `classify` of one text or pair,
+`embed` of one text, EmbedAll an `embed` of its token vectors (outputs OUTPUT_TOKENS, not
+normalized), Rerank a `rerank`, Predict and PredictPair a `classify` of one text or pair,
 Tokenize and Decode the model's tokenizer; admission, batching, metrics and tracing are the
 service's. TEI's requests name no model: each method serves the first model of the task it needs
 (Info and Tokenize: the first model), and a server that has none answers FAILED_PRECONDITION
-naming what is missing, as TEI answers a task its model does not serve. EmbedSparse and EmbedAll
-need sparse or per-token vectors, which pollen's models do not produce: FAILED_PRECONDITION too.
+naming what is missing, as TEI answers a task its model does not serve. EmbedSparse needs a
+sparse model, which pollen does not serve yet: FAILED_PRECONDITION too.
 
 The streams answer as TEI's do: one answer per message, in the order the messages came, the
 first failure ending the stream with its status (the messages before it answered). A stream
@@ -41,8 +42,6 @@ SERVICE_TASK = {"tei.v1.Info": None, "tei.v1.Tokenize": None, "tei.v1.Embed": "e
 NEEDS = {"embed": "an embedding model", "rerank": "a re-ranker model", "classify": "a classifier model"}
 NOT_SPARSE = ("EmbedSparse needs a sparse (SPLADE) embedding model, and pollen's models give dense vectors only; "
               "use Embed")
-NOT_PER_TOKEN = ("EmbedAll needs the per-token vectors before pooling, which pollen's models do not return "
-                 "(they pool in the worker); use Embed")
 try:
     VERSION = importlib.metadata.version("pollen")
 except importlib.metadata.PackageNotFoundError:  # a checkout that is not installed
@@ -152,11 +151,27 @@ class TeiService:
             yield response
 
     async def EmbedAll(self, request, context):
-        return await self.call(context, "EmbedAll", request, self.refuse(NOT_PER_TOKEN))
+        return await self.call(context, "EmbedAll", request, self.embed_all)
 
     async def EmbedAllStream(self, requests, context):
-        async for response in self.stream(requests, context, "EmbedAllStream", self.refuse(NOT_PER_TOKEN)):
+        async for response in self.stream(requests, context, "EmbedAllStream", self.embed_all):
             yield response
+
+    async def embed_all(self, request: tei.EmbedAllRequest, headers, method) -> tei.EmbedAllResponse:
+        """Every token's last hidden state, special tokens included, not normalized (TEI's EmbedAll)."""
+        started = time.monotonic_ns()
+        self.need("embed", method)
+        ours = pb.EmbedRequest(texts=[request.inputs], normalize=False, truncate=truncate_of(request),
+                               prompt_name=request.prompt_name, outputs=[pb.OUTPUT_TOKENS])
+        try:
+            answer = await self.service.embed(ours, "grpc", headers=headers, method=method)
+        except RequestError as exc:
+            raise renamed(exc, {"texts[0]": "inputs", "the request has neither texts nor token_ids nor chunks":
+                                "inputs is empty"}) from None
+        rows = np.frombuffer(answer.token_embeddings, np.float32).reshape(-1, answer.dims)
+        return tei.EmbedAllResponse(token_embeddings=[tei.TokenEmbedding(embeddings=row.tolist()) for row in rows],
+                                    metadata=metadata(len(request.inputs), answer.usage.prompt_tokens, started,
+                                                      answer.timing))
 
     @staticmethod
     def refuse(message: str):

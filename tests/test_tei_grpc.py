@@ -143,12 +143,16 @@ def test_too_long_input_refused_unless_truncated(embedder):
         assert np.abs(np.array(reply.embeddings) - np.frombuffer(mine.embeddings, np.float32)).max() <= 1e-5
 
 
-def test_sparse_and_per_token_vectors_are_refused(embedder):
-    client = tei_client.GrpcClient(embedder.listen)
-    with pytest.raises(grpc.RpcError) as err:
-        client.embed_all(TEXTS[:2])
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "per-token" in err.value.details()
+def test_embed_all_is_pollens_token_vectors_and_sparse_is_refused(embedder):
+    """EmbedAll (tei-client's embed_all, over EmbedAllStream) and /embed_all (its HttpClient) answer
+    pollen.v1's token vectors, not normalized; EmbedSparse needs a sparse model."""
+    mine = ours(embedder).Embed(pb.EmbedRequest(texts=TEXTS[:2], outputs=[pb.OUTPUT_TOKENS]), timeout=30)
+    want = np.split(np.frombuffer(mine.token_embeddings, np.float32).reshape(-1, mine.dims),
+                    np.cumsum(mine.token_counts)[:-1])
+    for client in (tei_client.GrpcClient(embedder.listen), tei_client.HttpClient(f"http://{embedder.http_listen}")):
+        got = client.embed_all(TEXTS[:2])
+        assert [np.array(g, np.float32).shape for g in got] == [w.shape for w in want]
+        assert max(np.abs(np.array(g, np.float32) - w).max() for g, w in zip(got, want)) <= 1e-5
     stub = tei_grpc.EmbedStub(grpc.insecure_channel(embedder.listen))
     for call in (lambda: stub.EmbedSparse(tei.EmbedSparseRequest(inputs="bee"), timeout=10),
                  lambda: list(stub.EmbedSparseStream(iter([tei.EmbedSparseRequest(inputs="bee")]), timeout=10))):
@@ -156,7 +160,7 @@ def test_sparse_and_per_token_vectors_are_refused(embedder):
             call()
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "sparse (SPLADE)" in err.value.details()
-    assert len(client.embed(["still answered"])[0]) == 384
+    assert len(tei_client.GrpcClient(embedder.listen).embed(["still answered"])[0]) == 384
 
 
 def test_tokenize_and_decode_equal_pollens_ids(embedder):

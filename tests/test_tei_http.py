@@ -178,8 +178,7 @@ def test_decode(server):
     refused(server, "/decode", {"ids": []}, 400, "empty")
 
 
-def test_routes_not_served_answer_424(server):
-    refused(server, "/embed_all", {"inputs": "a"}, 424, "backend", "per-token")
+def test_embed_sparse_is_not_served_424(server):
     refused(server, "/embed_sparse", {"inputs": "a"}, 424, "backend", "SPLADE")
 
 

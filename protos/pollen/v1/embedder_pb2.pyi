@@ -37,6 +37,13 @@ class Pooling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POOLING_MEAN: _ClassVar[Pooling]
     POOLING_CLS: _ClassVar[Pooling]
     POOLING_LAST: _ClassVar[Pooling]
+
+class Output(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTPUT_UNSPECIFIED: _ClassVar[Output]
+    OUTPUT_DENSE: _ClassVar[Output]
+    OUTPUT_SPARSE: _ClassVar[Output]
+    OUTPUT_TOKENS: _ClassVar[Output]
 ENCODING_FLOAT32: Encoding
 ENCODING_FLOAT16: Encoding
 ENCODING_BFLOAT16: Encoding
@@ -53,6 +60,10 @@ POOLING_UNSPECIFIED: Pooling
 POOLING_MEAN: Pooling
 POOLING_CLS: Pooling
 POOLING_LAST: Pooling
+OUTPUT_UNSPECIFIED: Output
+OUTPUT_DENSE: Output
+OUTPUT_SPARSE: Output
+OUTPUT_TOKENS: Output
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -61,7 +72,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("id", "texts", "token_ids", "dimensions", "normalize", "encoding", "truncate", "max_tokens", "prompt_name", "prompt", "long_input", "chunks", "priority", "timeout_ms", "model")
+    __slots__ = ("id", "texts", "token_ids", "dimensions", "normalize", "encoding", "truncate", "max_tokens", "prompt_name", "prompt", "long_input", "chunks", "priority", "timeout_ms", "model", "outputs")
     ID_FIELD_NUMBER: _ClassVar[int]
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +88,7 @@ class EmbedRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     id: str
     texts: _containers.RepeatedScalarFieldContainer[str]
     token_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
@@ -92,7 +104,8 @@ class EmbedRequest(_message.Message):
     priority: Priority
     timeout_ms: int
     model: str
-    def __init__(self, id: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., max_tokens: _Optional[int] = ..., prompt_name: _Optional[str] = ..., prompt: _Optional[str] = ..., long_input: _Optional[_Union[LongInput, str]] = ..., chunks: _Optional[_Iterable[str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    outputs: _containers.RepeatedScalarFieldContainer[Output]
+    def __init__(self, id: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., max_tokens: _Optional[int] = ..., prompt_name: _Optional[str] = ..., prompt: _Optional[str] = ..., long_input: _Optional[_Union[LongInput, str]] = ..., chunks: _Optional[_Iterable[str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens",)
@@ -117,7 +130,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
-    __slots__ = ("id", "embeddings", "rows", "dims", "encoding", "usage", "timing", "error", "scales", "model")
+    __slots__ = ("id", "embeddings", "rows", "dims", "encoding", "usage", "timing", "error", "scales", "model", "token_embeddings", "token_counts")
     ID_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +141,8 @@ class EmbedResponse(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SCALES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
     id: str
     embeddings: bytes
     rows: int
@@ -138,7 +153,9 @@ class EmbedResponse(_message.Message):
     error: Error
     scales: _containers.RepeatedScalarFieldContainer[float]
     model: str
-    def __init__(self, id: _Optional[str] = ..., embeddings: _Optional[bytes] = ..., rows: _Optional[int] = ..., dims: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., scales: _Optional[_Iterable[float]] = ..., model: _Optional[str] = ...) -> None: ...
+    token_embeddings: bytes
+    token_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[str] = ..., embeddings: _Optional[bytes] = ..., rows: _Optional[int] = ..., dims: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., scales: _Optional[_Iterable[float]] = ..., model: _Optional[str] = ..., token_embeddings: _Optional[bytes] = ..., token_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("texts", "truncate", "max_tokens", "prompt_name", "prompt", "model")

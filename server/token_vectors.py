@@ -1,0 +1,98 @@
+"""Per-token vectors (`outputs: OUTPUT_TOKENS`): the last hidden state of every token of every text,
+special tokens included, and with them the dense vector from the same forward pass.
+
+They ride on the row plan that contextual chunks use (shared_mem/records.py): each token is a
+row of its own, a span of one token, so the worker pools it to itself and answers it as it is,
+on both engines and through the graphs, with no code of its own. The worker is asked for the
+raw rows (full width, not normalized); the frontend then makes the answer: the dense vector is
+the model's pooling over the text's token rows (mean, first or last: what the worker would have
+pooled), then every vector is cut to `dimensions` and normalized as asked, in the order the worker
+does it. Models whose rows pass through sentence-transformers Dense modules are refused: their
+token vectors would be a different thing from their dense ones.
+
+Bounds: at most --max-token-vectors token vectors in one request, and in one text at most the
+rows one answer record carries (a text's rows are never split: the response ring's record, by
+the model's width).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pollen.common.errors import invalid
+from pollen.common.model_spec import ModelSpec
+from pollen.shared_mem.records import RowPlan
+from pollen.v1 import embedder_pb2 as pb
+
+_OUTPUTS = set(pb.Output.values())
+NAMES = {pb.OUTPUT_DENSE: "dense", pb.OUTPUT_SPARSE: "sparse", pb.OUTPUT_TOKENS: "tokens"}
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLimits:
+    per_request: int  # --max-token-vectors
+    per_text: int     # rows one answer record carries at the model's width
+
+
+def wanted(request: pb.EmbedRequest, spec: ModelSpec) -> tuple[bool, bool]:
+    """(dense, tokens): what the request's outputs ask for, checked against the request and model."""
+    outputs = set(request.outputs) or {pb.OUTPUT_DENSE}
+    unknown = outputs - _OUTPUTS
+    if unknown:
+        raise invalid(f"outputs holds {min(unknown)}, not a known Output value")
+    if pb.OUTPUT_SPARSE in outputs:
+        raise invalid(f"outputs OUTPUT_SPARSE needs a model with a sparse head (SPLADE, bge-m3); {spec.name} "
+                      "answers dense vectors and token vectors only")
+    tokens = pb.OUTPUT_TOKENS in outputs
+    dense = bool(outputs & {pb.OUTPUT_DENSE, pb.OUTPUT_UNSPECIFIED})
+    if tokens:
+        if spec.dense:
+            raise invalid(f"outputs OUTPUT_TOKENS is not served for {spec.name}: its vectors pass through "
+                          "sentence-transformers Dense modules, which apply to pooled vectors, not to tokens")
+        if request.chunks or request.long_input == pb.LONG_INPUT_CHUNK_MEAN:
+            raise invalid("outputs OUTPUT_TOKENS applies to texts and token_ids, not to chunks or "
+                          "long_input LONG_INPUT_CHUNK_MEAN")
+        if request.encoding != pb.ENCODING_FLOAT32:
+            raise invalid("outputs OUTPUT_TOKENS answers float32 vectors: leave encoding ENCODING_FLOAT32")
+    return dense, tokens
+
+
+def plan(seqs: list, limits: TokenLimits) -> RowPlan:
+    """Every token of every sequence a row and an output of its own, in order; refused past the bounds."""
+    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+    total = int(lengths.sum())
+    if total > limits.per_request:
+        raise invalid(f"outputs OUTPUT_TOKENS: the request's texts hold {total} tokens, over the server's "
+                      f"--max-token-vectors of {limits.per_request}; split the request")
+    longest = int(lengths.argmax())
+    if lengths[longest] > limits.per_text:
+        raise invalid(f"outputs OUTPUT_TOKENS: text {longest} has {lengths[longest]} tokens, over the "
+                      f"{limits.per_text} token vectors one answer carries (--response-ring-bytes); shorten it")
+    seq = np.repeat(np.arange(len(seqs), dtype=np.uint32), lengths)
+    start = (np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)).astype(np.uint32)
+    return RowPlan(seq, start, start + 1, np.arange(total, dtype=np.uint32), np.ones(total, np.float32))
+
+
+def finish(rows: np.ndarray, counts: list[int], pooling: str, dims: int, normalize: bool,
+           dense: bool) -> tuple[np.ndarray | None, np.ndarray]:
+    """The answer from the worker's raw token rows (float32, counts[i] of them for text i): the
+    dense rows (None unless asked) and the token rows, each cut to `dims` (0: all) and normalized
+    when asked."""
+    bounds = np.cumsum([0, *counts])
+    pooled = None
+    if dense:
+        pick = {"mean": lambda r: r.mean(axis=0, dtype=np.float64), "cls": lambda r: r[0], "last": lambda r: r[-1]}
+        pooled = np.stack([pick[pooling](rows[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]).astype(np.float32)
+        pooled = _shape(pooled, dims, normalize)
+    return pooled, _shape(rows, dims, normalize)
+
+
+def _shape(rows: np.ndarray, dims: int, normalize: bool) -> np.ndarray:
+    """Cut, then normalize (x / max(|x|, 1e-12), as the worker does)."""
+    if dims:
+        rows = rows[:, :dims]
+    if normalize:
+        norms = np.linalg.norm(rows, axis=1, keepdims=True).clip(min=1e-12)
+        rows = rows / norms
+    return np.ascontiguousarray(rows, dtype=np.float32)
