@@ -15,6 +15,7 @@ from pollen.client.messages import (
     classify_request,
     concatenate,
     decode,
+    decode_sparse,
     decode_tokens,
     label_scores,
     split,
@@ -74,6 +75,17 @@ class AsyncClient:
         except grpc.RpcError as exc:
             raise EmbedError.from_rpc(exc, self.target) from None
         return [vectors for reply in replies for vectors in decode_tokens(reply)]
+
+    async def embed_sparse(self, texts: str | Sequence[str], **options) -> list[tuple[np.ndarray, np.ndarray]]:
+        """As Client.embed_sparse; the pieces over max_texts_per_request are sent concurrently."""
+        pieces = split(texts, (await self.info()).max_texts_per_request)
+        try:
+            replies = await asyncio.gather(*(self._connections.next()[1].Embed(
+                build_request(p, outputs=("sparse",), **options), timeout=self.timeout, metadata=self._metadata)
+                for p in pieces))
+        except grpc.RpcError as exc:
+            raise EmbedError.from_rpc(exc, self.target) from None
+        return [row for reply in replies for row in decode_sparse(reply)]
 
     async def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None,
                      **options) -> list[tuple[int, float]]:

@@ -16,6 +16,7 @@ from pollen.client.messages import (
     classify_request,
     concatenate,
     decode,
+    decode_sparse,
     decode_tokens,
     label_scores,
     split,
@@ -85,6 +86,19 @@ class Client:
                 raise EmbedError.from_rpc(exc, self.target) from None
             vectors += decode_tokens(reply)
         return vectors
+
+    def embed_sparse(self, texts: str | Sequence[str], **options) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each text's sparse vector from a SPLADE model (outputs OUTPUT_SPARSE): (vocabulary ids,
+        ascending, uint32; their weights, float32). sparse_top_k=K keeps each row's K largest."""
+        rows = []
+        for piece in split(texts, self.info().max_texts_per_request):
+            try:
+                reply = self._connections.next()[1].Embed(build_request(piece, outputs=("sparse",), **options),
+                                                          timeout=self.timeout, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                raise EmbedError.from_rpc(exc, self.target) from None
+            rows += decode_sparse(reply)
+        return rows
 
     def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None,
                **options) -> list[tuple[int, float]]:

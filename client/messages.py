@@ -65,7 +65,7 @@ def enum_value(field: str, value) -> int:
 def build_request(texts: str | Sequence[str], *, dimensions: int = 0, normalize: bool = True,
                   encoding="float32", truncate=None, max_tokens: int = 0, prompt_name: str = "",
                   prompt: str = "", long_input="truncate", priority="interactive", timeout_ms: int = 0,
-                  request_id: str = "", outputs: Sequence = ()) -> pb.EmbedRequest:
+                  request_id: str = "", outputs: Sequence = (), sparse_top_k: int | None = None) -> pb.EmbedRequest:
     """An EmbedRequest for texts (one string is one text). Enums take names or pb values;
     truncate None leaves it unset, for the server's --default-truncate; outputs () is dense."""
     texts = [texts] if isinstance(texts, str) else list(texts)
@@ -76,6 +76,8 @@ def build_request(texts: str | Sequence[str], *, dimensions: int = 0, normalize:
         timeout_ms=timeout_ms, outputs=[enum_value("outputs", o) for o in outputs])
     if truncate is not None:
         request.truncate = enum_value("truncate", truncate)
+    if sparse_top_k is not None:
+        request.sparse_top_k = sparse_top_k
     return request
 
 
@@ -126,6 +128,16 @@ def decode_tokens(response: pb.EmbedResponse) -> list[np.ndarray]:
         raise EmbedError(status.code_of(response.error.code), response.error.message, response.id)
     rows = np.frombuffer(response.token_embeddings, np.float32).reshape(-1, response.dims)
     return np.split(rows.copy(), np.cumsum(response.token_counts)[:-1])
+
+
+def decode_sparse(response: pb.EmbedResponse) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The answer's sparse vectors (outputs OUTPUT_SPARSE): (ids uint32 ascending, weights float32) per text."""
+    if response.HasField("error"):
+        raise EmbedError(status.code_of(response.error.code), response.error.message, response.id)
+    cuts = np.cumsum(response.sparse_counts)[:-1]
+    ids = np.split(np.frombuffer(response.sparse_indices, np.uint32).copy(), cuts)
+    weights = np.split(np.frombuffer(response.sparse_values, np.float32).copy(), cuts)
+    return list(zip(ids, weights))
 
 
 def concatenate(parts: list[np.ndarray]) -> np.ndarray:

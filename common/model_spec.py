@@ -58,7 +58,7 @@ _LEGACY_POOLING_KEYS = {
     "pooling_mode_lasttoken": "lasttoken",
 }
 # sentence-transformers modules we implement; any other would change the output.
-_KNOWN_ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+_KNOWN_ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize", "MLMTransformer", "SpladePooling")
 # The activations a Dense module may name: torch.nn classes that sentence-transformers builds
 # with no arguments, element-wise and without weights of their own (the worker builds the same).
 DENSE_ACTIVATIONS = ("Identity", "Tanh", "Sigmoid", "ReLU", "ReLU6", "GELU", "SiLU", "Mish", "LeakyReLU", "ELU",
@@ -75,6 +75,10 @@ _CONFIG_ALIASES = {"distilbert": {"dim": "hidden_size", "n_layers": "num_hidden_
 # the token each pools (BERT's pooler and RoBERTa's head read <s>/[CLS]; Qwen3's the last token).
 CLASSIFIER_POOLING = {"BertForSequenceClassification": "cls", "RobertaForSequenceClassification": "cls",
                       "XLMRobertaForSequenceClassification": "cls", "Qwen3ForSequenceClassification": "last"}
+# Masked-LM checkpoints served as SPLADE sparse embedders: log(1 + relu(MLM logits)), max-pooled.
+SPARSE_ARCHITECTURES = ("BertForMaskedLM", "DistilBertForMaskedLM")
+# A sparse row holds at most this many weights (the largest): what one answer row carries.
+SPARSE_TERMS = 1024
 TASKS = ("embed", "rerank", "classify")
 _SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
               "intermediate_size", "vocab_size", "max_position_embeddings")
@@ -129,6 +133,9 @@ class ModelSpec:
     yes_no_ids: tuple = ()
     # sentence-transformers Dense modules after pooling, in order; empty: the pooled rows are the output.
     dense: tuple = ()
+    # A SPLADE model (SPARSE_ARCHITECTURES): each row is its sparse_terms largest vocabulary weights,
+    # written as sparse_terms values then their sparse_terms ids (as float32); hidden_size is that width.
+    sparse_terms: int = 0
 
     @property
     def output_dims(self) -> int:
@@ -151,15 +158,16 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
     model_type = config.get("model_type")
     family, causal, default_pooling = _family(path, config)
     _check_weights(path, config)
-    head = _read_head(path, config, family)
+    modules = _read_json(path, "modules.json", list) or []
+    _check_modules(path, modules)
+    head = _read_head(path, config, family, modules)
     if head is not None and pooling not in (None, head["pooling"]):
         raise UnsupportedModel(f"{path}: a {head['task']} head reads the {head['pooling']!r} token; "
                                f"pooling {pooling!r} is not offered")
 
-    modules = _read_json(path, "modules.json", list) or []
-    _check_modules(path, modules)
-    chosen_pooling, include_prompt = _read_pooling(path, modules, default=default_pooling)
-    if pooling is not None:
+    chosen_pooling, include_prompt = ((head["pooling"], True) if head and head.get("sparse_terms")
+                                      else _read_pooling(path, modules, default=default_pooling))
+    if pooling is not None and head is None:
         if pooling not in _POOLING_NAMES.values():
             raise UnsupportedModel(f"pooling {pooling!r} is not one of {sorted(set(_POOLING_NAMES.values()))}")
         chosen_pooling = pooling
@@ -188,6 +196,8 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
     if dense and head is not None:
         raise UnsupportedModel(f"{path}: Dense modules after a {head['task']} head are not supported")
     hidden = dense[-1].out_features if dense else int(config["hidden_size"])
+    if head is not None and head.get("sparse_terms"):
+        hidden = 2 * head["sparse_terms"]  # the row the worker writes: weights, then their ids
     return ModelSpec(
         path=path, name=_display_name(path), family=family, hidden_size=hidden, max_tokens=max_tokens,
         vocab_size=int(config["vocab_size"]), pooling=chosen_pooling, causal=causal,
@@ -210,9 +220,9 @@ def sliding_window(path: str, config: dict) -> int | None:
     return window
 
 
-def _read_head(path: str, config: dict, family: str) -> dict | None:
-    """The ModelSpec fields of a model with a head (task, labels, type_offset, reranker fields)
-    and the token its head pools; None for an embedder."""
+def _read_head(path: str, config: dict, family: str, modules: list) -> dict | None:
+    """The ModelSpec fields of a model with a head (task, labels, type_offset, reranker fields,
+    sparse_terms) and the token its head pools; None for a dense embedder."""
     architectures = config.get("architectures") or []
     arch = next((a for a in architectures if a in CLASSIFIER_POOLING), None)
     if arch is not None:
@@ -221,6 +231,11 @@ def _read_head(path: str, config: dict, family: str) -> dict | None:
         if family == "bert" and int(config.get("type_vocab_size", 2)) > 1:
             head["type_offset"] = int(config["vocab_size"])
         return head
+    sparse = next((a for a in architectures if a in SPARSE_ARCHITECTURES), None)
+    if sparse is not None and _splade(path, modules):
+        if family != "bert":
+            raise UnsupportedModel(f"{path}: {sparse} with model_type {config.get('model_type')!r} is not supported")
+        return {"task": "embed", "pooling": "max", "sparse_terms": min(SPARSE_TERMS, int(config["vocab_size"]))}
     if "Qwen3ForCausalLM" in architectures and "reranker" in _display_name(path).lower():
         return {"task": "rerank", "pooling": "last", "reranker_template": True, "yes_no_ids": _yes_no_ids(path)}
     # Any other classification head would be dropped, and its scores served as embeddings.
@@ -230,6 +245,22 @@ def _read_head(path: str, config: dict, family: str) -> dict | None:
         raise UnsupportedModel(f"{path}: the {other} head is not supported; supported heads: "
                                f"{', '.join(CLASSIFIER_POOLING)}")
     return None
+
+
+def _splade(path: str, modules: list) -> bool:
+    """A masked-LM checkpoint is SPLADE when sentence-transformers' SpladePooling says so (max over
+    relu, the only form served), or when nothing says how to pool it (naver's checkpoints); with a
+    dense Pooling module it is a dense embedder whose MLM head goes unused."""
+    splade = next((m for m in modules if _module_kind(m) == "SpladePooling"), None)
+    if splade is not None:
+        cfg = _read_json(path, os.path.join(str(splade.get("path") or ""), "config.json")) or {}
+        strategy, activation = cfg.get("pooling_strategy", "max"), cfg.get("activation_function", "relu")
+        if (strategy, activation) != ("max", "relu"):
+            raise UnsupportedModel(f"{path}: SpladePooling with pooling_strategy {strategy!r} and activation_function "
+                                   f"{activation!r} is not supported (only 'max' over 'relu')")
+        return True
+    has_pooling = any(_module_kind(m) == "Pooling" for m in modules)
+    return not has_pooling and not os.path.exists(os.path.join(path, "1_Pooling", "config.json"))
 
 
 def _labels(path: str, config: dict) -> tuple:
@@ -563,7 +594,7 @@ def _check_modules(path: str, modules: list) -> None:
         if not str(m.get("type", "")).startswith("sentence_transformers.") or kind not in _KNOWN_ST_MODULES:
             raise UnsupportedModel(f"{path}: sentence-transformers module {m.get('type')!r} is not supported "
                                    f"(supported: {_KNOWN_ST_MODULES})")
-        if kind == "Transformer" and m.get("path"):
+        if kind in ("Transformer", "MLMTransformer") and m.get("path"):
             raise UnsupportedModel(f"{path}: transformer weights in subfolder {m['path']!r} are not supported")
         if kind == "Dense" and "Pooling" not in seen:
             raise UnsupportedModel(f"{path}: a Dense module before Pooling (on token embeddings) is not supported")

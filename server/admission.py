@@ -25,7 +25,7 @@ import numpy as np
 from pollen.common.errors import echo, invalid
 from pollen.common.model_spec import MIN_MATRYOSHKA_DIMS, ModelSpec
 from pollen.common.request import LANES, TRUNCATE_BY_NAME, RequestOptions, Task
-from pollen.server import token_vectors
+from pollen.server import outputs, token_vectors
 from pollen.server.request import Request
 from pollen.server.tokenizer import PROMPT_MAX_CHARS, TextTokenizer
 from pollen.shared_mem.records import RowPlan
@@ -136,7 +136,7 @@ class Admission(ModelChecks):
         if request.priority not in _PRIORITIES:
             raise invalid(f"priority {request.priority} is not a known Priority value")
         self.check_dimensions(request.dimensions)
-        token_vectors.wanted(request, self.spec)
+        outputs.wanted(request, self.spec)
         chunk_mean = request.long_input == pb.LONG_INPUT_CHUNK_MEAN
         if request.token_ids:
             if request.prompt_name or request.prompt:
@@ -177,9 +177,12 @@ class Admission(ModelChecks):
                 seqs = await self.run(chars, self.tokenizer.encode, list(request.texts), truncate, limit, prompt)
         options = RequestOptions(Task.EMBED, request.dimensions, request.normalize, request.encoding,
                                  LANES[request.priority], deadline_ns, self.model)
-        if token_vectors.wanted(request, self.spec)[1]:
-            # Raw full-width rows, a row per token: the frontend cuts and normalizes (token_vectors.finish).
-            rows = token_vectors.plan(seqs, self.token_limits)
+        wanted = outputs.wanted(request, self.spec)
+        if wanted.tokens or wanted.sparse:
+            # Raw full-width rows (for tokens, a row per token): the frontend makes the answer from them
+            # (server/token_vectors.py, server/sparse_vectors.py).
+            if wanted.tokens:
+                rows = token_vectors.plan(seqs, self.token_limits)
             options = RequestOptions(Task.EMBED, 0, False, pb.ENCODING_FLOAT32, LANES[request.priority],
                                      deadline_ns, self.model)
         return Request(seqs, options, rows, sum(map(len, seqs)))

@@ -76,8 +76,10 @@ class EmbeddingsBody(msgspec.Struct, forbid_unknown_fields=True):
     priority: Literal["interactive", "bulk"] = "interactive"
     timeout_ms: NonNegative32 = 0
     # What each data item carries, any subset: "dense" (`embedding`), "tokens" (`token_embeddings`,
-    # a vector per token); "sparse" needs a model with a sparse head. None: ["dense"].
+    # a vector per token), "sparse" (`sparse_embedding`, a SPLADE model's only output). None: the
+    # model's default (dense; a sparse model's: sparse).
     outputs: list[Literal["dense", "sparse", "tokens"]] | None = None
+    sparse_top_k: Positive32 | None = None  # a sparse row's largest weights kept (None: all)
 
 
 _DECODER = msgspec.json.Decoder(EmbeddingsBody)
@@ -189,7 +191,7 @@ class HttpDoor:
         if request.path == "/v1/models":
             return Response(200, _ENCODER.encode({"object": "list", "data": [
                 {"id": model.name, "object": "model", "created": self.created, "owned_by": "pollen",
-                 "task": model.task, "dimensions": model.spec.output_dims, "max_tokens": model.spec.max_tokens}
+                 "task": model.task, "dimensions": model.dimensions, "max_tokens": model.spec.max_tokens}
                 for model in self.service.models.models]}))
         if request.path == "/health":
             status = "SERVING" if self.serving else "NOT_SERVING"
@@ -276,6 +278,8 @@ def to_embed_request(request: Request) -> tuple[pb.EmbedRequest, str]:
         if not body.outputs:
             raise Rejected("outputs is an empty list: name at least one of dense, sparse, tokens", "outputs")
         message.outputs.extend(_OUTPUTS[name] for name in body.outputs)
+    if body.sparse_top_k is not None:
+        message.sparse_top_k = body.sparse_top_k
     if body.chunks is not None:
         if body.input is not None:
             raise Rejected("set either input or chunks, not both", "chunks")
@@ -342,6 +346,14 @@ def to_openai(answer: pb.EmbedResponse, encoding_format: str, model: str) -> dic
                 data.append({"object": "embedding", "index": i})
             data[i]["token_embeddings"] = [json_vector(row, encoding_format, pb.ENCODING_FLOAT32)
                                            for row in token_rows[start:start + count]]
+            start += count
+    if answer.sparse_counts:  # outputs "sparse": ids ascending and their weights
+        ids = np.frombuffer(answer.sparse_indices, np.uint32)
+        weights = np.frombuffer(answer.sparse_values, np.float32)
+        start = 0
+        for i, count in enumerate(answer.sparse_counts):
+            data.append({"object": "embedding", "index": i, "sparse_embedding": {
+                "indices": ids[start:start + count].tolist(), "values": weights[start:start + count].tolist()}})
             start += count
     tokens = answer.usage.prompt_tokens
     return {"object": "list", "data": data, "model": model,

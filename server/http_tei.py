@@ -14,11 +14,12 @@ EmbedderService methods as pollen's own routes:
     POST /decode        {ids, skip_special_tokens} -> [str]
     POST /embed_all     {inputs, truncate, truncation_direction, prompt_name} -> [[[f32]]]: every token's
                         last hidden state, special tokens included, not normalized (outputs OUTPUT_TOKENS)
-    POST /embed_sparse  424, as TEI answers a model that does not serve it: pollen serves no SPLADE model yet.
+    POST /embed_sparse  {inputs, truncate, truncation_direction, prompt_name} -> [[{index, value}]]: the first
+                        SPLADE model's non-zero weights, by ascending index (424 when none is served)
     POST /              the default route of the first served model's task, as TEI serves it:
                         /embed for an embedder (/similarity when `inputs` is an object, which is what
-                        huggingface_hub's InferenceClient.sentence_similarity sends), /rerank for a
-                        reranker, /predict for a classifier.
+                        huggingface_hub's InferenceClient.sentence_similarity sends), /embed_sparse for a
+                        SPLADE model, /rerank for a reranker, /predict for a classifier.
 
 TEI's requests name no model: each route serves the first served model of the task it needs
 (/tokenize and /decode: the first model). TEI's `truncate` is a bool (null: the server's
@@ -56,7 +57,8 @@ DOOR = "http"
 TEI_ROUTES = {"/info": "GET", "/embed": "POST", "/embed_all": "POST", "/embed_sparse": "POST", "/rerank": "POST",
               "/predict": "POST", "/similarity": "POST", "/tokenize": "POST", "/decode": "POST", "/": "POST"}
 _NOT_SERVED = {"embed": "model is not an embedding model", "rerank": "model is not a re-ranker model",
-               "classify": "model is not a classifier model"}
+               "classify": "model is not a classifier model",
+               "sparse": "model is not an embedding model with SPLADE pooling"}
 _STATUS = {"validation": 413, "empty": 400, "backend": 424, "overloaded": 429, "unhealthy": 503, "tokenizer": 422}
 _ENCODER = msgspec.json.Encoder()
 Direction = Literal["right", "left", "Right", "Left"]
@@ -224,8 +226,8 @@ class TeiRoutes:
         try:
             path = request.path
             if path == "/":
-                path = {"embed": "/embed", "rerank": "/rerank", "classify": "/predict"}[
-                    self.service.models.first.task]
+                path = {"embed": "/embed", "sparse": "/embed_sparse", "rerank": "/rerank", "classify": "/predict"}[
+                    self.service.models.first.kind]
                 if path == "/embed" and request.body.lstrip()[:1] == b"{" and _inputs_is_object(request.body):
                     path = "/similarity"
             return Response(200, _ENCODER.encode(await getattr(self, path.strip("/") or "info")(request)))
@@ -234,10 +236,11 @@ class TeiRoutes:
         except RequestError as exc:
             return tei_error_response(from_request_error(exc))
 
-    def model(self, task: str) -> ServedModel:
-        model = next((m for m in self.service.models.models if m.task == task), None)
+    def model(self, kind: str) -> ServedModel:
+        """The first model of `kind` (ServedModel.kind: "embed" is a dense embedder, "sparse" a SPLADE one)."""
+        model = next((m for m in self.service.models.models if m.kind == kind), None)
         if model is None:
-            raise TeiError(f"{_NOT_SERVED[task]}: the models served here are {self.service.models.served()}",
+            raise TeiError(f"{_NOT_SERVED[kind]}: the models served here are {self.service.models.served()}",
                            "backend")
         return model
 
@@ -245,7 +248,7 @@ class TeiRoutes:
         cfg, model = self.service.cfg, self.service.models.first
         spec = model.spec
         if spec.task == "embed":
-            model_type = {"embedding": {"pooling": spec.pooling}}
+            model_type = {"embedding": {"pooling": "splade" if spec.sparse_terms else spec.pooling}}
         else:
             labels = {"id2label": {str(i): name for i, name in enumerate(spec.labels)},
                       "label2id": {name: i for i, name in enumerate(spec.labels)}}
@@ -303,9 +306,18 @@ class TeiRoutes:
         return [part.tolist() for part in np.split(rows, np.cumsum(answer.token_counts)[:-1])]
 
     async def embed_sparse(self, request: Request) -> list:
-        self.model("embed")
-        raise TeiError("model is not an embedding model with SPLADE pooling: pollen serves no sparse models",
-                       "backend")
+        """The first sparse model's non-zero weights of each input, as [{index, value}] by ascending index."""
+        body = body_of(EmbedAllBody, request.body)
+        model = self.model("sparse")
+        message = pb.EmbedRequest(prompt_name=body.prompt_name or "", outputs=[pb.OUTPUT_SPARSE], model=model.name,
+                                  id=f"tei-{uuid.uuid4().hex}")
+        add_inputs(message, body.inputs)
+        set_truncate(message, body.truncate, body.truncation_direction)
+        answer = await self.service.embed(message, DOOR, headers=request.headers)
+        ids = np.split(np.frombuffer(answer.sparse_indices, np.uint32), np.cumsum(answer.sparse_counts)[:-1])
+        weights = np.split(np.frombuffer(answer.sparse_values, np.float32), np.cumsum(answer.sparse_counts)[:-1])
+        return [[{"index": int(i), "value": float(w)} for i, w in zip(row_ids, row_weights)]
+                for row_ids, row_weights in zip(ids, weights)]
 
     async def rerank(self, request: Request) -> list:
         body = body_of(RerankBody, request.body)

@@ -50,6 +50,16 @@ class ServedModel:
     def task(self) -> str:
         return self.spec.task
 
+    @property
+    def dimensions(self) -> int:
+        """What Info and /v1/models report: the answer's width (a sparse model's: its vocabulary)."""
+        return self.spec.vocab_size if self.spec.sparse_terms else self.spec.output_dims
+
+    @property
+    def kind(self) -> str:
+        """What TEI's routes ask of a model: "embed" (dense), "sparse" (SPLADE), "rerank", "classify"."""
+        return "sparse" if self.spec.sparse_terms else self.spec.task
+
 
 class ModelTable:
     def __init__(self, models: list[ServedModel]):

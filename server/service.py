@@ -29,7 +29,7 @@ from pollen.common import encodings, status
 from pollen.common.errors import RequestError, cut, echo, invalid
 from pollen.common.request import RequestOptions
 from pollen.common.throttled_log import ThrottledLog
-from pollen.server import auth, metrics, token_vectors
+from pollen.server import auth, metrics, outputs, sparse_vectors, token_vectors
 from pollen.server.config import ServeConfig
 from pollen.server.flood_guard import FloodGuard
 from pollen.server.metrics import TASK_OF, count_request
@@ -230,9 +230,11 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         if span is not None:
             span.admitted()
         result = await self.router.answer(admitted)
-        dense, tokens = token_vectors.wanted(request, model.spec)
-        if tokens:
-            return self.with_tokens(request, model, admitted, result, dense)
+        wanted = outputs.wanted(request, model.spec)
+        if wanted.tokens:
+            return self.with_tokens(request, model, admitted, result, wanted.dense)
+        if wanted.sparse:
+            return self.sparse(request, model, admitted, result)
         body, scales = result.body, ()
         if result.encoding == pb.ENCODING_INT8:
             body, scale_array = encodings.split_int8(body, result.rows, result.dims)
@@ -256,6 +258,16 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             usage=pb.Usage(prompt_tokens=admitted.tokens),
             timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us), model=model.name,
             token_embeddings=rows.tobytes(), token_counts=counts)
+
+    @staticmethod
+    def sparse(request: pb.EmbedRequest, model: ServedModel, admitted, result) -> pb.EmbedResponse:
+        """The answer to outputs OUTPUT_SPARSE from a SPLADE model's rows (server/sparse_vectors.py)."""
+        rows = np.frombuffer(result.body, np.float32).reshape(result.rows, result.dims)
+        ids, weights, counts = sparse_vectors.finish(rows, model.spec.sparse_terms, request.sparse_top_k)
+        return pb.EmbedResponse(
+            id=request.id, encoding=pb.ENCODING_FLOAT32, usage=pb.Usage(prompt_tokens=admitted.tokens),
+            timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us), model=model.name,
+            sparse_indices=ids.tobytes(), sparse_values=weights.tobytes(), sparse_counts=counts)
 
     def drain(self) -> None:
         """The frontend stops: every stream stops reading (what each has read is still answered),
@@ -407,10 +419,10 @@ class EmbedderService(pb_grpc.EmbedderServicer):
 
 def model_info(model: ServedModel) -> pb.ModelInfo:
     spec = model.spec
-    return pb.ModelInfo(name=spec.name, task=spec.task, dimensions=spec.output_dims, max_tokens=spec.max_tokens,
+    return pb.ModelInfo(name=spec.name, task=spec.task, dimensions=model.dimensions, max_tokens=spec.max_tokens,
                         pooling=_POOLING.get(spec.pooling, pb.POOLING_UNSPECIFIED), vocab_size=spec.vocab_size,
                         prompts=dict(spec.prompts), matryoshka_dimensions=list(spec.matryoshka_dimensions),
-                        labels=list(spec.labels))
+                        labels=list(spec.labels), sparse=bool(spec.sparse_terms))
 
 
 def call_deadline(context) -> int:

@@ -6,8 +6,8 @@ normalized), Rerank a `rerank`, Predict and PredictPair a `classify` of one text
 Tokenize and Decode the model's tokenizer; admission, batching, metrics and tracing are the
 service's. TEI's requests name no model: each method serves the first model of the task it needs
 (Info and Tokenize: the first model), and a server that has none answers FAILED_PRECONDITION
-naming what is missing, as TEI answers a task its model does not serve. EmbedSparse needs a
-sparse model, which pollen does not serve yet: FAILED_PRECONDITION too.
+naming what is missing, as TEI answers a task its model does not serve; Embed and EmbedAll take
+the first dense embedder, EmbedSparse the first sparse (SPLADE) one.
 
 The streams answer as TEI's do: one answer per message, in the order the messages came, the
 first failure ending the stream with its status (the messages before it answered). A stream
@@ -39,9 +39,8 @@ MODEL_TYPE = {"embed": tei.MODEL_TYPE_EMBEDDING, "classify": tei.MODEL_TYPE_CLAS
 # The TEI services that answer when the server holds a model of the task (None: any model).
 SERVICE_TASK = {"tei.v1.Info": None, "tei.v1.Tokenize": None, "tei.v1.Embed": "embed", "tei.v1.Rerank": "rerank",
                 "tei.v1.Predict": "classify"}
-NEEDS = {"embed": "an embedding model", "rerank": "a re-ranker model", "classify": "a classifier model"}
-NOT_SPARSE = ("EmbedSparse needs a sparse (SPLADE) embedding model, and pollen's models give dense vectors only; "
-              "use Embed")
+NEEDS = {"embed": "an embedding model", "sparse": "a sparse (SPLADE) embedding model", "rerank": "a re-ranker model",
+         "classify": "a classifier model"}
 try:
     VERSION = importlib.metadata.version("pollen")
 except importlib.metadata.PackageNotFoundError:  # a checkout that is not installed
@@ -93,12 +92,14 @@ class TeiService:
         self.service = service
         self.models = service.models
 
-    def need(self, task: str, method: str) -> None:
-        """FAILED_PRECONDITION unless some model serves `task`."""
-        if not any(m.task == task for m in self.models.models):
+    def need(self, kind: str, method: str) -> str:
+        """The name of the first model of `kind` (ServedModel.kind); FAILED_PRECONDITION when none is served."""
+        model = next((m for m in self.models.models if m.kind == kind), None)
+        if model is None:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"{method} needs {NEEDS[task]}, and none is served here; the models served: "
+                               f"{method} needs {NEEDS[kind]}, and none is served here; the models served: "
                                f"{self.models.served()}")
+        return model.name
 
     async def call(self, context, method: str, request, work):
         """A unary method: the door as pollen.v1's, then `work(request)`, its RequestError the status."""
@@ -131,9 +132,8 @@ class TeiService:
 
     async def embed(self, request: tei.EmbedRequest, headers, method) -> tei.EmbedResponse:
         started = time.monotonic_ns()
-        self.need("embed", method)
         ours = pb.EmbedRequest(texts=[request.inputs], normalize=request.normalize, truncate=truncate_of(request),
-                               prompt_name=request.prompt_name)
+                               prompt_name=request.prompt_name, model=self.need("embed", method))
         try:
             answer = await self.service.embed(ours, "grpc", headers=headers, method=method)
         except RequestError as exc:
@@ -144,11 +144,27 @@ class TeiService:
                                                    answer.timing))
 
     async def EmbedSparse(self, request, context):
-        return await self.call(context, "EmbedSparse", request, self.refuse(NOT_SPARSE))
+        return await self.call(context, "EmbedSparse", request, self.embed_sparse)
 
     async def EmbedSparseStream(self, requests, context):
-        async for response in self.stream(requests, context, "EmbedSparseStream", self.refuse(NOT_SPARSE)):
+        async for response in self.stream(requests, context, "EmbedSparseStream", self.embed_sparse):
             yield response
+
+    async def embed_sparse(self, request: tei.EmbedSparseRequest, headers, method) -> tei.EmbedSparseResponse:
+        """The first sparse model's non-zero weights of one text, by ascending id."""
+        started = time.monotonic_ns()
+        ours = pb.EmbedRequest(texts=[request.inputs], truncate=truncate_of(request), prompt_name=request.prompt_name,
+                               outputs=[pb.OUTPUT_SPARSE], model=self.need("sparse", method))
+        try:
+            answer = await self.service.embed(ours, "grpc", headers=headers, method=method)
+        except RequestError as exc:
+            raise renamed(exc, {"texts[0]": "inputs", "the request has neither texts nor token_ids nor chunks":
+                                "inputs is empty"}) from None
+        ids = np.frombuffer(answer.sparse_indices, np.uint32).tolist()
+        weights = np.frombuffer(answer.sparse_values, np.float32).tolist()
+        values = [tei.SparseValue(index=i, value=w) for i, w in zip(ids, weights)]
+        return tei.EmbedSparseResponse(sparse_embeddings=values, metadata=metadata(
+            len(request.inputs), answer.usage.prompt_tokens, started, answer.timing))
 
     async def EmbedAll(self, request, context):
         return await self.call(context, "EmbedAll", request, self.embed_all)
@@ -160,9 +176,9 @@ class TeiService:
     async def embed_all(self, request: tei.EmbedAllRequest, headers, method) -> tei.EmbedAllResponse:
         """Every token's last hidden state, special tokens included, not normalized (TEI's EmbedAll)."""
         started = time.monotonic_ns()
-        self.need("embed", method)
         ours = pb.EmbedRequest(texts=[request.inputs], normalize=False, truncate=truncate_of(request),
-                               prompt_name=request.prompt_name, outputs=[pb.OUTPUT_TOKENS])
+                               prompt_name=request.prompt_name, outputs=[pb.OUTPUT_TOKENS],
+                               model=self.need("embed", method))
         try:
             answer = await self.service.embed(ours, "grpc", headers=headers, method=method)
         except RequestError as exc:
@@ -172,12 +188,6 @@ class TeiService:
         return tei.EmbedAllResponse(token_embeddings=[tei.TokenEmbedding(embeddings=row.tolist()) for row in rows],
                                     metadata=metadata(len(request.inputs), answer.usage.prompt_tokens, started,
                                                       answer.timing))
-
-    @staticmethod
-    def refuse(message: str):
-        async def refused(request, headers, method):
-            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, message)
-        return refused
 
     # Predict
 

@@ -7,8 +7,8 @@ on both engines and through the graphs, with no code of its own. The worker is a
 raw rows (full width, not normalized); the frontend then makes the answer: the dense vector is
 the model's pooling over the text's token rows (mean, first or last: what the worker would have
 pooled), then every vector is cut to `dimensions` and normalized as asked, in the order the worker
-does it. Models whose rows pass through sentence-transformers Dense modules are refused: their
-token vectors would be a different thing from their dense ones.
+does it. Models whose rows pass through sentence-transformers Dense modules are refused
+(server/outputs.py): their token vectors would be a different thing from their dense ones.
 
 Bounds: at most --max-token-vectors token vectors in one request, and in one text at most the
 rows one answer record carries (a text's rows are never split: the response ring's record, by
@@ -21,41 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from pollen.common.errors import invalid
-from pollen.common.model_spec import ModelSpec
 from pollen.shared_mem.records import RowPlan
-from pollen.v1 import embedder_pb2 as pb
-
-_OUTPUTS = set(pb.Output.values())
-NAMES = {pb.OUTPUT_DENSE: "dense", pb.OUTPUT_SPARSE: "sparse", pb.OUTPUT_TOKENS: "tokens"}
 
 
 @dataclass(frozen=True, slots=True)
 class TokenLimits:
     per_request: int  # --max-token-vectors
     per_text: int     # rows one answer record carries at the model's width
-
-
-def wanted(request: pb.EmbedRequest, spec: ModelSpec) -> tuple[bool, bool]:
-    """(dense, tokens): what the request's outputs ask for, checked against the request and model."""
-    outputs = set(request.outputs) or {pb.OUTPUT_DENSE}
-    unknown = outputs - _OUTPUTS
-    if unknown:
-        raise invalid(f"outputs holds {min(unknown)}, not a known Output value")
-    if pb.OUTPUT_SPARSE in outputs:
-        raise invalid(f"outputs OUTPUT_SPARSE needs a model with a sparse head (SPLADE, bge-m3); {spec.name} "
-                      "answers dense vectors and token vectors only")
-    tokens = pb.OUTPUT_TOKENS in outputs
-    dense = bool(outputs & {pb.OUTPUT_DENSE, pb.OUTPUT_UNSPECIFIED})
-    if tokens:
-        if spec.dense:
-            raise invalid(f"outputs OUTPUT_TOKENS is not served for {spec.name}: its vectors pass through "
-                          "sentence-transformers Dense modules, which apply to pooled vectors, not to tokens")
-        if request.chunks or request.long_input == pb.LONG_INPUT_CHUNK_MEAN:
-            raise invalid("outputs OUTPUT_TOKENS applies to texts and token_ids, not to chunks or "
-                          "long_input LONG_INPUT_CHUNK_MEAN")
-        if request.encoding != pb.ENCODING_FLOAT32:
-            raise invalid("outputs OUTPUT_TOKENS answers float32 vectors: leave encoding ENCODING_FLOAT32")
-    return dense, tokens
 
 
 def plan(seqs: list, limits: TokenLimits) -> RowPlan:

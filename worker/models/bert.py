@@ -1,5 +1,5 @@
 """Packed BERT-style encoder (BERT, RoBERTa, XLM-R, DistilBERT): post-LayerNorm layers,
-bidirectional attention.
+bidirectional attention; on a masked-LM checkpoint served as SPLADE, its MLM head after the layers.
 
 Checkpoint layout follows HF BertModel, or DistilBertModel (the same layers under its own names,
 and no token type embeddings); loader.py fills our parameters through hf_weight_map().
@@ -23,6 +23,7 @@ from pollen.worker.models.base import EmbeddingModel
 from pollen.worker.models.cpu_linear import pack
 from pollen.worker.models.heads import make_head
 from pollen.worker.models.ops import Ops
+from pollen.worker.models.splade import SpladeWeights
 
 
 class BertLayer(nn.Module):
@@ -93,6 +94,8 @@ class BertEncoder(EmbeddingModel):
         self.position_offset = position_offset(config)
         self.max_positions = config["max_position_embeddings"] - self.position_offset
         self.output_head = make_head(spec, config)
+        # A SPLADE model's hidden states are each token's vocabulary weights (worker/models/splade.py).
+        self.splade = SpladeWeights(config, self.layout) if spec.sparse_terms else None
         self.typed_words = False  # whether after_load summed the token types into the word table
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -108,7 +111,7 @@ class BertEncoder(EmbeddingModel):
         x = self.emb_norm(x)
         for layer in self.layers:
             x = layer(x, cu_seqlens, max_seqlen)
-        return x
+        return x if self.splade is None else self.splade(x, self.word.weight)
 
     @torch.no_grad()
     def after_load(self, options: EngineOptions) -> None:
@@ -132,6 +135,8 @@ class BertEncoder(EmbeddingModel):
         }
         if self.token_type is not None:
             m["token_type.weight"] = ["embeddings.token_type_embeddings.weight"]
+        if self.splade is not None:
+            m |= {f"splade.{ours}": names for ours, names in self.splade.hf_weight_map().items()}
         layers = "transformer.layer" if self.layout == "distilbert" else "encoder.layer"
         for p in ("weight", "bias"):
             m[f"emb_norm.{p}"] = [f"embeddings.LayerNorm.{p}"]

@@ -73,8 +73,30 @@ class YesNoHead(LinearHead):
         self.weight = nn.Parameter(rows[:1] - rows[1:], requires_grad=False)
 
 
+class SparseHead(nn.Module):
+    """SPLADE's pooled weights [R, vocab] (worker/models/splade.py) -> [R, 2 x terms]: each row's
+    `terms` largest weights, then their vocabulary ids as float32 (exact below 2**24). Zero
+    weights are the row's unused places; the frontend keeps the positive ones."""
+
+    def __init__(self, terms: int):
+        super().__init__()
+        self.terms = terms
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        values, ids = pooled.topk(self.terms, dim=1)
+        return torch.cat([values, ids.float()], dim=1)
+
+    def hf_weight_map(self) -> dict[str, list[HeadTensor]]:
+        return {}
+
+    def after_load(self) -> None:
+        pass
+
+
 def make_head(spec: ModelSpec, config: dict) -> nn.Module | None:
-    """The head of the model `spec` describes; None for an embedder."""
+    """The head of the model `spec` describes; None for a dense embedder."""
+    if spec.sparse_terms:
+        return SparseHead(spec.sparse_terms)
     if spec.task == "embed":
         return None
     hidden, outputs = config["hidden_size"], spec.output_dims

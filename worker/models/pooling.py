@@ -11,7 +11,7 @@ import torch
 
 from pollen.worker.models.packing import segment_ids
 
-POOLING_MODES = ("mean", "cls", "last")
+POOLING_MODES = ("mean", "cls", "last", "max")
 
 
 def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, mode: str) -> torch.Tensor:
@@ -38,6 +38,12 @@ def pool_rows(hidden: torch.Tensor, pool_index: torch.Tensor, first: torch.Tenso
         sums.index_add_(0, pool_index.long(), hidden.float())
         # clamp: an empty (padding) row yields zeros instead of NaN.
         return sums[:rows] / count.clamp(min=1).unsqueeze(1).to(torch.float32)
+    if mode == "max":  # SPLADE: its per-token weights are >= 0, so the zero start is max's identity
+        rows = first.shape[0]
+        out = torch.zeros(rows + 1, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        index = pool_index.long().unsqueeze(1).expand(-1, hidden.shape[1])
+        out.scatter_reduce_(0, index, hidden.float(), "amax", include_self=True)
+        return out[:rows]
     raise ValueError(f"unknown pooling mode {mode!r}; expected one of {POOLING_MODES}")
 
 

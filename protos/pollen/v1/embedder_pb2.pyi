@@ -72,7 +72,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("id", "texts", "token_ids", "dimensions", "normalize", "encoding", "truncate", "max_tokens", "prompt_name", "prompt", "long_input", "chunks", "priority", "timeout_ms", "model", "outputs")
+    __slots__ = ("id", "texts", "token_ids", "dimensions", "normalize", "encoding", "truncate", "max_tokens", "prompt_name", "prompt", "long_input", "chunks", "priority", "timeout_ms", "model", "outputs", "sparse_top_k")
     ID_FIELD_NUMBER: _ClassVar[int]
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class EmbedRequest(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_TOP_K_FIELD_NUMBER: _ClassVar[int]
     id: str
     texts: _containers.RepeatedScalarFieldContainer[str]
     token_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
@@ -105,7 +106,8 @@ class EmbedRequest(_message.Message):
     timeout_ms: int
     model: str
     outputs: _containers.RepeatedScalarFieldContainer[Output]
-    def __init__(self, id: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., max_tokens: _Optional[int] = ..., prompt_name: _Optional[str] = ..., prompt: _Optional[str] = ..., long_input: _Optional[_Union[LongInput, str]] = ..., chunks: _Optional[_Iterable[str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ...) -> None: ...
+    sparse_top_k: int
+    def __init__(self, id: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., max_tokens: _Optional[int] = ..., prompt_name: _Optional[str] = ..., prompt: _Optional[str] = ..., long_input: _Optional[_Union[LongInput, str]] = ..., chunks: _Optional[_Iterable[str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., sparse_top_k: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens",)
@@ -130,7 +132,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
-    __slots__ = ("id", "embeddings", "rows", "dims", "encoding", "usage", "timing", "error", "scales", "model", "token_embeddings", "token_counts")
+    __slots__ = ("id", "embeddings", "rows", "dims", "encoding", "usage", "timing", "error", "scales", "model", "token_embeddings", "token_counts", "sparse_indices", "sparse_values", "sparse_counts")
     ID_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +145,9 @@ class EmbedResponse(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_VALUES_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_COUNTS_FIELD_NUMBER: _ClassVar[int]
     id: str
     embeddings: bytes
     rows: int
@@ -155,7 +160,10 @@ class EmbedResponse(_message.Message):
     model: str
     token_embeddings: bytes
     token_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, id: _Optional[str] = ..., embeddings: _Optional[bytes] = ..., rows: _Optional[int] = ..., dims: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., scales: _Optional[_Iterable[float]] = ..., model: _Optional[str] = ..., token_embeddings: _Optional[bytes] = ..., token_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    sparse_indices: bytes
+    sparse_values: bytes
+    sparse_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[str] = ..., embeddings: _Optional[bytes] = ..., rows: _Optional[int] = ..., dims: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., scales: _Optional[_Iterable[float]] = ..., model: _Optional[str] = ..., token_embeddings: _Optional[bytes] = ..., token_counts: _Optional[_Iterable[int]] = ..., sparse_indices: _Optional[bytes] = ..., sparse_values: _Optional[bytes] = ..., sparse_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("texts", "truncate", "max_tokens", "prompt_name", "prompt", "model")
@@ -188,7 +196,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "task", "dimensions", "max_tokens", "pooling", "vocab_size", "prompts", "matryoshka_dimensions", "labels")
+    __slots__ = ("name", "task", "dimensions", "max_tokens", "pooling", "vocab_size", "prompts", "matryoshka_dimensions", "labels", "sparse")
     class PromptsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +213,7 @@ class ModelInfo(_message.Message):
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
     name: str
     task: str
     dimensions: int
@@ -214,7 +223,8 @@ class ModelInfo(_message.Message):
     prompts: _containers.ScalarMap[str, str]
     matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
     labels: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., task: _Optional[str] = ..., dimensions: _Optional[int] = ..., max_tokens: _Optional[int] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., vocab_size: _Optional[int] = ..., prompts: _Optional[_Mapping[str, str]] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
+    sparse: bool
+    def __init__(self, name: _Optional[str] = ..., task: _Optional[str] = ..., dimensions: _Optional[int] = ..., max_tokens: _Optional[int] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., vocab_size: _Optional[int] = ..., prompts: _Optional[_Mapping[str, str]] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., sparse: _Optional[bool] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
     __slots__ = ("model", "dimensions", "max_tokens", "pooling", "encodings", "max_texts_per_request", "max_batch_tokens", "max_queued_tokens", "max_request_bytes", "vocab_size", "workers", "device", "prompts", "matryoshka_dimensions", "frontends", "frontend", "task", "labels", "models")

@@ -1,0 +1,67 @@
+"""What an EmbedRequest asks for (`outputs`), checked against the request and the model: dense
+vectors, token vectors (server/token_vectors.py), sparse vectors (server/sparse_vectors.py).
+
+A dense model answers dense and token vectors; a sparse (SPLADE) model answers sparse vectors
+only, and a request to it that lists no outputs gets them. Every refusal names `outputs` or the
+option that does not apply.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pollen.common.errors import invalid
+from pollen.common.model_spec import ModelSpec
+from pollen.v1 import embedder_pb2 as pb
+
+_OUTPUTS = set(pb.Output.values())
+_NAMES = {pb.OUTPUT_DENSE: "OUTPUT_DENSE", pb.OUTPUT_SPARSE: "OUTPUT_SPARSE", pb.OUTPUT_TOKENS: "OUTPUT_TOKENS"}
+
+
+@dataclass(frozen=True, slots=True)
+class Outputs:
+    dense: bool
+    tokens: bool
+    sparse: bool
+
+
+def wanted(request: pb.EmbedRequest, spec: ModelSpec) -> Outputs:
+    outputs = set(request.outputs)
+    unknown = outputs - _OUTPUTS
+    if unknown:
+        raise invalid(f"outputs holds {min(unknown)}, not a known Output value")
+    if request.HasField("sparse_top_k") and request.sparse_top_k == 0:
+        raise invalid("sparse_top_k must be at least 1 (leave it unset for every weight)")
+    if spec.sparse_terms:
+        return _sparse(request, spec, outputs - {pb.OUTPUT_UNSPECIFIED} or {pb.OUTPUT_SPARSE})
+    if pb.OUTPUT_SPARSE in outputs:
+        raise invalid(f"outputs OUTPUT_SPARSE needs a model with a sparse head (SPLADE); {spec.name} "
+                      "answers dense vectors and token vectors only")
+    if request.HasField("sparse_top_k"):
+        raise invalid("sparse_top_k applies to outputs OUTPUT_SPARSE only")
+    tokens = pb.OUTPUT_TOKENS in outputs
+    if tokens:
+        if spec.dense:
+            raise invalid(f"outputs OUTPUT_TOKENS is not served for {spec.name}: its vectors pass through "
+                          "sentence-transformers Dense modules, which apply to pooled vectors, not to tokens")
+        _one_sequence_a_text(request, "OUTPUT_TOKENS")
+    return Outputs(dense=not outputs or bool(outputs & {pb.OUTPUT_DENSE, pb.OUTPUT_UNSPECIFIED}), tokens=tokens,
+                   sparse=False)
+
+
+def _sparse(request: pb.EmbedRequest, spec: ModelSpec, outputs: set) -> Outputs:
+    other = sorted(_NAMES[o] for o in outputs - {pb.OUTPUT_SPARSE})
+    if other:
+        raise invalid(f"outputs {', '.join(other)} is not served for {spec.name}: a sparse (SPLADE) model answers "
+                      "outputs OUTPUT_SPARSE only")
+    if request.dimensions:
+        raise invalid("dimensions does not apply to sparse vectors: leave it 0")
+    _one_sequence_a_text(request, "OUTPUT_SPARSE")
+    return Outputs(dense=False, tokens=False, sparse=True)
+
+
+def _one_sequence_a_text(request: pb.EmbedRequest, output: str) -> None:
+    if request.chunks or request.long_input == pb.LONG_INPUT_CHUNK_MEAN:
+        raise invalid(f"outputs {output} applies to texts and token_ids, not to chunks or "
+                      "long_input LONG_INPUT_CHUNK_MEAN")
+    if request.encoding != pb.ENCODING_FLOAT32:
+        raise invalid(f"outputs {output} answers float32 values: leave encoding ENCODING_FLOAT32")

@@ -1,0 +1,27 @@
+"""Sparse vectors (`outputs: OUTPUT_SPARSE`) from a SPLADE model's answer rows.
+
+The worker writes each row as the model's SPARSE_TERMS largest vocabulary weights (largest first)
+then their ids as float32 (worker/models/heads.py SparseHead). A row keeps its positive weights,
+at most the request's sparse_top_k of them (the largest), in ascending id order. Weights are raw:
+normalization does not apply to sparse rows. A row holds at most SPARSE_TERMS (1,024) entries: a
+request's answer at most texts x 1,024 ids and weights.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def finish(rows: np.ndarray, terms: int, top_k: int = 0) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """(ids uint32, weights float32, entries per row) from the worker's [R, 2 x terms] rows."""
+    ids, weights, counts = [], [], []
+    for row in rows:
+        values = row[:terms]
+        keep = int(np.count_nonzero(values > 0))  # sorted largest first: the positives lead
+        if top_k:
+            keep = min(keep, top_k)
+        order = np.argsort(row[terms:terms + keep], kind="stable")
+        ids.append(row[terms:terms + keep][order].astype(np.uint32))
+        weights.append(values[:keep][order].astype(np.float32))
+        counts.append(keep)
+    return (np.concatenate(ids) if ids else np.zeros(0, np.uint32),
+            np.concatenate(weights) if weights else np.zeros(0, np.float32), counts)

@@ -1,0 +1,211 @@
+"""SPLADE sparse embedders (BertForMaskedLM, DistilBertForMaskedLM: server/sparse_vectors.py,
+worker/models/splade.py) through a real server, against the transformers recipe: the MLM logits
+of every token, log(1 + relu(.)), max-pooled over the sequence (special tokens included); over
+gRPC, the Python client, the OpenAI route, TEI's /embed_sparse and tei.v1 EmbedSparse (tei-client's
+stubs: its clients have no sparse call); the refusals that name the field, and the CUDA refusal at
+start."""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+
+from pollen.client import Client
+from pollen.common.model_spec import UnsupportedModel
+from pollen.v1 import embedder_pb2 as pb
+from pollen.v1 import embedder_pb2_grpc as pb_grpc
+from tests.conftest import ServerProcess
+from tests.st_models import copy_bert_tokenizer, randomize
+
+TEXTS = ["the search server ranked the results", "bees", "a GPU token vector of 3.5 and 1999 e-mail"]
+# The MLM bias that leaves a few dozen positive weights a row in the tiny models (a trained SPLADE
+# model's rows are as sparse; a random one's would hold most of the vocabulary).
+SPARSE_BIAS = -0.4
+
+
+def make_splade(path, kind: str) -> str:
+    import torch
+    from transformers import BertConfig, BertForMaskedLM, DistilBertConfig, DistilBertForMaskedLM
+
+    torch.manual_seed(3)
+    if kind == "bert":
+        model = BertForMaskedLM(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                           intermediate_size=64, max_position_embeddings=128)).eval()
+        bias = model.cls.predictions.bias
+    else:
+        model = DistilBertForMaskedLM(DistilBertConfig(vocab_size=30522, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                                                       max_position_embeddings=128)).eval()
+        bias = model.vocab_projector.bias
+    randomize(model)
+    with torch.no_grad():
+        bias.copy_(SPARSE_BIAS + 0.05 * torch.randn_like(bias))
+    model.save_pretrained(str(path))
+    copy_bert_tokenizer(path)
+    return str(path)
+
+
+def reference(path: str, texts: list[str]) -> list[dict[int, float]]:
+    """The SPLADE recipe in transformers: {id: weight} of each text's positive weights."""
+    import torch
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForMaskedLM.from_pretrained(path).eval()
+    out = []
+    with torch.inference_mode():
+        for text in texts:
+            batch = tokenizer(text, return_tensors="pt")
+            weights = torch.log1p(torch.relu(model(**batch).logits[0])).amax(dim=0).numpy()
+            ids = np.flatnonzero(weights > 0)
+            out.append(dict(zip(ids.tolist(), weights[ids].tolist())))
+    return out
+
+
+def save_sparse_encoder(path, hf_dir: str):
+    """The checkpoint wrapped in sentence-transformers' SparseEncoder (MLMTransformer, SpladePooling
+    max over relu) and saved by it; the encoder itself, the reference."""
+    from sentence_transformers import SparseEncoder
+
+    try:
+        from sentence_transformers.sparse_encoder.modules import MLMTransformer, SpladePooling
+    except ImportError:  # sentence-transformers 5 names the package models
+        from sentence_transformers.sparse_encoder.models import MLMTransformer, SpladePooling
+
+    model = SparseEncoder(modules=[MLMTransformer(hf_dir), SpladePooling(pooling_strategy="max")], device="cpu")
+    model.save(str(path))
+    return model
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    made = {kind: make_splade(tmp_path_factory.mktemp(f"tiny-splade-{kind}"), kind) for kind in ("bert", "distilbert")}
+    made["st"] = str(tmp_path_factory.mktemp("tiny-sparse-encoder"))
+    save_sparse_encoder(made["st"], made["bert"])
+    return made
+
+
+@pytest.fixture(scope="module")
+def server(paths):
+    srv = ServerProcess("--model", paths["bert"], "--model", paths["distilbert"], "--model", paths["st"],
+                        "--served-model-name", "splade,splade-distil,splade-st").start()
+    yield srv
+    assert srv.terminate() == 0
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(server.listen) as channel:
+        yield pb_grpc.EmbedderStub(channel)
+
+
+def rows_of(reply: pb.EmbedResponse) -> list[dict[int, float]]:
+    assert not reply.HasField("error"), reply.error.message
+    cuts = np.cumsum(reply.sparse_counts)[:-1]
+    ids = np.split(np.frombuffer(reply.sparse_indices, np.uint32), cuts)
+    weights = np.split(np.frombuffer(reply.sparse_values, np.float32), cuts)
+    for row in ids:
+        assert (np.diff(row.astype(np.int64)) > 0).all()  # ascending ids
+    return [dict(zip(i.tolist(), w.tolist())) for i, w in zip(ids, weights)]
+
+
+def assert_same(ours: dict[int, float], theirs: dict[int, float]) -> None:
+    assert set(ours) == set(theirs)
+    assert max(abs(ours[i] - theirs[i]) for i in theirs) <= 1e-4
+
+
+@pytest.mark.parametrize("model, kind", [("splade", "bert"), ("splade-distil", "distilbert")])
+def test_sparse_vectors_equal_the_transformers_recipe(stub, paths, model, kind):
+    want = reference(paths[kind], TEXTS)
+    assert all(0 < len(w) < 1024 for w in want)  # sparse, and under the row's bound
+    reply = stub.Embed(pb.EmbedRequest(texts=TEXTS, model=model), timeout=30)  # a sparse model's default output
+    assert reply.rows == 0 and reply.embeddings == b""
+    for ours, theirs in zip(rows_of(reply), want):
+        assert_same(ours, theirs)
+    # normalize does not apply to sparse rows; sparse_top_k keeps the largest weights.
+    again = stub.Embed(pb.EmbedRequest(texts=TEXTS, model=model, normalize=True, outputs=[pb.OUTPUT_SPARSE],
+                                       sparse_top_k=5), timeout=30)
+    for ours, theirs in zip(rows_of(again), want):
+        top = dict(sorted(theirs.items(), key=lambda kv: -kv[1])[:5])
+        assert_same(ours, top)
+
+
+def test_a_sentence_transformers_sparse_encoder_folder_equals_its_encode(stub, paths):
+    from sentence_transformers import SparseEncoder
+
+    encoded = SparseEncoder(paths["st"], device="cpu").encode(TEXTS, convert_to_tensor=True).to_dense().numpy()
+    reply = stub.Embed(pb.EmbedRequest(texts=TEXTS, model="splade-st"), timeout=30)
+    for ours, row in zip(rows_of(reply), encoded):
+        ids = np.flatnonzero(row)
+        assert_same(ours, dict(zip(ids.tolist(), row[ids].tolist())))
+
+
+def test_client_openai_route_and_tei(server, paths):
+    want = reference(paths["bert"], TEXTS)
+    with Client(server.listen) as client:
+        info = client.info()
+        got = client.embed_sparse(TEXTS)
+    assert [(m.sparse, m.dimensions) for m in info.models] == [(True, 30522)] * 3
+    for (ids, weights), theirs in zip(got, want):
+        assert_same(dict(zip(ids.tolist(), weights.tolist())), theirs)
+    body = json.dumps({"input": TEXTS[:2], "outputs": ["sparse"], "model": "splade"}).encode()
+    data = json.loads(urllib.request.urlopen(urllib.request.Request(
+        f"http://127.0.0.1:{server.http_port}/v1/embeddings", body), timeout=30).read())["data"]
+    for item, theirs in zip(data, want):
+        assert "embedding" not in item
+        assert_same(dict(zip(item["sparse_embedding"]["indices"], item["sparse_embedding"]["values"])), theirs)
+    # TEI's route and both of tei-client's clients: the first sparse model, [{index, value}] by index.
+    raw = json.loads(urllib.request.urlopen(urllib.request.Request(
+        f"http://127.0.0.1:{server.http_port}/embed_sparse", json.dumps({"inputs": TEXTS}).encode(),
+        headers={"Content-Type": "application/json"}), timeout=30).read())
+    for row, theirs in zip(raw, want):
+        assert [v["index"] for v in row] == sorted(v["index"] for v in row)
+        assert_same({v["index"]: v["value"] for v in row}, theirs)
+    # tei.v1 EmbedSparse and its stream through tei-client's own stubs (its clients have no
+    # embed_sparse call): the same entries.
+    from tei_client.stubs import tei_pb2 as tei
+    from tei_client.stubs import tei_pb2_grpc as tei_grpc
+
+    with grpc.insecure_channel(server.listen) as channel:
+        stub = tei_grpc.EmbedStub(channel)
+        one = stub.EmbedSparse(tei.EmbedSparseRequest(inputs=TEXTS[0]), timeout=30)
+        streamed = list(stub.EmbedSparseStream(iter([tei.EmbedSparseRequest(inputs=t) for t in TEXTS]), timeout=30))
+    assert_same({v.index: v.value for v in one.sparse_embeddings}, want[0])
+    for answer, theirs in zip(streamed, want):
+        assert_same({v.index: v.value for v in answer.sparse_embeddings}, theirs)
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"outputs": [pb.OUTPUT_DENSE]}, "a sparse (SPLADE) model answers outputs OUTPUT_SPARSE only"),
+    ({"outputs": [pb.OUTPUT_TOKENS]}, "a sparse (SPLADE) model answers outputs OUTPUT_SPARSE only"),
+    ({"sparse_top_k": 0}, "sparse_top_k must be at least 1"),
+    ({"dimensions": 64}, "dimensions does not apply to sparse vectors"),
+    ({"encoding": pb.ENCODING_INT8}, "float32"),
+], ids=["dense", "tokens", "top-k-0", "dimensions", "int8"])
+def test_bad_sparse_requests_are_refused_naming_the_field(stub, fields, words):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Embed(pb.EmbedRequest(texts=["bees"], model="splade", **fields), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in err.value.details(), err.value.details()
+    assert rows_of(stub.Embed(pb.EmbedRequest(texts=["still answered"], model="splade"), timeout=30))
+
+
+def test_http_sparse_top_k_zero_is_refused(server):
+    request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v1/embeddings",
+                                     json.dumps({"input": "bees", "model": "splade", "sparse_top_k": 0}).encode())
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=30)
+    assert err.value.code == 400 and json.loads(err.value.read())["error"]["param"] == "sparse_top_k"
+
+
+def test_a_sparse_model_on_cuda_is_refused_at_start(paths):
+    from pollen.server.config import ServeConfig
+    from pollen.server.served_model import prepare
+
+    cfg = ServeConfig.from_args(["--model", paths["bert"]], environ={})
+    cfg.device = "cuda"  # set after the config's own checks, which look for a GPU this machine lacks
+    with pytest.raises(UnsupportedModel, match="served on the CPU only"):
+        prepare(cfg)
