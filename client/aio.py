@@ -57,35 +57,25 @@ class AsyncClient:
 
     async def embed(self, texts: str | Sequence[str], **options) -> np.ndarray:
         """As Client.embed; the pieces over max_texts_per_request are sent concurrently."""
-        pieces = split(texts, (await self.info()).max_texts_per_request)
-        try:
-            replies = await asyncio.gather(*(self._connections.next()[1].Embed(
-                build_request(p, **options), timeout=self.timeout, metadata=self._metadata) for p in pieces))
-        except grpc.RpcError as exc:
-            raise EmbedError.from_rpc(exc, self.target) from None
-        return concatenate([decode(r) for r in replies])
+        return concatenate([decode(reply) for reply in await self._replies(texts, options)])
 
     async def embed_tokens(self, texts: str | Sequence[str], **options) -> list[np.ndarray]:
         """As Client.embed_tokens; the pieces over max_texts_per_request are sent concurrently."""
-        pieces = split(texts, (await self.info()).max_texts_per_request)
-        try:
-            replies = await asyncio.gather(*(self._connections.next()[1].Embed(
-                build_request(p, outputs=("tokens",), **options), timeout=self.timeout, metadata=self._metadata)
-                for p in pieces))
-        except grpc.RpcError as exc:
-            raise EmbedError.from_rpc(exc, self.target) from None
-        return [vectors for reply in replies for vectors in decode_tokens(reply)]
+        return [rows for reply in await self._replies(texts, options, ("tokens",)) for rows in decode_tokens(reply)]
 
     async def embed_sparse(self, texts: str | Sequence[str], **options) -> list[tuple[np.ndarray, np.ndarray]]:
         """As Client.embed_sparse; the pieces over max_texts_per_request are sent concurrently."""
+        return [row for reply in await self._replies(texts, options, ("sparse",)) for row in decode_sparse(reply)]
+
+    async def _replies(self, texts, options: dict, outputs: tuple = ()) -> list[pb.EmbedResponse]:
+        """One Embed reply per max_texts_per_request texts, in order, sent concurrently."""
         pieces = split(texts, (await self.info()).max_texts_per_request)
         try:
-            replies = await asyncio.gather(*(self._connections.next()[1].Embed(
-                build_request(p, outputs=("sparse",), **options), timeout=self.timeout, metadata=self._metadata)
+            return await asyncio.gather(*(self._connections.next()[1].Embed(
+                build_request(p, outputs=outputs, **options), timeout=self.timeout, metadata=self._metadata)
                 for p in pieces))
         except grpc.RpcError as exc:
             raise EmbedError.from_rpc(exc, self.target) from None
-        return [row for reply in replies for row in decode_sparse(reply)]
 
     async def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None,
                      **options) -> list[tuple[int, float]]:

@@ -64,41 +64,28 @@ class Client:
     def embed(self, texts: str | Sequence[str], **options) -> np.ndarray:
         """Vectors for `texts`, one row each, in as many requests as the server's
         max_texts_per_request needs. Options as EmbedRequest's (pollen_client.build_request)."""
-        parts = []
-        for piece in split(texts, self.info().max_texts_per_request):
-            try:
-                reply = self._connections.next()[1].Embed(build_request(piece, **options), timeout=self.timeout,
-                                                          metadata=self._metadata)
-            except grpc.RpcError as exc:
-                raise EmbedError.from_rpc(exc, self.target) from None
-            parts.append(decode(reply))
-        return concatenate(parts)
+        return concatenate([decode(reply) for reply in self._replies(texts, options)])
 
     def embed_tokens(self, texts: str | Sequence[str], **options) -> list[np.ndarray]:
         """Each text's token vectors (outputs OUTPUT_TOKENS): a float32 [tokens, dims] array per
         text, special tokens included, normalized unless normalize=False. Options as embed's."""
-        vectors = []
-        for piece in split(texts, self.info().max_texts_per_request):
-            try:
-                reply = self._connections.next()[1].Embed(build_request(piece, outputs=("tokens",), **options),
-                                                          timeout=self.timeout, metadata=self._metadata)
-            except grpc.RpcError as exc:
-                raise EmbedError.from_rpc(exc, self.target) from None
-            vectors += decode_tokens(reply)
-        return vectors
+        return [rows for reply in self._replies(texts, options, ("tokens",)) for rows in decode_tokens(reply)]
 
     def embed_sparse(self, texts: str | Sequence[str], **options) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each text's sparse vector from a SPLADE model (outputs OUTPUT_SPARSE): (vocabulary ids,
         ascending, uint32; their weights, float32). sparse_top_k=K keeps each row's K largest."""
-        rows = []
+        return [row for reply in self._replies(texts, options, ("sparse",)) for row in decode_sparse(reply)]
+
+    def _replies(self, texts, options: dict, outputs: tuple = ()) -> list[pb.EmbedResponse]:
+        """One Embed reply per max_texts_per_request texts, in order."""
+        replies = []
         for piece in split(texts, self.info().max_texts_per_request):
             try:
-                reply = self._connections.next()[1].Embed(build_request(piece, outputs=("sparse",), **options),
-                                                          timeout=self.timeout, metadata=self._metadata)
+                replies.append(self._connections.next()[1].Embed(build_request(piece, outputs=outputs, **options),
+                                                                 timeout=self.timeout, metadata=self._metadata))
             except grpc.RpcError as exc:
                 raise EmbedError.from_rpc(exc, self.target) from None
-            rows += decode_sparse(reply)
-        return rows
+        return replies
 
     def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None,
                **options) -> list[tuple[int, float]]:
