@@ -209,3 +209,14 @@ def test_a_sparse_model_on_cuda_is_refused_at_start(paths):
     cfg.device = "cuda"  # set after the config's own checks, which look for a GPU this machine lacks
     with pytest.raises(UnsupportedModel, match="served on the CPU only"):
         prepare(cfg)
+
+
+def test_tei_embed_sparse_refuses_as_tei(server):
+    for body, status, error_type in (({"inputs": []}, 400, "empty"), ({"inputs": 5}, 422, "validation")):
+        request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/embed_sparse", json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(request, timeout=30)
+        answer = json.loads(err.value.read())
+        assert err.value.code == status and set(answer) == {"error", "error_type"}, answer
+        assert answer["error_type"] == error_type, answer

@@ -178,7 +178,19 @@ def test_decode(server):
     refused(server, "/decode", {"ids": []}, 400, "empty")
 
 
-def test_embed_sparse_is_not_served_424(server):
+def test_embed_all_answers_token_vectors_and_refuses_as_tei(server, stub):
+    code, answer = call(server, "/embed_all", {"inputs": ["hello world", "bees"], "truncate": True})
+    mine = stub.Embed(pb.EmbedRequest(texts=["hello world", "bees"], model="minilm", outputs=[pb.OUTPUT_TOKENS]),
+                      timeout=30)
+    assert code == 200 and [len(rows) for rows in answer] == list(mine.token_counts)
+    want = np.frombuffer(mine.token_embeddings, np.float32).reshape(-1, mine.dims)
+    assert np.abs(np.array([row for rows in answer for row in rows], np.float32) - want).max() <= 1e-5
+    refused(server, "/embed_all", {"inputs": []}, 400, "empty")
+    refused(server, "/embed_all", {"inputs": {"a": 1}}, 422, "validation")
+    refused(server, "/embed_all", {"inputs": " ".join(["word"] * 600), "truncate": False}, 413, "validation")
+
+
+def test_embed_sparse_without_a_sparse_model_is_424(server):
     refused(server, "/embed_sparse", {"inputs": "a"}, 424, "backend", "SPLADE")
 
 
