@@ -38,12 +38,15 @@ def pool_rows(hidden: torch.Tensor, pool_index: torch.Tensor, first: torch.Tenso
         sums.index_add_(0, pool_index.long(), hidden.float())
         # clamp: an empty (padding) row yields zeros instead of NaN.
         return sums[:rows] / count.clamp(min=1).unsqueeze(1).to(torch.float32)
-    if mode == "max":  # SPLADE: its per-token weights are >= 0, so the zero start is max's identity
-        rows = first.shape[0]
-        out = torch.zeros(rows + 1, hidden.shape[1], dtype=torch.float32, device=hidden.device)
-        index = pool_index.long().unsqueeze(1).expand(-1, hidden.shape[1])
-        out.scatter_reduce_(0, index, hidden.float(), "amax", include_self=True)
-        return out[:rows]
+    if mode == "max":
+        # SPLADE, on the CPU only: each row's tokens are one span, reduced in place of a scatter
+        # whose [tokens, vocab] index would cost more than the weights. The weights are >= 0, so an
+        # empty row is zeros.
+        out = torch.zeros(first.shape[0], hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        for row, (start, stop) in enumerate(zip(first.tolist(), last.tolist())):
+            if stop >= start:
+                out[row] = hidden[start:stop + 1].amax(dim=0)
+        return out
     raise ValueError(f"unknown pooling mode {mode!r}; expected one of {POOLING_MODES}")
 
 

@@ -47,8 +47,8 @@ class SpladeWeights(nn.Module):
     def forward(self, x: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
         """`words`: the word embedding table, the decoder's weight when tied."""
         h = self.norm(F.gelu(self.dense(x), approximate=self.gelu))
-        logits = F.linear(h, words if self.decoder is None else self.decoder, self.bias)
-        return torch.log1p(torch.relu(logits.float()))
+        logits = F.linear(h, words if self.decoder is None else self.decoder, self.bias).float()
+        return logits.relu_().log1p_()  # in place: the [tokens, vocab] block is the batch's largest
 
     def hf_weight_map(self) -> dict[str, list[HeadTensor]]:
         names = _NAMES[self.layout]
