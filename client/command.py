@@ -42,7 +42,8 @@ def cli_wording(message: str) -> str:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pollen embed", description="Embed texts with a running pollen server.",
-        epilog="JSON: {\"model\", \"encoding\", \"embeddings\": one list per text, \"scales\" for int8}. "
+        epilog="JSON: {\"model\", \"encoding\", \"embeddings\": one list per text, \"scales\" for int8}; with --tokens "
+               "or --sparse: {\"model\", \"token_embeddings\" or \"sparse_embeddings\"}. "
                "npy: a rows x dims array (ubinary: packed bytes); for int8 the scales go to <file>.scales.npy.")
     p.add_argument("texts", nargs="*", help="texts to embed; '-' (or none) reads one text per line from stdin")
     p.add_argument("--server", default="127.0.0.1:50051",
@@ -62,6 +63,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-name", default="", help="a prompt the model defines, e.g. query")
     p.add_argument("--prompt", default="", help="a literal prefix for every text")
     p.add_argument("--long-input", choices=("truncate", "chunk_mean"), default="truncate")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--tokens", action="store_true",
+                      help="each text's token vectors instead (JSON \"token_embeddings\": a list of vectors per text)")
+    what.add_argument("--sparse", action="store_true",
+                      help="a SPLADE model's sparse vectors instead (JSON \"sparse_embeddings\": {indices, values} "
+                           "per text)")
+    p.add_argument("--sparse-top-k", type=positive, default=None,
+                   help="with --sparse: each text's largest weights kept")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the answer")
     return p
 
@@ -82,14 +91,28 @@ def main(argv: list[str]) -> int:
         print("pollen embed: int8 as npy needs -o FILE (the scales go to FILE.scales.npy); or use --format json",
               file=sys.stderr)
         return 2
+    if (args.tokens or args.sparse) and args.format == "npy":
+        print("pollen embed: --tokens and --sparse answer ragged rows: use --format json", file=sys.stderr)
+        return 2
+    if args.sparse_top_k is not None and not args.sparse:
+        print("pollen embed: --sparse-top-k goes with --sparse", file=sys.stderr)
+        return 2
     if args.output is not None and not writable(args.output):
         print(f"pollen embed: cannot write {args.output}", file=sys.stderr)
         return 2
     try:
         with Client(args.server, timeout=args.timeout, api_key=api_key(args.api_key)) as client:
-            rows = client.embed(texts, dimensions=args.dimensions, normalize=args.normalize,
-                                encoding=args.encoding, truncate=args.truncate, max_tokens=args.max_tokens,
-                                prompt_name=args.prompt_name, prompt=args.prompt, long_input=args.long_input)
+            options = dict(dimensions=args.dimensions, normalize=args.normalize, encoding=args.encoding,
+                           truncate=args.truncate, max_tokens=args.max_tokens, prompt_name=args.prompt_name,
+                           prompt=args.prompt, long_input=args.long_input)
+            if args.tokens:
+                doc = {"token_embeddings": [rows.tolist() for rows in client.embed_tokens(texts, **options)]}
+            elif args.sparse:
+                options.pop("dimensions")
+                doc = {"sparse_embeddings": [{"indices": ids.tolist(), "values": weights.tolist()} for ids, weights
+                                             in client.embed_sparse(texts, sparse_top_k=args.sparse_top_k, **options)]}
+            else:
+                rows = client.embed(texts, **options)
             model = client.info().model
     except EmbedError as exc:
         said = "" if exc.code == grpc.StatusCode.UNAVAILABLE else "the server answered "
@@ -98,7 +121,9 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"pollen embed: {exc}", file=sys.stderr)
         return 2
-    if args.format == "json":
+    if args.tokens or args.sparse:
+        write_text(json.dumps({"model": model, **doc}) + "\n", args.output)
+    elif args.format == "json":
         write_json(rows, model, args.encoding, args.output)
     else:
         write_npy(rows, args.output)
@@ -109,6 +134,13 @@ def non_negative(text: str) -> int:
     """A whole number of at least 0 (argparse names the flag when it is not)."""
     value = int(text)
     if value < 0:
+        raise ValueError(text)
+    return value
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
         raise ValueError(text)
     return value
 
@@ -132,7 +164,10 @@ def write_json(rows: np.ndarray, model: str, encoding: str, output: str | None) 
     doc = {"model": model, "encoding": encoding, "embeddings": rows.view(np.ndarray).tolist()}
     if isinstance(rows, ScaledInt8Array):
         doc["scales"] = rows.scales.tolist()
-    text = json.dumps(doc) + "\n"
+    write_text(json.dumps(doc) + "\n", output)
+
+
+def write_text(text: str, output: str | None) -> None:
     if output is None:
         sys.stdout.write(text)
     else:

@@ -57,3 +57,21 @@ def test_bad_output_settings_are_refused_before_any_work(tmp_path):
     assert scales.returncode == 2 and "scales go to FILE.scales.npy" in scales.stderr
     negative = pollen_embed("x", "--server", nobody, "--max-tokens", "-5")
     assert negative.returncode == 2 and "argument --max-tokens" in negative.stderr
+
+
+def test_token_vectors(server, stub):
+    done = pollen_embed("hello there", "bees", "--tokens", "--no-normalize", "--server", server.listen)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    reply = stub.Embed(pb.EmbedRequest(texts=["hello there", "bees"], outputs=[pb.OUTPUT_TOKENS]))
+    want = np.split(np.frombuffer(reply.token_embeddings, np.float32).reshape(-1, reply.dims),
+                    np.cumsum(reply.token_counts)[:-1])
+    assert [len(rows) for rows in doc["token_embeddings"]] == [len(w) for w in want]
+    for rows, w in zip(doc["token_embeddings"], want):
+        np.testing.assert_allclose(np.array(rows), w, atol=2e-6)
+    npy = pollen_embed("x", "--tokens", "--format", "npy", "-o", "/dev/null", "--server", server.listen)
+    assert npy.returncode == 2 and "--format json" in npy.stderr
+    stray = pollen_embed("x", "--sparse-top-k", "3", "--server", server.listen)
+    assert stray.returncode == 2 and "--sparse-top-k goes with --sparse" in stray.stderr
+    refused = pollen_embed("x", "--sparse", "--server", server.listen)  # a dense model
+    assert refused.returncode == 1 and "sparse head" in refused.stderr

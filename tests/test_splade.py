@@ -220,3 +220,14 @@ def test_tei_embed_sparse_refuses_as_tei(server):
         answer = json.loads(err.value.read())
         assert err.value.code == status and set(answer) == {"error", "error_type"}, answer
         assert answer["error_type"] == error_type, answer
+
+
+def test_pollen_embed_sparse(server, paths):
+    from tests.test_cli_embed import pollen_embed
+
+    done = pollen_embed(*TEXTS[:2], "--sparse", "--sparse-top-k", "4", "--server", server.listen)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)["sparse_embeddings"]
+    for row, theirs in zip(got, reference(paths["bert"], TEXTS[:2])):
+        assert row["indices"] == sorted(row["indices"])
+        assert_same(dict(zip(row["indices"], row["values"])), dict(sorted(theirs.items(), key=lambda kv: -kv[1])[:4]))
