@@ -121,7 +121,8 @@ class Admission(ModelChecks):
             raise invalid(f"truncate {request.truncate} is not a known Truncate value")
         return request.truncate
 
-    def check_options(self, request: pb.EmbedRequest, max_inputs: int = 0) -> None:
+    def check_options(self, request: pb.EmbedRequest, max_inputs: int = 0) -> outputs.Outputs:
+        """The request's options checked against each other and the model; what it asks the answer to hold."""
         given = [name for name, n in (("texts", len(request.texts)), ("token_ids", len(request.token_ids)),
                                       ("chunks", len(request.chunks))) if n]
         if len(given) > 1:
@@ -136,7 +137,7 @@ class Admission(ModelChecks):
         if request.priority not in _PRIORITIES:
             raise invalid(f"priority {request.priority} is not a known Priority value")
         self.check_dimensions(request.dimensions)
-        outputs.wanted(request, self.spec)
+        wanted = outputs.wanted(request, self.spec)
         chunk_mean = request.long_input == pb.LONG_INPUT_CHUNK_MEAN
         if request.token_ids:
             if request.prompt_name or request.prompt:
@@ -147,12 +148,13 @@ class Admission(ModelChecks):
         if request.chunks and chunk_mean:
             raise invalid("long_input LONG_INPUT_CHUNK_MEAN applies to texts, not to chunks "
                           "(a contextual-chunk document must fit in one sequence)")
+        return wanted
 
     async def admit(self, request: pb.EmbedRequest, deadline_ns: int = 0, max_inputs: int = 0) -> Request:
         """The request as token-id sequences and resolved options; `deadline_ns` (CLOCK_MONOTONIC,
         0: none) is when it must reach the model; `max_inputs` the inputs it may hold (0: the
         server's max_texts). Past max_texts the router sends it as several records."""
-        self.check_options(request, max_inputs)
+        wanted = self.check_options(request, max_inputs)
         truncate = self.truncate(request)
         limit = self.limit(request.max_tokens)
         rows = None
@@ -177,7 +179,6 @@ class Admission(ModelChecks):
                 seqs = await self.run(chars, self.tokenizer.encode, list(request.texts), truncate, limit, prompt)
         options = RequestOptions(Task.EMBED, request.dimensions, request.normalize, request.encoding,
                                  LANES[request.priority], deadline_ns, self.model)
-        wanted = outputs.wanted(request, self.spec)
         if wanted.tokens or wanted.sparse:
             # Raw full-width rows (for tokens, a row per token): the frontend makes the answer from them
             # (server/token_vectors.py, server/sparse_vectors.py).
@@ -185,7 +186,7 @@ class Admission(ModelChecks):
                 rows = token_vectors.plan(seqs, self.token_limits)
             options = RequestOptions(Task.EMBED, 0, False, pb.ENCODING_FLOAT32, LANES[request.priority],
                                      deadline_ns, self.model)
-        return Request(seqs, options, rows, sum(map(len, seqs)))
+        return Request(seqs, options, rows, sum(map(len, seqs)), wanted=wanted)
 
     async def admit_tokenize(self, request: pb.TokenizeRequest) -> list[np.ndarray]:
         self.check_count(len(request.texts))

@@ -19,6 +19,7 @@ import numpy as np
 
 from pollen.common import encodings
 from pollen.common.request import RequestOptions
+from pollen.server.outputs import Outputs
 from pollen.shared_mem import records
 from pollen.v1 import embedder_pb2 as pb
 
@@ -29,6 +30,9 @@ class Request:
     options: RequestOptions
     rows: records.RowPlan | None = None  # None: one output per sequence
     tokens: int = 0
+    # An embedding request's `outputs`, as admission checked them (server/outputs.py): what the
+    # service makes of the answer's rows. None: plain rows (rerank and classify requests, parts).
+    wanted: Outputs | None = None
     # Set by the router and the channel once it is sent.
     req_id: int = 0
     record: bytes = b""   # the request record, kept for a resend

@@ -21,7 +21,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 
@@ -29,12 +28,13 @@ from pollen.common import encodings, status
 from pollen.common.errors import RequestError, cut, echo, invalid
 from pollen.common.request import RequestOptions
 from pollen.common.throttled_log import ThrottledLog
-from pollen.server import auth, metrics, outputs, sparse_vectors, token_vectors
+from pollen.server import auth, metrics, sparse_vectors, token_vectors
 from pollen.server.config import ServeConfig
 from pollen.server.flood_guard import FloodGuard
 from pollen.server.metrics import TASK_OF, count_request
 from pollen.server.model_table import ModelTable, ServedModel
 from pollen.server.router import Router
+from pollen.shared_mem import records
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -230,44 +230,15 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         if span is not None:
             span.admitted()
         result = await self.router.answer(admitted)
-        wanted = outputs.wanted(request, model.spec)
-        if wanted.tokens:
-            return self.with_tokens(request, model, admitted, result, wanted.dense)
-        if wanted.sparse:
-            return self.sparse(request, model, admitted, result)
-        body, scales = result.body, ()
-        if result.encoding == pb.ENCODING_INT8:
-            body, scale_array = encodings.split_int8(body, result.rows, result.dims)
-            scales = scale_array.tolist()
+        if admitted.wanted.tokens:
+            fields = token_vectors.answer_fields(request, model.spec, admitted.seqs, result, admitted.wanted.dense)
+        elif admitted.wanted.sparse:
+            fields = sparse_vectors.answer_fields(request, model.spec, result)
+        else:
+            fields = dense_fields(result)
         return pb.EmbedResponse(
-            id=request.id, embeddings=body, rows=result.rows, dims=result.dims,
-            encoding=result.encoding, usage=pb.Usage(prompt_tokens=admitted.tokens),
-            timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us), scales=scales,
-            model=model.name)
-
-    @staticmethod
-    def with_tokens(request: pb.EmbedRequest, model: ServedModel, admitted, result, dense: bool) -> pb.EmbedResponse:
-        """The answer to outputs OUTPUT_TOKENS from the worker's raw token rows (server/token_vectors.py)."""
-        counts = [len(s) for s in admitted.seqs]
-        raw = np.frombuffer(result.body, np.float32).reshape(result.rows, result.dims)
-        pooled, rows = token_vectors.finish(raw, counts, model.spec.pooling, request.dimensions, request.normalize,
-                                            dense)
-        return pb.EmbedResponse(
-            id=request.id, embeddings=b"" if pooled is None else pooled.tobytes(),
-            rows=0 if pooled is None else len(pooled), dims=rows.shape[1], encoding=pb.ENCODING_FLOAT32,
-            usage=pb.Usage(prompt_tokens=admitted.tokens),
-            timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us), model=model.name,
-            token_embeddings=rows.tobytes(), token_counts=counts)
-
-    @staticmethod
-    def sparse(request: pb.EmbedRequest, model: ServedModel, admitted, result) -> pb.EmbedResponse:
-        """The answer to outputs OUTPUT_SPARSE from a SPLADE model's rows (server/sparse_vectors.py)."""
-        rows = np.frombuffer(result.body, np.float32).reshape(result.rows, result.dims)
-        ids, weights, counts = sparse_vectors.finish(rows, model.spec.sparse_terms, request.sparse_top_k)
-        return pb.EmbedResponse(
-            id=request.id, encoding=pb.ENCODING_FLOAT32, usage=pb.Usage(prompt_tokens=admitted.tokens),
-            timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us), model=model.name,
-            sparse_indices=ids.tobytes(), sparse_values=weights.tobytes(), sparse_counts=counts)
+            id=request.id, usage=pb.Usage(prompt_tokens=admitted.tokens),
+            timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us), model=model.name, **fields)
 
     def drain(self) -> None:
         """The frontend stops: every stream stops reading (what each has read is still answered),
@@ -415,6 +386,16 @@ class EmbedderService(pb_grpc.EmbedderServicer):
     async def classified(self, request: pb.ClassifyRequest, deadline_ns: int, span=None) -> pb.ClassifyResponse:
         model = self.models.pick(request.model, "classify", "Classify")
         return await model.classifier.classify(request, deadline_ns, span)
+
+
+def dense_fields(result: records.ResultRecord) -> dict:
+    """An EmbedResponse's vectors as the worker encoded them (int8: the scales apart)."""
+    body, scales = result.body, ()
+    if result.encoding == pb.ENCODING_INT8:
+        body, scale_array = encodings.split_int8(body, result.rows, result.dims)
+        scales = scale_array.tolist()
+    return {"embeddings": body, "rows": result.rows, "dims": result.dims, "encoding": result.encoding,
+            "scales": scales}
 
 
 def model_info(model: ServedModel) -> pb.ModelInfo:

@@ -10,6 +10,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from pollen.common.model_spec import ModelSpec
+from pollen.shared_mem import records
+from pollen.v1 import embedder_pb2 as pb
+
+
+def answer_fields(request: pb.EmbedRequest, spec: ModelSpec, result: records.ResultRecord) -> dict:
+    """An EmbedResponse's sparse vectors from a SPLADE model's rows."""
+    rows = np.frombuffer(result.body, np.float32).reshape(result.rows, result.dims)
+    ids, weights, counts = finish(rows, spec.sparse_terms, request.sparse_top_k)
+    return {"encoding": pb.ENCODING_FLOAT32, "sparse_indices": ids.tobytes(), "sparse_values": weights.tobytes(),
+            "sparse_counts": counts}
+
 
 def finish(rows: np.ndarray, terms: int, top_k: int = 0) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """(ids uint32, weights float32, entries per row) from the worker's [R, 2 x terms] rows."""

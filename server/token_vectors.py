@@ -21,7 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from pollen.common.errors import invalid
+from pollen.common.model_spec import ModelSpec
+from pollen.shared_mem import records
 from pollen.shared_mem.records import RowPlan
+from pollen.v1 import embedder_pb2 as pb
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +47,17 @@ def plan(seqs: list, limits: TokenLimits) -> RowPlan:
     seq = np.repeat(np.arange(len(seqs), dtype=np.uint32), lengths)
     start = (np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)).astype(np.uint32)
     return RowPlan(seq, start, start + 1, np.arange(total, dtype=np.uint32), np.ones(total, np.float32))
+
+
+def answer_fields(request: pb.EmbedRequest, spec: ModelSpec, seqs: list, result: records.ResultRecord,
+                  dense: bool) -> dict:
+    """An EmbedResponse's vectors from the worker's raw token rows (one per token of `seqs`)."""
+    counts = [len(s) for s in seqs]
+    raw = np.frombuffer(result.body, np.float32).reshape(result.rows, result.dims)
+    pooled, rows = finish(raw, counts, spec.pooling, request.dimensions, request.normalize, dense)
+    return {"embeddings": b"" if pooled is None else pooled.tobytes(), "rows": 0 if pooled is None else len(pooled),
+            "dims": rows.shape[1], "encoding": pb.ENCODING_FLOAT32, "token_embeddings": rows.tobytes(),
+            "token_counts": counts}
 
 
 def finish(rows: np.ndarray, counts: list[int], pooling: str, dims: int, normalize: bool,
