@@ -126,18 +126,17 @@ def decode_tokens(response: pb.EmbedResponse) -> list[np.ndarray]:
     """The answer's token vectors (outputs OUTPUT_TOKENS): a float32 [tokens, dims] array per text."""
     if response.HasField("error"):
         raise EmbedError(status.code_of(response.error.code), response.error.message, response.id)
-    rows = np.frombuffer(response.token_embeddings, np.float32).reshape(-1, response.dims)
-    return np.split(rows.copy(), np.cumsum(response.token_counts)[:-1])
+    return [rows.copy() for rows in encodings.ragged(response.token_embeddings, np.float32, response.token_counts,
+                                                      response.dims)]
 
 
 def decode_sparse(response: pb.EmbedResponse) -> list[tuple[np.ndarray, np.ndarray]]:
     """The answer's sparse vectors (outputs OUTPUT_SPARSE): (ids uint32 ascending, weights float32) per text."""
     if response.HasField("error"):
         raise EmbedError(status.code_of(response.error.code), response.error.message, response.id)
-    cuts = np.cumsum(response.sparse_counts)[:-1]
-    ids = np.split(np.frombuffer(response.sparse_indices, np.uint32).copy(), cuts)
-    weights = np.split(np.frombuffer(response.sparse_values, np.float32).copy(), cuts)
-    return list(zip(ids, weights))
+    ids = encodings.ragged(response.sparse_indices, np.uint32, response.sparse_counts)
+    weights = encodings.ragged(response.sparse_values, np.float32, response.sparse_counts)
+    return [(i.copy(), w.copy()) for i, w in zip(ids, weights)]
 
 
 def concatenate(parts: list[np.ndarray]) -> np.ndarray:

@@ -63,6 +63,16 @@ def rows_of(body: bytes, rows: int, dims: int, encoding: int) -> np.ndarray:
     return np.frombuffer(body, dtype=DTYPES[encoding]).reshape(rows, row_width(dims, encoding))
 
 
+def ragged(block: bytes, dtype, counts, width: int = 0) -> list[np.ndarray]:
+    """A block of sum(counts) entries (rows of `width` values; 0: single values), little-endian,
+    cut into one read-only array per text: token vectors (token_counts), sparse ids and weights
+    (sparse_counts)."""
+    values = np.frombuffer(block, np.dtype(dtype).newbyteorder("<"))
+    if width:
+        values = values.reshape(-1, width)
+    return np.split(values, np.cumsum(counts)[:-1])
+
+
 def widen_bfloat16(bits: np.ndarray) -> np.ndarray:
     """bfloat16 bit patterns (uint16) -> float32, exactly."""
     return (bits.astype(np.uint32) << 16).view(np.float32)

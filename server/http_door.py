@@ -339,22 +339,16 @@ def to_openai(answer: pb.EmbedResponse, encoding_format: str, model: str) -> dic
             item["scale"] = answer.scales[i]
         data.append(item)
     if answer.token_counts:  # outputs "tokens": each text's token vectors, beside its dense one if asked
-        token_rows = np.frombuffer(answer.token_embeddings, np.float32).reshape(-1, answer.dims)
-        start = 0
-        for i, count in enumerate(answer.token_counts):
+        texts = encodings.ragged(answer.token_embeddings, np.float32, answer.token_counts, answer.dims)
+        for i, rows in enumerate(texts):
             if i == len(data):
                 data.append({"object": "embedding", "index": i})
-            data[i]["token_embeddings"] = [json_vector(row, encoding_format, pb.ENCODING_FLOAT32)
-                                           for row in token_rows[start:start + count]]
-            start += count
+            data[i]["token_embeddings"] = [json_vector(row, encoding_format, pb.ENCODING_FLOAT32) for row in rows]
     if answer.sparse_counts:  # outputs "sparse": ids ascending and their weights
-        ids = np.frombuffer(answer.sparse_indices, np.uint32)
-        weights = np.frombuffer(answer.sparse_values, np.float32)
-        start = 0
-        for i, count in enumerate(answer.sparse_counts):
-            data.append({"object": "embedding", "index": i, "sparse_embedding": {
-                "indices": ids[start:start + count].tolist(), "values": weights[start:start + count].tolist()}})
-            start += count
+        ids = encodings.ragged(answer.sparse_indices, np.uint32, answer.sparse_counts)
+        weights = encodings.ragged(answer.sparse_values, np.float32, answer.sparse_counts)
+        data += [{"object": "embedding", "index": i, "sparse_embedding": {"indices": t.tolist(), "values": w.tolist()}}
+                 for i, (t, w) in enumerate(zip(ids, weights))]
     tokens = answer.usage.prompt_tokens
     return {"object": "list", "data": data, "model": model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

@@ -302,8 +302,8 @@ class TeiRoutes:
         add_inputs(message, body.inputs)
         set_truncate(message, body.truncate, body.truncation_direction)
         answer = await self.service.embed(message, DOOR, headers=request.headers)
-        rows = np.frombuffer(answer.token_embeddings, np.float32).reshape(-1, answer.dims)
-        return [part.tolist() for part in np.split(rows, np.cumsum(answer.token_counts)[:-1])]
+        return [rows.tolist() for rows in encodings.ragged(answer.token_embeddings, np.float32, answer.token_counts,
+                                                           answer.dims)]
 
     async def embed_sparse(self, request: Request) -> list:
         """The first sparse model's non-zero weights of each input, as [{index, value}] by ascending index."""
@@ -314,8 +314,8 @@ class TeiRoutes:
         add_inputs(message, body.inputs)
         set_truncate(message, body.truncate, body.truncation_direction)
         answer = await self.service.embed(message, DOOR, headers=request.headers)
-        ids = np.split(np.frombuffer(answer.sparse_indices, np.uint32), np.cumsum(answer.sparse_counts)[:-1])
-        weights = np.split(np.frombuffer(answer.sparse_values, np.float32), np.cumsum(answer.sparse_counts)[:-1])
+        ids = encodings.ragged(answer.sparse_indices, np.uint32, answer.sparse_counts)
+        weights = encodings.ragged(answer.sparse_values, np.float32, answer.sparse_counts)
         return [[{"index": int(i), "value": float(w)} for i, w in zip(row_ids, row_weights)]
                 for row_ids, row_weights in zip(ids, weights)]
 
