@@ -132,16 +132,21 @@ class TeiService:
 
     async def embed(self, request: tei.EmbedRequest, headers, method) -> tei.EmbedResponse:
         started = time.monotonic_ns()
-        ours = pb.EmbedRequest(texts=[request.inputs], normalize=request.normalize, truncate=truncate_of(request),
-                               prompt_name=request.prompt_name, model=self.need("embed", method))
-        try:
-            answer = await self.service.embed(ours, "grpc", headers=headers, method=method)
-        except RequestError as exc:
-            raise renamed(exc, {"texts[0]": "inputs", "the request has neither texts nor token_ids nor chunks":
-                                "inputs is empty"}) from None
+        answer = await self.embed_one(request, headers, method, "embed", normalize=request.normalize)
         return tei.EmbedResponse(embeddings=np.frombuffer(answer.embeddings, np.float32).tolist(),
                                  metadata=metadata(len(request.inputs), answer.usage.prompt_tokens, started,
                                                    answer.timing))
+
+    async def embed_one(self, request, headers, method: str, kind: str, **fields) -> pb.EmbedResponse:
+        """A TEI request's one text as pollen.v1's Embed on the first model of `kind`, its refusals
+        in TEI's field names; `fields`: the EmbedRequest's other fields."""
+        ours = pb.EmbedRequest(texts=[request.inputs], truncate=truncate_of(request), prompt_name=request.prompt_name,
+                               model=self.need(kind, method), **fields)
+        try:
+            return await self.service.embed(ours, "grpc", headers=headers, method=method)
+        except RequestError as exc:
+            raise renamed(exc, {"texts[0]": "inputs", "the request has neither texts nor token_ids nor chunks":
+                                "inputs is empty"}) from None
 
     async def EmbedSparse(self, request, context):
         return await self.call(context, "EmbedSparse", request, self.embed_sparse)
@@ -153,13 +158,7 @@ class TeiService:
     async def embed_sparse(self, request: tei.EmbedSparseRequest, headers, method) -> tei.EmbedSparseResponse:
         """The first sparse model's non-zero weights of one text, by ascending id."""
         started = time.monotonic_ns()
-        ours = pb.EmbedRequest(texts=[request.inputs], truncate=truncate_of(request), prompt_name=request.prompt_name,
-                               outputs=[pb.OUTPUT_SPARSE], model=self.need("sparse", method))
-        try:
-            answer = await self.service.embed(ours, "grpc", headers=headers, method=method)
-        except RequestError as exc:
-            raise renamed(exc, {"texts[0]": "inputs", "the request has neither texts nor token_ids nor chunks":
-                                "inputs is empty"}) from None
+        answer = await self.embed_one(request, headers, method, "sparse", outputs=[pb.OUTPUT_SPARSE])
         ids = np.frombuffer(answer.sparse_indices, np.uint32).tolist()
         weights = np.frombuffer(answer.sparse_values, np.float32).tolist()
         values = [tei.SparseValue(index=i, value=w) for i, w in zip(ids, weights)]
@@ -176,14 +175,7 @@ class TeiService:
     async def embed_all(self, request: tei.EmbedAllRequest, headers, method) -> tei.EmbedAllResponse:
         """Every token's last hidden state, special tokens included, not normalized (TEI's EmbedAll)."""
         started = time.monotonic_ns()
-        ours = pb.EmbedRequest(texts=[request.inputs], normalize=False, truncate=truncate_of(request),
-                               prompt_name=request.prompt_name, outputs=[pb.OUTPUT_TOKENS],
-                               model=self.need("embed", method))
-        try:
-            answer = await self.service.embed(ours, "grpc", headers=headers, method=method)
-        except RequestError as exc:
-            raise renamed(exc, {"texts[0]": "inputs", "the request has neither texts nor token_ids nor chunks":
-                                "inputs is empty"}) from None
+        answer = await self.embed_one(request, headers, method, "embed", normalize=False, outputs=[pb.OUTPUT_TOKENS])
         rows = np.frombuffer(answer.token_embeddings, np.float32).reshape(-1, answer.dims)
         return tei.EmbedAllResponse(token_embeddings=[tei.TokenEmbedding(embeddings=row.tolist()) for row in rows],
                                     metadata=metadata(len(request.inputs), answer.usage.prompt_tokens, started,
