@@ -4,9 +4,18 @@ other one probed every PROBE_EVERY batches of the class; and the flag that turns
 to the worker."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pollen.worker.thread_choice import LEARN_TOKENS, PROBE_EVERY, ThreadChoice
+
+
+@pytest.fixture(autouse=True)
+def torch_threads():
+    """ThreadChoice sets torch's process-wide thread count: give the next test the count it had."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
 
 
 def drive(choice: ThreadChoice, seconds_per_token: dict[int, float], batches: int, tokens: int = 1024) -> list[int]:
@@ -20,31 +29,23 @@ def drive(choice: ThreadChoice, seconds_per_token: dict[int, float], batches: in
 
 
 def test_busy_cores_move_batches_to_one_thread_and_back():
-    before = torch.get_num_threads()
-    try:
-        choice = ThreadChoice(2)
-        quiet = drive(choice, {2: 1.0, 1: 1.7}, 100)
-        assert quiet[:2] == [2, 1]  # each count measured once first
-        assert abs(quiet[2:].count(1) - len(quiet[2:]) / PROBE_EVERY) <= 1  # then only the probes
-        busy = drive(choice, {2: 5.0, 1: 2.0}, 100)
-        assert busy[:3] == [2, 2, 1]  # two slow batches confirm the step, then the count that now wins
-        assert busy[2:].count(2) <= len(busy) // PROBE_EVERY + 1
-        assert drive(choice, {2: 1.0, 1: 1.7}, PROBE_EVERY + 3)[-1] == 2  # found again by a probe
-    finally:
-        torch.set_num_threads(before)
+    choice = ThreadChoice(2)
+    quiet = drive(choice, {2: 1.0, 1: 1.7}, 100)
+    assert quiet[:2] == [2, 1]  # each count measured once first
+    assert abs(quiet[2:].count(1) - len(quiet[2:]) / PROBE_EVERY) <= 1  # then only the probes
+    busy = drive(choice, {2: 5.0, 1: 2.0}, 100)
+    assert busy[:3] == [2, 2, 1]  # two slow batches confirm the step, then the count that now wins
+    assert busy[2:].count(2) <= len(busy) // PROBE_EVERY + 1
+    assert drive(choice, {2: 1.0, 1: 1.7}, PROBE_EVERY + 3)[-1] == 2  # found again by a probe
 
 
 def test_small_and_large_batches_learn_apart():
-    before = torch.get_num_threads()
-    try:
-        choice = ThreadChoice(2)
-        drive(choice, {2: 5.0, 1: 2.0}, 4)  # docs: one thread is faster
-        assert choice.large.current == 1
-        small = drive(choice, {2: 0.1, 1: 99.0}, 50, tokens=LEARN_TOKENS - 1)  # queries: two are
-        assert small[:2] == [2, 1] and small[2:].count(1) <= len(small) // PROBE_EVERY + 1
-        assert choice.small.current == 2 and choice.large.current == 1
-    finally:
-        torch.set_num_threads(before)
+    choice = ThreadChoice(2)
+    drive(choice, {2: 5.0, 1: 2.0}, 4)  # docs: one thread is faster
+    assert choice.large.current == 1
+    small = drive(choice, {2: 0.1, 1: 99.0}, 50, tokens=LEARN_TOKENS - 1)  # queries: two are
+    assert small[:2] == [2, 1] and small[2:].count(1) <= len(small) // PROBE_EVERY + 1
+    assert choice.small.current == 2 and choice.large.current == 1
 
 
 def test_a_query_figure_is_its_batch_seconds():
@@ -55,12 +56,8 @@ def test_a_query_figure_is_its_batch_seconds():
 
 
 def test_off_or_one_thread_never_changes_the_count():
-    before = torch.get_num_threads()
-    try:
-        assert set(drive(ThreadChoice(2, adapt=False), {2: 9.0, 1: 1.0}, 60)) == {2}
-        assert set(drive(ThreadChoice(1), {1: 1.0}, 10)) == {1}
-    finally:
-        torch.set_num_threads(before)
+    assert set(drive(ThreadChoice(2, adapt=False), {2: 9.0, 1: 1.0}, 60)) == {2}
+    assert set(drive(ThreadChoice(1), {1: 1.0}, 10)) == {1}
 
 
 def test_the_flag_reaches_the_worker_config():
@@ -74,33 +71,25 @@ def test_the_flag_reaches_the_worker_config():
 
 
 def test_a_step_in_load_switches_after_two_batches_and_a_hiccup_does_not():
-    before = torch.get_num_threads()
-    try:
-        choice = ThreadChoice(2)
-        drive(choice, {2: 1.0, 1: 1.5}, 10)
-        assert choice.large.current == 2
-        assert drive(choice, {2: 4.0, 1: 2.0}, 3) == [2, 2, 1]  # 4x its average twice: replaced
-        choice = ThreadChoice(2)
-        drive(choice, {2: 1.0, 1: 1.5}, 10)
-        assert drive(choice, {2: 1.8, 1: 1.5}, 2) == [2, 2]  # under STEP: averaged, no switch yet
-        choice = ThreadChoice(2)
-        drive(choice, {2: 1.0, 1: 1.5}, 10)
-        drive(choice, {2: 9.0, 1: 1.5}, 1)  # one hiccup: left out of the average
-        assert drive(choice, {2: 1.0, 1: 1.5}, 3) == [2, 2, 2] and choice.large.cost[2] == 1.0
-    finally:
-        torch.set_num_threads(before)
+    choice = ThreadChoice(2)
+    drive(choice, {2: 1.0, 1: 1.5}, 10)
+    assert choice.large.current == 2
+    assert drive(choice, {2: 4.0, 1: 2.0}, 3) == [2, 2, 1]  # 4x its average twice: replaced
+    choice = ThreadChoice(2)
+    drive(choice, {2: 1.0, 1: 1.5}, 10)
+    assert drive(choice, {2: 1.8, 1: 1.5}, 2) == [2, 2]  # under STEP: averaged, no switch yet
+    choice = ThreadChoice(2)
+    drive(choice, {2: 1.0, 1: 1.5}, 10)
+    drive(choice, {2: 9.0, 1: 1.5}, 1)  # one hiccup: left out of the average
+    assert drive(choice, {2: 1.0, 1: 1.5}, 3) == [2, 2, 2] and choice.large.cost[2] == 1.0
 
 
 def test_a_step_seen_by_queries_moves_docs_too():
-    before = torch.get_num_threads()
-    try:
-        choice = ThreadChoice(2)
-        drive(choice, {2: 1.0, 1: 1.5}, 10)  # docs, quiet: two threads
-        drive(choice, {2: 1.0, 1: 1.4}, 10, tokens=10)  # queries, quiet: two threads
-        assert choice.small.current == choice.large.current == 2
-        assert drive(choice, {2: 5.0, 1: 2.0}, 3, tokens=10) == [2, 2, 1]  # queries see the step
-        assert choice.large.current == 1  # docs scaled by it: their first batch runs on one thread
-        docs = drive(choice, {2: 5.0, 1: 2.0}, PROBE_EVERY // 4 + 2)
-        assert docs[0] == 1 and docs.count(2) == 1  # and probe two threads soon, to check
-    finally:
-        torch.set_num_threads(before)
+    choice = ThreadChoice(2)
+    drive(choice, {2: 1.0, 1: 1.5}, 10)  # docs, quiet: two threads
+    drive(choice, {2: 1.0, 1: 1.4}, 10, tokens=10)  # queries, quiet: two threads
+    assert choice.small.current == choice.large.current == 2
+    assert drive(choice, {2: 5.0, 1: 2.0}, 3, tokens=10) == [2, 2, 1]  # queries see the step
+    assert choice.large.current == 1  # docs scaled by it: their first batch runs on one thread
+    docs = drive(choice, {2: 5.0, 1: 2.0}, PROBE_EVERY // 4 + 2)
+    assert docs[0] == 1 and docs.count(2) == 1  # and probe two threads soon, to check
