@@ -1,8 +1,8 @@
 """How many threads the CPU engine's batches run on, chosen by what the batches measure.
 
 A CPU sidecar shares its cores with the service it serves. On idle cores, torch's intra-op pool
-of one thread per core is fastest (a docs batch of all-MiniLM-L6-v2 about 1.5x one thread, a
-query's forward about 1.4x). When other processes keep the cores busy, each parallel region waits
+of one thread per core is fastest, for docs and for a query's forward alike. When other
+processes keep the cores busy, each parallel region waits
 at its barrier for the thread that lost its core, and a layer has dozens of regions: the same
 batches then run several times slower on two threads than on one (the pool's spinning threads
 burn the time the others need). No setting is right for both, and which one holds changes with
