@@ -27,7 +27,7 @@ TEXTS = ["the search server ranked the results", "bees", "a GPU token vector of 
 SPARSE_BIAS = -0.4
 
 
-def make_splade(path, kind: str) -> str:
+def make_splade(path, kind: str, bias: float = SPARSE_BIAS) -> str:
     import torch
     from transformers import BertConfig, BertForMaskedLM, DistilBertConfig, DistilBertForMaskedLM
 
@@ -35,14 +35,14 @@ def make_splade(path, kind: str) -> str:
     if kind == "bert":
         model = BertForMaskedLM(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                            intermediate_size=64, max_position_embeddings=128)).eval()
-        bias = model.cls.predictions.bias
+        mlm_bias = model.cls.predictions.bias
     else:
         model = DistilBertForMaskedLM(DistilBertConfig(vocab_size=30522, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
                                                        max_position_embeddings=128)).eval()
-        bias = model.vocab_projector.bias
+        mlm_bias = model.vocab_projector.bias
     randomize(model)
     with torch.no_grad():
-        bias.copy_(SPARSE_BIAS + 0.05 * torch.randn_like(bias))
+        mlm_bias.copy_(bias + 0.05 * torch.randn_like(mlm_bias))
     model.save_pretrained(str(path))
     copy_bert_tokenizer(path)
     return str(path)
@@ -231,3 +231,23 @@ def test_pollen_embed_sparse(server, paths):
     for row, theirs in zip(got, reference(paths["bert"], TEXTS[:2])):
         assert row["indices"] == sorted(row["indices"])
         assert_same(dict(zip(row["indices"], row["values"])), dict(sorted(theirs.items(), key=lambda kv: -kv[1])[:4]))
+
+
+def test_a_row_past_the_bound_keeps_its_largest_weights(tmp_path):
+    """A positive MLM bias makes every vocabulary weight positive: the row holds SPARSE_TERMS
+    (1,024) of its 30,522, the largest, exactly as the recipe weighs them."""
+    from pollen.common.model_spec import SPARSE_TERMS
+    from pollen.server.sparse_vectors import finish
+    from pollen.worker.engine import EagerEngine
+    from pollen.worker.models.loader import load_model
+    from pollen.worker.packed import pack
+    from tests.st_models import token_ids
+
+    path = make_splade(tmp_path / "dense-splade", "bert", bias=1.0)
+    (want,) = reference(path, TEXTS[:1])
+    assert len(want) > SPARSE_TERMS
+    rows = EagerEngine(load_model(path), 1, adapt_threads=False).submit(pack(token_ids(path, TEXTS[:1]))).result()
+    ids, weights, counts = finish(np.asarray(rows), SPARSE_TERMS)
+    assert counts == [SPARSE_TERMS]
+    largest = dict(sorted(want.items(), key=lambda kv: -kv[1])[:SPARSE_TERMS])
+    assert_same(dict(zip(ids.tolist(), weights.tolist())), largest)
