@@ -93,9 +93,10 @@ class BulkEmbedder:
         return out
 
     def collect(self, start: int, rows: int, pending, out: np.ndarray) -> None:
-        """A batch's rows into out[start:start + rows], cut and normalized when a cut was asked."""
+        """A batch's rows into out[start:start + rows], cut and normalized when a cut was asked (or
+        the rows are wider than the vectors: BGE-M3's carry its heads' outputs after them)."""
         pooled = pending.result()
-        if self.dimensions:
+        if self.dimensions or pooled.shape[1] != self.dims:
             finish(pooled, self.dimensions, self.normalize, pb.ENCODING_FLOAT32,
                    memoryview(out[start:start + rows]).cast("B"))
         else:

@@ -79,6 +79,12 @@ CLASSIFIER_POOLING = {"BertForSequenceClassification": "cls", "RobertaForSequenc
 SPARSE_ARCHITECTURES = ("BertForMaskedLM", "DistilBertForMaskedLM")
 # A sparse row holds at most this many weights (the largest): what one answer row carries.
 SPARSE_TERMS = 1024
+# BGE-M3's two heads, FlagEmbedding's state dicts in the folder's root beside an XLM-R encoder:
+# nn.Linear(hidden, 1) for the sparse weights, nn.Linear(hidden, hidden) for the ColBERT vectors.
+BGE_M3_HEAD_FILES = ("sparse_linear.pt", "colbert_linear.pt")
+# The tokens whose weights a BGE-M3 sparse vector drops (FlagEmbedding's unused_tokens), by the
+# tokenizer's names for them, and XLM-R's own names where its files name none.
+_BGE_M3_SKIPPED = {"cls_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
 TASKS = ("embed", "rerank", "classify")
 _SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
               "intermediate_size", "vocab_size", "max_position_embeddings")
@@ -136,15 +142,28 @@ class ModelSpec:
     # A SPLADE model (SPARSE_ARCHITECTURES): each row is its sparse_terms largest vocabulary weights,
     # written as sparse_terms values then their sparse_terms ids (as float32); hidden_size is that width.
     sparse_terms: int = 0
+    # BGE-M3 (an XLM-R encoder with BGE_M3_HEAD_FILES beside it): each row the engine writes is
+    # [h | colbert_linear(h) | relu(sparse_linear(h))] of its pooled or one-token row h, so
+    # output_dims is 2 x hidden_size + 1; hidden_size stays the dense width. sparse_skip_ids: the
+    # token ids its sparse vectors leave out (cls, eos, pad, unk).
+    bge_m3: bool = False
+    sparse_skip_ids: tuple = ()
+
+    @property
+    def sparse(self) -> bool:
+        """Whether it answers outputs OUTPUT_SPARSE: SPLADE (nothing else), BGE-M3 (beside dense and tokens)."""
+        return bool(self.sparse_terms) or self.bge_m3
 
     @property
     def output_dims(self) -> int:
-        """Float32 values the engine writes per row: the pooled width for an embedder, 1 for a
-        reranker, one per label for a classifier."""
+        """Float32 values the engine writes per row: the pooled width for an embedder (BGE-M3's
+        row with its heads' outputs), 1 for a reranker, one per label for a classifier."""
         if self.task == "rerank":
             return 1
         if self.task == "classify":
             return len(self.labels)
+        if self.bge_m3:
+            return 2 * self.hidden_size + 1
         return self.hidden_size
 
 
@@ -162,8 +181,8 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
     _check_modules(path, modules)
     head = _read_head(path, config, family, modules)
     if head is not None and pooling not in (None, head["pooling"]):
-        raise UnsupportedModel(f"{path}: a {head['task']} head reads the {head['pooling']!r} token; "
-                               f"pooling {pooling!r} is not offered")
+        raise UnsupportedModel(f"{path}: pooling {pooling!r} is not offered: the model's {_head_name(head)} "
+                               f"read the {head['pooling']!r} token")
 
     chosen_pooling, include_prompt = ((head["pooling"], True) if head and head.get("sparse_terms")
                                       else _read_pooling(path, modules, default=default_pooling))
@@ -194,7 +213,7 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
     prompts, default_prompt = _read_prompts(path)
     dense = _read_dense(path, modules, int(config["hidden_size"]))
     if dense and head is not None:
-        raise UnsupportedModel(f"{path}: Dense modules after a {head['task']} head are not supported")
+        raise UnsupportedModel(f"{path}: Dense modules after the model's {_head_name(head)} are not supported")
     hidden = dense[-1].out_features if dense else int(config["hidden_size"])
     if head is not None and head.get("sparse_terms"):
         hidden = 2 * head["sparse_terms"]  # the row the worker writes: weights, then their ids
@@ -204,7 +223,8 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
         # A config key "pollen_native_int8": true forces the pplx int8 path on any checkpoint (tests).
         native_int8=model_type == "bidirectional_pplx_qwen3" or bool(config.get("pollen_native_int8")),
         prompts=prompts, default_prompt_name=default_prompt,
-        matryoshka_dimensions=() if head else _matryoshka_sizes(path, config, hidden), dense=dense,
+        matryoshka_dimensions=() if head and not head.get("bge_m3") else _matryoshka_sizes(path, config, hidden),
+        dense=dense,
         **{key: value for key, value in (head or {}).items() if key != "pooling"})
 
 
@@ -222,7 +242,7 @@ def sliding_window(path: str, config: dict) -> int | None:
 
 def _read_head(path: str, config: dict, family: str, modules: list) -> dict | None:
     """The ModelSpec fields of a model with a head (task, labels, type_offset, reranker fields,
-    sparse_terms) and the token its head pools; None for a dense embedder."""
+    sparse_terms, BGE-M3's) and the token its head pools; None for a dense embedder."""
     architectures = config.get("architectures") or []
     arch = next((a for a in architectures if a in CLASSIFIER_POOLING), None)
     if arch is not None:
@@ -231,6 +251,9 @@ def _read_head(path: str, config: dict, family: str, modules: list) -> dict | No
         if family == "bert" and int(config.get("type_vocab_size", 2)) > 1:
             head["type_offset"] = int(config["vocab_size"])
         return head
+    bge_m3 = _bge_m3_head(path, config)
+    if bge_m3 is not None:
+        return bge_m3
     sparse = next((a for a in architectures if a in SPARSE_ARCHITECTURES), None)
     if sparse is not None and _splade(path, modules):
         if family != "bert":
@@ -261,6 +284,42 @@ def _splade(path: str, modules: list) -> bool:
         return True
     has_pooling = any(_module_kind(m) == "Pooling" for m in modules)
     return not has_pooling and not os.path.exists(os.path.join(path, "1_Pooling", "config.json"))
+
+
+def _head_name(head: dict) -> str:
+    return "BGE-M3 heads" if head.get("bge_m3") else f"{head['task']} head"
+
+
+def _bge_m3_head(path: str, config: dict) -> dict | None:
+    """BGE-M3's fields when BGE_M3_HEAD_FILES lie beside an XLM-R encoder (both, or the folder
+    is refused); None otherwise. Their contents are the worker's to read and check
+    (worker/models/bge_m3.py): reading them takes torch, which the frontends never import."""
+    present = [name for name in BGE_M3_HEAD_FILES if os.path.isfile(os.path.join(path, name))]
+    if not present or config.get("model_type") != "xlm-roberta":
+        return None
+    if len(present) < len(BGE_M3_HEAD_FILES):
+        missing = next(name for name in BGE_M3_HEAD_FILES if name not in present)
+        raise UnsupportedModel(f"{path}: a BGE-M3 folder needs both {' and '.join(BGE_M3_HEAD_FILES)}; "
+                               f"{missing} is missing")
+    return {"task": "embed", "pooling": "cls", "bge_m3": True, "sparse_skip_ids": _special_ids(path)}
+
+
+def _special_ids(path: str) -> tuple:
+    """The ids of the tokenizer's cls, eos, pad and unk tokens (named in tokenizer_config.json or
+    special_tokens_map.json, else XLM-R's names), those tokenizer.json holds, ascending."""
+    check_tokenizer(path)
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    named = {**(_read_json(path, "special_tokens_map.json") or {}), **(_read_json(path, "tokenizer_config.json") or {})}
+    ids = set()
+    for key, default in _BGE_M3_SKIPPED.items():
+        token = named.get(key) or default
+        token = token.get("content") if isinstance(token, dict) else token
+        found = tokenizer.token_to_id(str(token)) if token else None
+        if found is not None:
+            ids.add(found)
+    return tuple(sorted(ids))
 
 
 def _labels(path: str, config: dict) -> tuple:

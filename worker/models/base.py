@@ -21,7 +21,8 @@ class EmbeddingModel(torch.nn.Module):
     max_seqlen is a Python int so that shape checks and kernels need no device-to-host sync.
 
     A reranker or classifier has an `output_head` (worker/models/heads.py) that `head` applies to
-    the pooled rows; an embedder has None, and `head` hands its rows back through its
+    the pooled rows, and so has BGE-M3 (worker/models/bge_m3.py, set by the loader from its .pt
+    files once the encoder's weights are in); an embedder has None, and `head` hands its rows back through its
     sentence-transformers Dense modules (`dense_modules`, worker/models/dense.py: the loader sets
     them from spec.dense after the weights are in), or as they are when it has none.
 
@@ -34,7 +35,7 @@ class EmbeddingModel(torch.nn.Module):
     # Checkpoint name prefixes to try: a BertModel saves "embeddings...", a BertForMaskedLM
     # "bert.embeddings...". The loader picks the prefix under which the most names exist.
     hf_prefixes: tuple[str, ...] = ("",)
-    output_head: torch.nn.Module | None  # set by each model's __init__ (worker/models/heads.make_head)
+    output_head: torch.nn.Module | None  # set by each model's __init__ (worker/models/heads.make_head) or the loader
     # Whether the forward reads device values on the host (an SDPA loop over cu_seqlens): such a
     # model cannot be captured into a CUDA graph, so the CUDA engine runs it eagerly.
     host_syncs: bool = False

@@ -94,7 +94,8 @@ class SparseHead(nn.Module):
 
 
 def make_head(spec: ModelSpec, config: dict) -> nn.Module | None:
-    """The head of the model `spec` describes; None for a dense embedder."""
+    """The head of the model `spec` describes; None for a dense embedder (and for BGE-M3, whose
+    heads the loader reads from their own files: worker/models/bge_m3.py)."""
     if spec.sparse_terms:
         return SparseHead(spec.sparse_terms)
     if spec.task == "embed":

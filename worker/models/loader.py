@@ -17,6 +17,7 @@ from pollen.worker import kernels
 from pollen.worker.models.attention import backend as attention_backend
 from pollen.worker.models.base import EmbeddingModel
 from pollen.worker.models.bert import BertEncoder
+from pollen.worker.models.bge_m3 import load_head as load_bge_m3_head
 from pollen.worker.models.checkpoint import HeadTensor, full_name
 from pollen.worker.models.cpu_linear import prepack_linears
 from pollen.worker.models.dense import load_dense
@@ -46,6 +47,8 @@ def load_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float3
     _load_weights(model, spec.path)
     model.after_load(options)
     model.dense_modules = load_dense(spec.dense, device)  # after the check that the map covers the parameters
+    if spec.bge_m3:  # its heads are .pt files beside the safetensors ones
+        model.output_head = load_bge_m3_head(spec.path, config["hidden_size"], device)
     model.eval()
     model.requires_grad_(False)
     if torch.device(device).type == "cpu" and options.cpu_prepack:
