@@ -72,7 +72,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("id", "texts", "token_ids", "dimensions", "normalize", "encoding", "truncate", "max_tokens", "prompt_name", "prompt", "long_input", "chunks", "priority", "timeout_ms", "model", "outputs", "sparse_top_k")
+    __slots__ = ("id", "texts", "token_ids", "dimensions", "normalize", "encoding", "truncate", "max_tokens", "prompt_name", "prompt", "long_input", "chunks", "priority", "timeout_ms", "model", "outputs", "sparse_top_k", "sparse_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class EmbedRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     SPARSE_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: str
     texts: _containers.RepeatedScalarFieldContainer[str]
     token_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
@@ -107,7 +108,8 @@ class EmbedRequest(_message.Message):
     model: str
     outputs: _containers.RepeatedScalarFieldContainer[Output]
     sparse_top_k: int
-    def __init__(self, id: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., max_tokens: _Optional[int] = ..., prompt_name: _Optional[str] = ..., prompt: _Optional[str] = ..., long_input: _Optional[_Union[LongInput, str]] = ..., chunks: _Optional[_Iterable[str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., sparse_top_k: _Optional[int] = ...) -> None: ...
+    sparse_tokens: bool
+    def __init__(self, id: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., max_tokens: _Optional[int] = ..., prompt_name: _Optional[str] = ..., prompt: _Optional[str] = ..., long_input: _Optional[_Union[LongInput, str]] = ..., chunks: _Optional[_Iterable[str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., timeout_ms: _Optional[int] = ..., model: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., sparse_top_k: _Optional[int] = ..., sparse_tokens: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens",)
@@ -132,7 +134,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
-    __slots__ = ("id", "embeddings", "rows", "dims", "encoding", "usage", "timing", "error", "scales", "model", "token_embeddings", "token_counts", "sparse_indices", "sparse_values", "sparse_counts")
+    __slots__ = ("id", "embeddings", "rows", "dims", "encoding", "usage", "timing", "error", "scales", "model", "token_embeddings", "token_counts", "sparse_indices", "sparse_values", "sparse_counts", "sparse_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +150,7 @@ class EmbedResponse(_message.Message):
     SPARSE_INDICES_FIELD_NUMBER: _ClassVar[int]
     SPARSE_VALUES_FIELD_NUMBER: _ClassVar[int]
     SPARSE_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: str
     embeddings: bytes
     rows: int
@@ -163,7 +166,8 @@ class EmbedResponse(_message.Message):
     sparse_indices: bytes
     sparse_values: bytes
     sparse_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, id: _Optional[str] = ..., embeddings: _Optional[bytes] = ..., rows: _Optional[int] = ..., dims: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., scales: _Optional[_Iterable[float]] = ..., model: _Optional[str] = ..., token_embeddings: _Optional[bytes] = ..., token_counts: _Optional[_Iterable[int]] = ..., sparse_indices: _Optional[bytes] = ..., sparse_values: _Optional[bytes] = ..., sparse_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    sparse_tokens: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., embeddings: _Optional[bytes] = ..., rows: _Optional[int] = ..., dims: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., scales: _Optional[_Iterable[float]] = ..., model: _Optional[str] = ..., token_embeddings: _Optional[bytes] = ..., token_counts: _Optional[_Iterable[int]] = ..., sparse_indices: _Optional[bytes] = ..., sparse_values: _Optional[bytes] = ..., sparse_counts: _Optional[_Iterable[int]] = ..., sparse_tokens: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("texts", "truncate", "max_tokens", "prompt_name", "prompt", "model")
