@@ -63,9 +63,11 @@ class AsyncClient:
         """As Client.embed_tokens; the pieces over max_texts_per_request are sent concurrently."""
         return [rows for reply in await self._replies(texts, options, ("tokens",)) for rows in decode_tokens(reply)]
 
-    async def embed_sparse(self, texts: str | Sequence[str], **options) -> list[tuple[np.ndarray, np.ndarray]]:
+    async def embed_sparse(self, texts: str | Sequence[str], **options) -> list[tuple]:
         """As Client.embed_sparse; the pieces over max_texts_per_request are sent concurrently."""
-        return [row for reply in await self._replies(texts, options, ("sparse",)) for row in decode_sparse(reply)]
+        tokens = bool(options.get("sparse_tokens"))
+        return [row for reply in await self._replies(texts, options, ("sparse",))
+                for row in decode_sparse(reply, tokens)]
 
     async def _replies(self, texts, options: dict, outputs: tuple = ()) -> list[pb.EmbedResponse]:
         """One Embed reply per max_texts_per_request texts, in order, sent concurrently."""

@@ -71,10 +71,12 @@ class Client:
         text, special tokens included, normalized unless normalize=False. Options as embed's."""
         return [rows for reply in self._replies(texts, options, ("tokens",)) for rows in decode_tokens(reply)]
 
-    def embed_sparse(self, texts: str | Sequence[str], **options) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Each text's sparse vector from a SPLADE model (outputs OUTPUT_SPARSE): (vocabulary ids,
-        ascending, uint32; their weights, float32). sparse_top_k=K keeps each row's K largest."""
-        return [row for reply in self._replies(texts, options, ("sparse",)) for row in decode_sparse(reply)]
+    def embed_sparse(self, texts: str | Sequence[str], **options) -> list[tuple]:
+        """Each text's sparse vector from a SPLADE model or BGE-M3 (outputs OUTPUT_SPARSE):
+        (vocabulary ids, ascending, uint32; their weights, float32). sparse_top_k=K keeps each
+        row's K largest; sparse_tokens=True adds each id's vocabulary string, a list third."""
+        tokens = bool(options.get("sparse_tokens"))
+        return [row for reply in self._replies(texts, options, ("sparse",)) for row in decode_sparse(reply, tokens)]
 
     def _replies(self, texts, options: dict, outputs: tuple = ()) -> list[pb.EmbedResponse]:
         """One Embed reply per max_texts_per_request texts, in order."""

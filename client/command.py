@@ -67,12 +67,19 @@ def parser() -> argparse.ArgumentParser:
     what.add_argument("--tokens", action="store_true",
                       help="each text's token vectors instead (JSON \"token_embeddings\": a list of vectors per text)")
     what.add_argument("--sparse", action="store_true",
-                      help="a SPLADE model's sparse vectors instead (JSON \"sparse_embeddings\": {indices, values} "
-                           "per text)")
+                      help="a SPLADE or BGE-M3 model's sparse vectors instead (JSON \"sparse_embeddings\": "
+                           "{indices, values} per text)")
     p.add_argument("--sparse-top-k", type=positive, default=None,
                    help="with --sparse: each text's largest weights kept")
+    p.add_argument("--sparse-tokens", action="store_true",
+                   help="with --sparse: each id's vocabulary token too (JSON \"tokens\" beside \"indices\")")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the answer")
     return p
+
+
+def sparse_json(ids, weights, tokens: list[str] | None = None) -> dict:
+    """One text's sparse vector as the JSON output holds it (its tokens when asked)."""
+    return {"indices": ids.tolist(), "values": weights.tolist(), **({"tokens": tokens} if tokens is not None else {})}
 
 
 def main(argv: list[str]) -> int:
@@ -94,8 +101,10 @@ def main(argv: list[str]) -> int:
     if (args.tokens or args.sparse) and args.format == "npy":
         print("pollen embed: --tokens and --sparse answer ragged rows: use --format json", file=sys.stderr)
         return 2
-    if args.sparse_top_k is not None and not args.sparse:
-        print("pollen embed: --sparse-top-k goes with --sparse", file=sys.stderr)
+    stray = next((flag for flag, given in (("--sparse-top-k", args.sparse_top_k is not None),
+                                           ("--sparse-tokens", args.sparse_tokens)) if given), None)
+    if stray and not args.sparse:
+        print(f"pollen embed: {stray} goes with --sparse", file=sys.stderr)
         return 2
     if args.output is not None and not writable(args.output):
         print(f"pollen embed: cannot write {args.output}", file=sys.stderr)
@@ -109,8 +118,9 @@ def main(argv: list[str]) -> int:
                 doc = {"token_embeddings": [rows.tolist() for rows in client.embed_tokens(texts, **options)]}
             elif args.sparse:
                 options.pop("dimensions")
-                doc = {"sparse_embeddings": [{"indices": ids.tolist(), "values": weights.tolist()} for ids, weights
-                                             in client.embed_sparse(texts, sparse_top_k=args.sparse_top_k, **options)]}
+                rows = client.embed_sparse(texts, sparse_top_k=args.sparse_top_k, sparse_tokens=args.sparse_tokens,
+                                           **options)
+                doc = {"sparse_embeddings": [sparse_json(*row) for row in rows]}
             else:
                 rows = client.embed(texts, **options)
             model = client.info().model

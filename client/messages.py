@@ -65,7 +65,8 @@ def enum_value(field: str, value) -> int:
 def build_request(texts: str | Sequence[str], *, dimensions: int = 0, normalize: bool = True,
                   encoding="float32", truncate=None, max_tokens: int = 0, prompt_name: str = "",
                   prompt: str = "", long_input="truncate", priority="interactive", timeout_ms: int = 0,
-                  request_id: str = "", outputs: Sequence = (), sparse_top_k: int | None = None) -> pb.EmbedRequest:
+                  request_id: str = "", outputs: Sequence = (), sparse_top_k: int | None = None,
+                  sparse_tokens: bool = False) -> pb.EmbedRequest:
     """An EmbedRequest for texts (one string is one text). Enums take names or pb values;
     truncate None leaves it unset, for the server's --default-truncate; outputs () is dense."""
     texts = [texts] if isinstance(texts, str) else list(texts)
@@ -73,7 +74,7 @@ def build_request(texts: str | Sequence[str], *, dimensions: int = 0, normalize:
         id=request_id, texts=texts, dimensions=dimensions or 0, normalize=normalize,
         encoding=enum_value("encoding", encoding), max_tokens=max_tokens, prompt_name=prompt_name, prompt=prompt,
         long_input=enum_value("long_input", long_input), priority=enum_value("priority", priority),
-        timeout_ms=timeout_ms, outputs=[enum_value("outputs", o) for o in outputs])
+        timeout_ms=timeout_ms, outputs=[enum_value("outputs", o) for o in outputs], sparse_tokens=sparse_tokens)
     if truncate is not None:
         request.truncate = enum_value("truncate", truncate)
     if sparse_top_k is not None:
@@ -130,13 +131,18 @@ def decode_tokens(response: pb.EmbedResponse) -> list[np.ndarray]:
                                                       response.dims)]
 
 
-def decode_sparse(response: pb.EmbedResponse) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The answer's sparse vectors (outputs OUTPUT_SPARSE): (ids uint32 ascending, weights float32) per text."""
+def decode_sparse(response: pb.EmbedResponse, tokens: bool = False) -> list[tuple]:
+    """The answer's sparse vectors (outputs OUTPUT_SPARSE): (ids uint32 ascending, weights float32)
+    per text, and with `tokens` (asked with sparse_tokens) each id's vocabulary string, a list third."""
     if response.HasField("error"):
         raise EmbedError(status.code_of(response.error.code), response.error.message, response.id)
     ids = encodings.ragged(response.sparse_indices, np.uint32, response.sparse_counts)
     weights = encodings.ragged(response.sparse_values, np.float32, response.sparse_counts)
-    return [(i.copy(), w.copy()) for i, w in zip(ids, weights)]
+    if not tokens:
+        return [(i.copy(), w.copy()) for i, w in zip(ids, weights)]
+    cuts = np.cumsum([0, *response.sparse_counts]).tolist()
+    strings = list(response.sparse_tokens)
+    return [(i.copy(), w.copy(), strings[a:b]) for i, w, a, b in zip(ids, weights, cuts, cuts[1:])]
 
 
 def concatenate(parts: list[np.ndarray]) -> np.ndarray:

@@ -177,13 +177,18 @@ class Admission(ModelChecks):
                 seqs, rows = window_plan(windows)
             else:
                 seqs = await self.run(chars, self.tokenizer.encode, list(request.texts), truncate, limit, prompt)
-        options = RequestOptions(Task.EMBED, request.dimensions, request.normalize, request.encoding,
+        # BGE-M3's rows carry its heads' outputs after the dense vector: a dense answer is their
+        # first hidden_size values, which the worker cuts as it cuts any Matryoshka prefix.
+        dims = request.dimensions or (self.spec.hidden_size if self.spec.bge_m3 else 0)
+        options = RequestOptions(Task.EMBED, dims, request.normalize, request.encoding,
                                  LANES[request.priority], deadline_ns, self.model)
         if wanted.tokens or wanted.sparse:
-            # Raw full-width rows (for tokens, a row per token): the frontend makes the answer from them
-            # (server/token_vectors.py, server/sparse_vectors.py).
-            if wanted.tokens:
-                rows = token_vectors.plan(seqs, self.token_limits)
+            # Raw full-width rows (for tokens and BGE-M3's sparse vectors, a row per token): the
+            # frontend makes the answer from them (server/token_vectors.py, server/sparse_vectors.py,
+            # server/bge_m3.py).
+            if wanted.tokens or self.spec.bge_m3:
+                asked = "OUTPUT_TOKENS" if wanted.tokens else "OUTPUT_SPARSE"
+                rows = token_vectors.plan(seqs, self.token_limits, asked)
             options = RequestOptions(Task.EMBED, 0, False, pb.ENCODING_FLOAT32, LANES[request.priority],
                                      deadline_ns, self.model)
         return Request(seqs, options, rows, sum(map(len, seqs)), wanted=wanted)

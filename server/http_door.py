@@ -76,10 +76,11 @@ class EmbeddingsBody(msgspec.Struct, forbid_unknown_fields=True):
     priority: Literal["interactive", "bulk"] = "interactive"
     timeout_ms: NonNegative32 = 0
     # What each data item carries, any subset: "dense" (`embedding`), "tokens" (`token_embeddings`,
-    # a vector per token), "sparse" (`sparse_embedding`, a SPLADE model's only output). None: the
-    # model's default (dense; a sparse model's: sparse).
+    # a vector per token; BGE-M3's ColBERT vectors), "sparse" (`sparse_embedding`: a SPLADE model's
+    # only output, or BGE-M3's). None: the model's default (dense; a SPLADE model's: sparse).
     outputs: list[Literal["dense", "sparse", "tokens"]] | None = None
     sparse_top_k: Positive32 | None = None  # a sparse row's largest weights kept (None: all)
+    sparse_tokens: bool = False  # `sparse_embedding.tokens`: each id's vocabulary string
 
 
 _DECODER = msgspec.json.Decoder(EmbeddingsBody)
@@ -227,7 +228,8 @@ class HttpDoor:
                                               max_inputs=self.service.cfg.max_openai_inputs)
         except RequestError as exc:
             return self.refused(exc, "embeddings")
-        return Response(200, _ENCODER.encode(to_openai(answer, encoding_format, answer.model)))
+        return Response(200, _ENCODER.encode(to_openai(answer, encoding_format, answer.model,
+                                                       sparse_tokens=message.sparse_tokens)))
 
 
     async def rerank(self, request: Request) -> Response:
@@ -280,6 +282,7 @@ def to_embed_request(request: Request) -> tuple[pb.EmbedRequest, str]:
         message.outputs.extend(_OUTPUTS[name] for name in body.outputs)
     if body.sparse_top_k is not None:
         message.sparse_top_k = body.sparse_top_k
+    message.sparse_tokens = body.sparse_tokens
     if body.chunks is not None:
         if body.input is not None:
             raise Rejected("set either input or chunks, not both", "chunks")
@@ -330,7 +333,7 @@ def json_vector(row, encoding_format: str, encoding: int):
     return row.tolist()
 
 
-def to_openai(answer: pb.EmbedResponse, encoding_format: str, model: str) -> dict:
+def to_openai(answer: pb.EmbedResponse, encoding_format: str, model: str, sparse_tokens: bool = False) -> dict:
     rows = encodings.rows_of(answer.embeddings, answer.rows, answer.dims, answer.encoding)
     data = []
     for i, row in enumerate(rows):
@@ -344,11 +347,16 @@ def to_openai(answer: pb.EmbedResponse, encoding_format: str, model: str) -> dic
             if i == len(data):
                 data.append({"object": "embedding", "index": i})
             data[i]["token_embeddings"] = [json_vector(row, encoding_format, pb.ENCODING_FLOAT32) for row in rows]
-    if answer.sparse_counts:  # outputs "sparse": ids ascending and their weights
+    if answer.sparse_counts:  # outputs "sparse": ids ascending and their weights (and their tokens)
         ids = encodings.ragged(answer.sparse_indices, np.uint32, answer.sparse_counts)
         weights = encodings.ragged(answer.sparse_values, np.float32, answer.sparse_counts)
-        data += [{"object": "embedding", "index": i, "sparse_embedding": {"indices": t.tolist(), "values": w.tolist()}}
-                 for i, (t, w) in enumerate(zip(ids, weights))]
+        strings = iter(answer.sparse_tokens)
+        for i, (t, w) in enumerate(zip(ids, weights)):
+            if i == len(data):
+                data.append({"object": "embedding", "index": i})
+            data[i]["sparse_embedding"] = {"indices": t.tolist(), "values": w.tolist()}
+            if sparse_tokens:
+                data[i]["sparse_embedding"]["tokens"] = [next(strings) for _ in range(len(t))]
     tokens = answer.usage.prompt_tokens
     return {"object": "list", "data": data, "model": model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

@@ -13,13 +13,15 @@ EmbedderService methods as pollen's own routes:
                         (start and stop: UTF-8 byte offsets into the (prompted) input; null for special tokens)
     POST /decode        {ids, skip_special_tokens} -> [str]
     POST /embed_all     {inputs, truncate, truncation_direction, prompt_name} -> [[[f32]]]: every token's
-                        last hidden state, special tokens included, not normalized (outputs OUTPUT_TOKENS)
+                        last hidden state, special tokens included, not normalized (outputs OUTPUT_TOKENS;
+                        BGE-M3's are its ColBERT vectors)
     POST /embed_sparse  {inputs, truncate, truncation_direction, prompt_name} -> [[{index, value}]]: the first
-                        SPLADE model's non-zero weights, by ascending index (424 when none is served)
+                        sparse model's (SPLADE or BGE-M3) non-zero weights, by ascending index (424 when
+                        none is served)
     POST /              the default route of the first served model's task, as TEI serves it:
                         /embed for an embedder (/similarity when `inputs` is an object, which is what
-                        huggingface_hub's InferenceClient.sentence_similarity sends), /embed_sparse for a
-                        SPLADE model, /rerank for a reranker, /predict for a classifier.
+                        huggingface_hub's InferenceClient.sentence_similarity sends; BGE-M3 is one),
+                        /embed_sparse for a SPLADE model, /rerank for a reranker, /predict for a classifier.
 
 TEI's requests name no model: each route serves the first served model of the task it needs
 (/tokenize and /decode: the first model). TEI's `truncate` is a bool (null: the server's
@@ -227,7 +229,7 @@ class TeiRoutes:
             path = request.path
             if path == "/":
                 path = {"embed": "/embed", "sparse": "/embed_sparse", "rerank": "/rerank", "classify": "/predict"}[
-                    self.service.models.first.kind]
+                    self.service.models.first.kinds[0]]
                 if path == "/embed" and request.body.lstrip()[:1] == b"{" and _inputs_is_object(request.body):
                     path = "/similarity"
             return Response(200, _ENCODER.encode(await getattr(self, path.strip("/") or "info")(request)))
@@ -237,8 +239,9 @@ class TeiRoutes:
             return tei_error_response(from_request_error(exc))
 
     def model(self, kind: str) -> ServedModel:
-        """The first model of `kind` (ServedModel.kind: "embed" is a dense embedder, "sparse" a SPLADE one)."""
-        model = next((m for m in self.service.models.models if m.kind == kind), None)
+        """The first model of `kind` (ServedModel.kinds: "embed" a dense embedder, "sparse" a SPLADE one;
+        BGE-M3 is both)."""
+        model = next((m for m in self.service.models.models if kind in m.kinds), None)
         if model is None:
             raise TeiError(f"{_NOT_SERVED[kind]}: the models served here are {self.service.models.served()}",
                            "backend")
@@ -294,7 +297,7 @@ class TeiRoutes:
 
     async def embed_all(self, request: Request) -> list:
         """Every token's last hidden state, special tokens included, not normalized: a list of
-        token vectors per input."""
+        token vectors per input (BGE-M3: its ColBERT vectors, normalized as the model defines them)."""
         body = body_of(EmbedAllBody, request.body)
         model = self.model("embed")
         message = pb.EmbedRequest(normalize=False, prompt_name=body.prompt_name or "", outputs=[pb.OUTPUT_TOKENS],

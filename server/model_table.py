@@ -52,13 +52,19 @@ class ServedModel:
 
     @property
     def dimensions(self) -> int:
-        """What Info and /v1/models report: the answer's width (a sparse model's: its vocabulary)."""
-        return self.spec.vocab_size if self.spec.sparse_terms else self.spec.output_dims
+        """What Info and /v1/models report: the answer's width (a SPLADE model's: its vocabulary;
+        BGE-M3's: its dense vectors')."""
+        if self.spec.sparse_terms:
+            return self.spec.vocab_size
+        return self.spec.hidden_size if self.spec.bge_m3 else self.spec.output_dims
 
     @property
-    def kind(self) -> str:
-        """What TEI's routes ask of a model: "embed" (dense), "sparse" (SPLADE), "rerank", "classify"."""
-        return "sparse" if self.spec.sparse_terms else self.spec.task
+    def kinds(self) -> tuple[str, ...]:
+        """What TEI's routes may ask of a model, its default first: "embed" (dense), "sparse"
+        (SPLADE), both (BGE-M3, dense by default), "rerank", "classify"."""
+        if self.spec.sparse_terms:
+            return ("sparse",)
+        return ("embed", "sparse") if self.spec.bge_m3 else (self.spec.task,)
 
 
 class ModelTable:

@@ -2,8 +2,9 @@
 vectors, token vectors (server/token_vectors.py), sparse vectors (server/sparse_vectors.py).
 
 A dense model answers dense and token vectors; a sparse (SPLADE) model answers sparse vectors
-only, and a request to it that lists no outputs gets them. Every refusal names `outputs` or the
-option that does not apply.
+only, and a request to it that lists no outputs gets them; BGE-M3 answers any subset of the three
+(server/bge_m3.py), dense by default. Every refusal names `outputs` or the option that does not
+apply: sparse_top_k and sparse_tokens go with sparse vectors only.
 """
 from __future__ import annotations
 
@@ -32,20 +33,34 @@ def wanted(request: pb.EmbedRequest, spec: ModelSpec) -> Outputs:
     if request.HasField("sparse_top_k") and request.sparse_top_k == 0:
         raise invalid("sparse_top_k must be at least 1 (leave it unset for every weight)")
     if spec.sparse_terms:
-        return _sparse(request, spec, outputs - {pb.OUTPUT_UNSPECIFIED} or {pb.OUTPUT_SPARSE})
-    if pb.OUTPUT_SPARSE in outputs:
-        raise invalid(f"outputs OUTPUT_SPARSE needs a model with a sparse head (SPLADE); {spec.name} "
+        asked = _sparse(request, spec, outputs - {pb.OUTPUT_UNSPECIFIED} or {pb.OUTPUT_SPARSE})
+    else:
+        asked = _dense(request, spec, outputs)
+    if not asked.sparse:
+        if request.HasField("sparse_top_k"):
+            raise invalid("sparse_top_k applies to outputs OUTPUT_SPARSE only")
+        if request.sparse_tokens:
+            raise invalid("sparse_tokens applies to outputs OUTPUT_SPARSE only (it names the vocabulary "
+                          "tokens beside a sparse vector's ids); ask outputs OUTPUT_SPARSE or leave it false")
+    return asked
+
+
+def _dense(request: pb.EmbedRequest, spec: ModelSpec, outputs: set) -> Outputs:
+    """A dense embedder's outputs (BGE-M3's sparse vectors among them)."""
+    sparse = pb.OUTPUT_SPARSE in outputs
+    if sparse and not spec.bge_m3:
+        raise invalid(f"outputs OUTPUT_SPARSE needs a model with a sparse head (SPLADE or BGE-M3); {spec.name} "
                       "answers dense vectors and token vectors only")
-    if request.HasField("sparse_top_k"):
-        raise invalid("sparse_top_k applies to outputs OUTPUT_SPARSE only")
     tokens = pb.OUTPUT_TOKENS in outputs
-    if tokens:
-        if spec.dense:
-            raise invalid(f"outputs OUTPUT_TOKENS is not served for {spec.name}: its vectors pass through "
-                          "sentence-transformers Dense modules, which apply to pooled vectors, not to tokens")
-        _one_sequence_a_text(request, "OUTPUT_TOKENS")
-    return Outputs(dense=not outputs or bool(outputs & {pb.OUTPUT_DENSE, pb.OUTPUT_UNSPECIFIED}), tokens=tokens,
-                   sparse=False)
+    if tokens and spec.dense:
+        raise invalid(f"outputs OUTPUT_TOKENS is not served for {spec.name}: its vectors pass through "
+                      "sentence-transformers Dense modules, which apply to pooled vectors, not to tokens")
+    dense = not outputs or bool(outputs & {pb.OUTPUT_DENSE, pb.OUTPUT_UNSPECIFIED})
+    if tokens or sparse:
+        _one_sequence_a_text(request, "OUTPUT_TOKENS" if tokens else "OUTPUT_SPARSE")
+        if not (dense or tokens) and request.dimensions:
+            raise invalid("dimensions does not apply to sparse vectors: leave it 0")
+    return Outputs(dense=dense, tokens=tokens, sparse=sparse)
 
 
 def _sparse(request: pb.EmbedRequest, spec: ModelSpec, outputs: set) -> Outputs:

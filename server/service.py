@@ -28,7 +28,7 @@ from pollen.common import encodings, status
 from pollen.common.errors import RequestError, cut, echo, invalid
 from pollen.common.request import RequestOptions
 from pollen.common.throttled_log import ThrottledLog
-from pollen.server import auth, metrics, sparse_vectors, token_vectors
+from pollen.server import auth, bge_m3, metrics, sparse_vectors, token_vectors
 from pollen.server.config import ServeConfig
 from pollen.server.flood_guard import FloodGuard
 from pollen.server.metrics import TASK_OF, count_request
@@ -230,12 +230,17 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         if span is not None:
             span.admitted()
         result = await self.router.answer(admitted)
-        if admitted.wanted.tokens:
-            fields = token_vectors.answer_fields(request, model.spec, admitted.seqs, result, admitted.wanted.dense)
-        elif admitted.wanted.sparse:
+        wanted = admitted.wanted
+        if model.spec.bge_m3 and (wanted.tokens or wanted.sparse):
+            fields = bge_m3.answer_fields(request, model.spec, admitted.seqs, result, wanted)
+        elif wanted.tokens:
+            fields = token_vectors.answer_fields(request, model.spec, admitted.seqs, result, wanted.dense)
+        elif wanted.sparse:
             fields = sparse_vectors.answer_fields(request, model.spec, result)
         else:
             fields = dense_fields(result)
+        if request.sparse_tokens:
+            fields["sparse_tokens"] = sparse_vectors.token_strings(model.admission.tokenizer, fields["sparse_indices"])
         return pb.EmbedResponse(
             id=request.id, usage=pb.Usage(prompt_tokens=admitted.tokens),
             timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us), model=model.name, **fields)
@@ -403,7 +408,7 @@ def model_info(model: ServedModel) -> pb.ModelInfo:
     return pb.ModelInfo(name=spec.name, task=spec.task, dimensions=model.dimensions, max_tokens=spec.max_tokens,
                         pooling=_POOLING.get(spec.pooling, pb.POOLING_UNSPECIFIED), vocab_size=spec.vocab_size,
                         prompts=dict(spec.prompts), matryoshka_dimensions=list(spec.matryoshka_dimensions),
-                        labels=list(spec.labels), sparse=bool(spec.sparse_terms))
+                        labels=list(spec.labels), sparse=spec.sparse)
 
 
 def call_deadline(context) -> int:

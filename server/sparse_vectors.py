@@ -4,13 +4,15 @@ The worker writes each row as the model's SPARSE_TERMS largest vocabulary weight
 then their ids as float32 (worker/models/heads.py SparseHead). A row keeps its positive weights,
 at most the request's sparse_top_k of them (the largest), in ascending id order. Weights are raw:
 normalization does not apply to sparse rows. A row holds at most SPARSE_TERMS (1,024) entries: a
-request's answer at most texts x 1,024 ids and weights.
+request's answer at most texts x 1,024 ids and weights. BGE-M3's sparse vectors come from its own
+rows (server/bge_m3.py). With sparse_tokens, each id's vocabulary string comes beside it.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from pollen.common.model_spec import ModelSpec
+from pollen.server.tokenizer import TextTokenizer
 from pollen.shared_mem import records
 from pollen.v1 import embedder_pb2 as pb
 
@@ -37,3 +39,10 @@ def finish(rows: np.ndarray, terms: int, top_k: int = 0) -> tuple[np.ndarray, np
         counts.append(keep)
     return (np.concatenate(ids) if ids else np.zeros(0, np.uint32),
             np.concatenate(weights) if weights else np.zeros(0, np.float32), counts)
+
+
+def token_strings(tokenizer: TextTokenizer, indices: bytes) -> list[str]:
+    """sparse_tokens: the vocabulary's string of each id of an answer's sparse_indices (uint32),
+    as the tokenizer's id_to_token gives it."""
+    to_token = tokenizer.tokenizer.id_to_token
+    return [to_token(i) or "" for i in np.frombuffer(indices, np.uint32).tolist()]

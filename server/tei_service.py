@@ -7,7 +7,8 @@ Tokenize and Decode the model's tokenizer; admission, batching, metrics and trac
 service's. TEI's requests name no model: each method serves the first model of the task it needs
 (Info and Tokenize: the first model), and a server that has none answers FAILED_PRECONDITION
 naming what is missing, as TEI answers a task its model does not serve; Embed and EmbedAll take
-the first dense embedder, EmbedSparse the first sparse (SPLADE) one.
+the first dense embedder, EmbedSparse the first sparse one (SPLADE, or BGE-M3, which is both; for
+it EmbedAll answers its ColBERT vectors, as pollen.v1's token vectors do).
 
 The streams answer as TEI's do: one answer per message, in the order the messages came, the
 first failure ending the stream with its status (the messages before it answered). A stream
@@ -39,8 +40,8 @@ MODEL_TYPE = {"embed": tei.MODEL_TYPE_EMBEDDING, "classify": tei.MODEL_TYPE_CLAS
 # The TEI services that answer when the server holds a model of the task (None: any model).
 SERVICE_TASK = {"tei.v1.Info": None, "tei.v1.Tokenize": None, "tei.v1.Embed": "embed", "tei.v1.Rerank": "rerank",
                 "tei.v1.Predict": "classify"}
-NEEDS = {"embed": "an embedding model", "sparse": "a sparse (SPLADE) embedding model", "rerank": "a re-ranker model",
-         "classify": "a classifier model"}
+NEEDS = {"embed": "an embedding model", "sparse": "a sparse (SPLADE) embedding model or BGE-M3",
+         "rerank": "a re-ranker model", "classify": "a classifier model"}
 try:
     VERSION = importlib.metadata.version("pollen")
 except importlib.metadata.PackageNotFoundError:  # a checkout that is not installed
@@ -93,8 +94,8 @@ class TeiService:
         self.models = service.models
 
     def need(self, kind: str, method: str) -> str:
-        """The name of the first model of `kind` (ServedModel.kind); FAILED_PRECONDITION when none is served."""
-        model = next((m for m in self.models.models if m.kind == kind), None)
+        """The name of the first model of `kind` (ServedModel.kinds); FAILED_PRECONDITION when none is served."""
+        model = next((m for m in self.models.models if kind in m.kinds), None)
         if model is None:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"{method} needs {NEEDS[kind]}, and none is served here; the models served: "

@@ -9,10 +9,12 @@ the model's pooling over the text's token rows (mean, first or last: what the wo
 pooled), then every vector is cut to `dimensions` and normalized as asked, in the order the worker
 does it. Models whose rows pass through sentence-transformers Dense modules are refused
 (server/outputs.py): their token vectors would be a different thing from their dense ones.
+BGE-M3 rides on the same plan for its ColBERT and sparse vectors, its rows wider by its heads'
+outputs; server/bge_m3.py makes its answers.
 
 Bounds: at most --max-token-vectors token vectors in one request, and in one text at most the
 rows one answer record carries (a text's rows are never split: the response ring's record, by
-the model's width).
+the model's row width, output_dims).
 """
 from __future__ import annotations
 
@@ -33,16 +35,17 @@ class TokenLimits:
     per_text: int     # rows one answer record carries at the model's width
 
 
-def plan(seqs: list, limits: TokenLimits) -> RowPlan:
-    """Every token of every sequence a row and an output of its own, in order; refused past the bounds."""
+def plan(seqs: list, limits: TokenLimits, output: str = "OUTPUT_TOKENS") -> RowPlan:
+    """Every token of every sequence a row and an output of its own, in order; refused past the
+    bounds, naming `output` (what asked for the rows)."""
     lengths = np.array([len(s) for s in seqs], dtype=np.int64)
     total = int(lengths.sum())
     if total > limits.per_request:
-        raise invalid(f"outputs OUTPUT_TOKENS: the request's texts hold {total} tokens, over the server's "
+        raise invalid(f"outputs {output}: the request's texts hold {total} tokens, over the server's "
                       f"--max-token-vectors of {limits.per_request}; split the request")
     longest = int(lengths.argmax())
     if lengths[longest] > limits.per_text:
-        raise invalid(f"outputs OUTPUT_TOKENS: text {longest} has {lengths[longest]} tokens, over the "
+        raise invalid(f"outputs {output}: text {longest} has {lengths[longest]} tokens, over the "
                       f"{limits.per_text} token vectors one answer carries (--response-ring-bytes); shorten it")
     seq = np.repeat(np.arange(len(seqs), dtype=np.uint32), lengths)
     start = (np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)).astype(np.uint32)
@@ -70,11 +73,11 @@ def finish(rows: np.ndarray, counts: list[int], pooling: str, dims: int, normali
     if dense:
         pick = {"mean": lambda r: r.mean(axis=0, dtype=np.float64), "cls": lambda r: r[0], "last": lambda r: r[-1]}
         pooled = np.stack([pick[pooling](rows[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]).astype(np.float32)
-        pooled = _shape(pooled, dims, normalize)
-    return pooled, _shape(rows, dims, normalize)
+        pooled = shape(pooled, dims, normalize)
+    return pooled, shape(rows, dims, normalize)
 
 
-def _shape(rows: np.ndarray, dims: int, normalize: bool) -> np.ndarray:
+def shape(rows: np.ndarray, dims: int, normalize: bool) -> np.ndarray:
     """Cut, then normalize (x / max(|x|, 1e-12), as the worker does)."""
     if dims:
         rows = rows[:, :dims]
