@@ -251,3 +251,26 @@ def test_a_row_past_the_bound_keeps_its_largest_weights(tmp_path):
     assert counts == [SPARSE_TERMS]
     largest = dict(sorted(want.items(), key=lambda kv: -kv[1])[:SPARSE_TERMS])
     assert_same(dict(zip(ids.tolist(), weights.tolist())), largest)
+
+
+def test_sparse_tokens_are_the_tokenizers_strings_of_the_ids(stub, server, paths):
+    """sparse_tokens: beside each id, the tokenizer's own id_to_token, over gRPC, the OpenAI route
+    and the client; the ids and weights unchanged."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(f"{paths['bert']}/tokenizer.json")
+    reply = stub.Embed(pb.EmbedRequest(texts=TEXTS, model="splade", sparse_tokens=True, sparse_top_k=20), timeout=30)
+    ids = np.frombuffer(reply.sparse_indices, np.uint32).tolist()
+    assert len(reply.sparse_tokens) == len(ids) == sum(reply.sparse_counts) > 0
+    assert list(reply.sparse_tokens) == [tokenizer.id_to_token(i) for i in ids]
+    plain = stub.Embed(pb.EmbedRequest(texts=TEXTS, model="splade", sparse_top_k=20), timeout=30)
+    assert rows_of(plain) == rows_of(reply) and not plain.sparse_tokens
+    body = json.dumps({"input": TEXTS[:2], "model": "splade", "sparse_tokens": True}).encode()
+    data = json.loads(urllib.request.urlopen(urllib.request.Request(
+        f"http://127.0.0.1:{server.http_port}/v1/embeddings", body), timeout=30).read())["data"]
+    for item in data:
+        row = item["sparse_embedding"]
+        assert row["tokens"] == [tokenizer.id_to_token(i) for i in row["indices"]] and row["tokens"]
+    with Client(server.listen) as client:
+        got = client.embed_sparse(TEXTS, sparse_tokens=True)  # the first model: splade
+    assert all(tokens == [tokenizer.id_to_token(i) for i in ids.tolist()] for ids, _, tokens in got)
