@@ -97,7 +97,7 @@ class BulkEmbedder:
         the rows are wider than the vectors: BGE-M3's carry its heads' outputs after them)."""
         pooled = pending.result()
         if self.dimensions or pooled.shape[1] != self.dims:
-            finish(pooled, self.dimensions, self.normalize, pb.ENCODING_FLOAT32,
+            finish(pooled, self.dims, self.normalize, pb.ENCODING_FLOAT32,
                    memoryview(out[start:start + rows]).cast("B"))
         else:
             out[start:start + rows] = pooled

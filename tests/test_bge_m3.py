@@ -415,3 +415,15 @@ def test_the_benchmark_folder_builder_makes_a_folder_served_as_bge_m3(tmp_path):
     assert spec.sparse_skip_ids  # [CLS], [PAD], [UNK] by the tokenizer's own names
     hidden = TINY["hidden_size"]
     assert load_model(path).output_head(torch.zeros(1, hidden)).shape == (1, 2 * hidden + 1)
+
+
+def test_the_bulk_embedder_answers_the_dense_vectors(m3_path, want):
+    """pollen bulk's embedder cuts the dense vector out of BGE-M3's wider rows, whole or a prefix."""
+    from pollen.bulk.embedder import BulkEmbedder
+
+    dense = np.stack([w["dense"] for w in want])
+    for dims in (0, 32):
+        got = BulkEmbedder(m3_path, dimensions=dims).embed(TEXTS)
+        assert got.shape == (len(TEXTS), dims or HIDDEN)
+        assert cosine_rows(got, dense[:, :dims or HIDDEN]).min() >= 0.99999
+        assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
