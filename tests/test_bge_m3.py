@@ -384,21 +384,28 @@ def test_a_folder_with_bad_heads_is_refused_at_start_in_one_line(m3_path, tmp_pa
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
-def test_the_engine_rows_on_cuda_equal_the_cpu(m3_path):
-    """The head inside the CUDA engine's graphs: its rows equal the CPU engine's."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-eager", "bf16-graphs"])
+def test_the_engine_rows_on_cuda_equal_the_cpu(m3_path, dtype):
+    """The head on the CUDA engine (bfloat16: inside its captured graphs), on pooled rows and on the
+    token row plan: h, the ColBERT projection and the sparse weight of each row as the CPU's."""
     from pollen.worker.engine import make_engine
     from pollen.worker.models.loader import load_model
     from pollen.worker.packed import pack
     from tests.st_models import token_ids
 
     seqs = token_ids(m3_path, TEXTS)
-    cpu = make_engine(load_model(m3_path), "cpu").submit(pack(seqs)).result()
-    engine = make_engine(load_model(m3_path, device="cuda"), "cuda", max_batch_tokens=1024)
-    engine.warm_up(5.0)
-    gpu = np.asarray(engine.submit(pack(seqs)).result())
+    engine = make_engine(load_model(m3_path, device="cuda", dtype=dtype), "cuda", max_batch_tokens=1024)
+    engine.warm_up()
+    for spans in (None, [[(i, i + 1) for i in range(len(s))] for s in seqs]):
+        cpu = make_engine(load_model(m3_path), "cpu").submit(pack(seqs, spans)).result()
+        gpu = np.asarray(engine.submit(pack(seqs, spans)).result())
+        assert gpu.shape == cpu.shape == (len(cpu), 2 * HIDDEN + 1)
+        for part in (slice(0, HIDDEN), slice(HIDDEN, 2 * HIDDEN)):
+            assert cosine_rows(gpu[:, part], cpu[:, part]).min() >= (0.99999 if dtype == torch.float32 else 0.99)
+        assert (gpu[:, -1] >= 0).all() and np.abs(gpu[:, -1] - cpu[:, -1]).max() <= 0.05 * max(1, cpu[:, -1].max())
+    if dtype == torch.bfloat16:
+        assert engine.graphs  # the batches' buckets were captured and replayed
     engine.close()
-    assert gpu.shape == cpu.shape == (len(TEXTS), 2 * HIDDEN + 1)
-    assert np.abs(gpu - cpu).max() <= 1e-3
 
 
 def test_the_benchmark_folder_builder_makes_a_folder_served_as_bge_m3(tmp_path):
