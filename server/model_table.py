@@ -80,7 +80,7 @@ class ModelTable:
             admission = Admission(spec, tokenizer, executor, cfg.max_texts_per_request,
                                   default_truncate=cfg.default_truncate, model=index,
                                   token_limits=token_limits(cfg, spec))
-            ranker = Ranker(spec, admission, router, cfg.max_documents_per_request)
+            ranker = Ranker(spec, admission, router, cfg.max_documents_per_request, cfg.tokenizer_threads)
             models.append(ServedModel(index, spec, admission, ranker, Classifier(spec, admission, router)))
         return cls(models)
 

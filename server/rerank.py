@@ -36,10 +36,8 @@ QWEN3_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requir
                 "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
 QWEN3_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 INSTRUCTION_MAX_CHARS = 4096
-# A request's documents are tokenized, and sent to the worker, in groups of at least this many
-# characters each, and in at most MAX_GROUPS groups (Ranker.scored_rows).
+# A request's documents are tokenized in groups of at least this many characters each.
 GROUP_MIN_CHARS = 16 << 10
-MAX_GROUPS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,40 +179,23 @@ def ranked(request: pb.RerankRequest, values: np.ndarray) -> list[pb.RerankResul
 class Ranker:
     """Rerank requests from either door: checked, made pairs, routed, scored."""
 
-    def __init__(self, spec: ModelSpec, admission: Admission, router: Router, max_documents: int):
+    def __init__(self, spec: ModelSpec, admission: Admission, router: Router, max_documents: int,
+                 threads: int = 1):
         self.spec, self.admission, self.router = spec, admission, router
+        self.threads = threads
         self.max_documents = max_documents
         self.task = spec.task
         self.builder = PairBuilder(spec, admission.tokenizer) if self.task == "rerank" else None
 
-    async def scored_rows(self, frame: PairFrame, documents: list[str], priority: int, deadline_ns: int,
-                          span=None) -> tuple[np.ndarray, int, pb.Timing]:
-        """The head's rows of the documents' pairs, in order, with their tokens and timing.
-
-        The documents are tokenized in groups of at least GROUP_MIN_CHARS characters (at most
-        MAX_GROUPS), up to --tokenizer-threads at once (the tokenizer releases the GIL), and each
-        group goes down the path as soon as its pairs are ready: the model works on the first
-        groups while the last are tokenized, so a long request costs about its model time, not
-        its tokenization time plus its model time."""
-        groups = max(1, min(MAX_GROUPS, sum(map(len, documents)) // GROUP_MIN_CHARS))
+    async def document_pairs(self, frame: PairFrame, documents: list[str]) -> list[np.ndarray]:
+        """The documents' pairs, tokenized in up to --tokenizer-threads groups at once (the
+        tokenizer releases the GIL): a request's 100 documents take a fraction of one thread's time."""
+        groups = max(1, min(self.threads, sum(map(len, documents)) // GROUP_MIN_CHARS))
         size = -(-len(documents) // groups)
-
-        async def group(first: int) -> tuple[np.ndarray, Request, pb.Timing]:
-            part = documents[first:first + size]
-            seqs = await self.admission.run(sum(map(len, part)), frame.pairs, self.admission.tokenizer, part, first)
-            return await head_rows(self.router, self.admission, seqs, priority, deadline_ns,
-                                   span if first == 0 else None)
-
-        try:
-            async with asyncio.TaskGroup() as tasks:  # one group's refusal cancels the others
-                parts = [tasks.create_task(group(first)) for first in range(0, len(documents), size)]
-        except ExceptionGroup as failed:
-            raise failed.exceptions[0] from None
-        answers = [part.result() for part in parts]
-        rows = np.concatenate([rows for rows, _, _ in answers])
-        timing = pb.Timing(queue_us=max(t.queue_us for _, _, t in answers),
-                           inference_us=max(t.inference_us for _, _, t in answers))
-        return rows, sum(admitted.tokens for _, admitted, _ in answers), timing
+        parts = await asyncio.gather(*(
+            self.admission.run(sum(map(len, documents[i:i + size])), frame.pairs, self.admission.tokenizer,
+                               documents[i:i + size], i) for i in range(0, len(documents), size)))
+        return [seq for part in parts for seq in part]
 
     async def rerank(self, request: pb.RerankRequest, deadline_ns: int = 0, span=None) -> pb.RerankResponse:
         """The request's documents ranked by this model (server/model_table.py chose it)."""
@@ -230,8 +211,9 @@ class Ranker:
         limit = self.admission.limit(request.max_tokens)
         truncate = request.truncate if request.HasField("truncate") else pb.TRUNCATE_END
         frame = self.builder.frame(request.query, request.instruction, limit, truncate, request.max_document_tokens)
-        rows, tokens, timing = await self.scored_rows(frame, list(request.documents), request.priority, deadline_ns,
-                                                      span)
+        seqs = await self.document_pairs(frame, list(request.documents))
+        rows, admitted, timing = await head_rows(self.router, self.admission, seqs, request.priority, deadline_ns,
+                                                 span)
         return pb.RerankResponse(
             id=request.id, results=ranked(request, scores(rows, request.raw_scores)),
-            usage=pb.Usage(prompt_tokens=tokens), model=self.spec.name, timing=timing)
+            usage=pb.Usage(prompt_tokens=admitted.tokens), model=self.spec.name, timing=timing)
