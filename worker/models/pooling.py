@@ -39,15 +39,29 @@ def pool_rows(hidden: torch.Tensor, pool_index: torch.Tensor, first: torch.Tenso
         # clamp: an empty (padding) row yields zeros instead of NaN.
         return sums[:rows] / count.clamp(min=1).unsqueeze(1).to(torch.float32)
     if mode == "max":
-        # SPLADE, on the CPU only: each row's tokens are one span, reduced in place of a scatter
-        # whose [tokens, vocab] index would cost more than the weights. The weights are >= 0, so an
-        # empty row is zeros.
-        out = torch.zeros(first.shape[0], hidden.shape[1], dtype=torch.float32, device=hidden.device)
-        for row, (start, stop) in enumerate(zip(first.tolist(), last.tolist())):
-            if stop >= start:
-                out[row] = hidden[start:stop + 1].amax(dim=0)
-        return out
+        return max_rows(hidden, pool_index, first, last)
     raise ValueError(f"unknown pooling mode {mode!r}; expected one of {POOLING_MODES}")
+
+
+def max_rows(hidden: torch.Tensor, pool_index: torch.Tensor, first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """SPLADE's pooling: each row's largest value in every column, float32 [R, H]. The weights are
+    >= 0, so zeros are the floor and an empty row is zeros.
+
+    On a GPU, one scatter over the tokens, its index each token's row broadcast over the columns
+    (a view: no [tokens, vocab] index is made), with static shapes and no host sync, so it runs
+    inside a CUDA graph; the tokens of no row go to an extra row that is dropped. On the CPU each
+    row's span is reduced on its own, which beats the scatter there."""
+    rows = first.shape[0]
+    if hidden.is_cuda:
+        out = torch.zeros(rows + 1, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        index = pool_index.long().unsqueeze(1).expand(-1, hidden.shape[1])
+        out.scatter_reduce_(0, index, hidden.float(), "amax")
+        return out[:rows]
+    out = torch.zeros(rows, hidden.shape[1], dtype=torch.float32)
+    for row, (start, stop) in enumerate(zip(first.tolist(), last.tolist())):
+        if stop >= start:
+            out[row] = hidden[start:stop + 1].amax(dim=0)
+    return out
 
 
 def normalize_rows(rows: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
