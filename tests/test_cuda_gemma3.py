@@ -90,4 +90,7 @@ def test_bf16_cuda_rows_match_sentence_transformers_fp32(tmp_path, shape):
             first, second = engine.submit(pack(seqs)), engine.submit(pack(seqs))
             a, b = first.result().copy(), second.result().copy()
             assert min(min_cos(a, ref), min_cos(b, ref)) >= bars[name], (name, graphs, min_cos(a, ref), bars[name])
-            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)  # the same batch twice: the same rows (to float32 rounding)
+            # The same batch twice: the same rows to float32 rounding. The mean's sums are atomic
+            # adds whose order varies, and these rows are not normalized (hundreds, not units), so
+            # the rounding is relative to the rows' size.
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * max(1.0, float(np.abs(a).max())))
