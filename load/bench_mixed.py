@@ -49,7 +49,8 @@ class StreamLoad:
     """How the stream client loads the server: `processes` client processes, each with `streams`
     EmbedStream calls that keep `window` messages of `per_message` texts in flight; the calls of a
     process share one connection, or each has its own (`connection_per_stream`), which the kernel
-    spreads over the server's frontends. The first `warm` seconds are not counted."""
+    spreads over the server's frontends. The first `warm` seconds are not counted. `outputs`: the
+    requests' EmbedRequest.outputs (pollen.v1 OUTPUT_* values; empty: the model's default)."""
     processes: int = 2
     streams: int = STREAMS
     window: int = WINDOW
@@ -57,6 +58,7 @@ class StreamLoad:
     connection_per_stream: bool = False
     warm: float = 1.0
     normalize: bool = False
+    outputs: tuple[int, ...] = ()
 
 
 def stream_docs(target: str, docs: list[str], priority: str, seconds: float, processes: int = 2,
@@ -103,7 +105,7 @@ async def _streams(target: str, docs: list[str], priority: str, seconds: float, 
                 await window.acquire()
                 chunk = [docs[(n + k) % len(docs)] for k in range(per)]
                 await call.write(pb.EmbedRequest(id=str(n), texts=chunk, truncate=pb.TRUNCATE_END, priority=prio,
-                                                 normalize=load.normalize))
+                                                 normalize=load.normalize, outputs=load.outputs))
                 n += per * load.streams
             await call.done_writing()
 
@@ -114,11 +116,14 @@ async def _streams(target: str, docs: list[str], priority: str, seconds: float, 
                 counted["errors"] += 1
             elif start <= time.monotonic() <= end:
                 counted["tokens"] += answer.usage.prompt_tokens
-                counted["texts"] += answer.rows
+                # A sparse or token-vector answer without dense rows counts its texts by their rows there.
+                counted["texts"] += answer.rows or len(answer.sparse_counts) or len(answer.token_counts)
         await writer
 
-    # A channel option of its own makes each stream's channel a connection of its own.
-    channels = [grpc.aio.insecure_channel(target, options=[("pollen.load.connection", i)])
+    # A channel option of its own makes each stream's channel a connection of its own; answers of
+    # token vectors (a vector per token) pass gRPC's default 4 MB bound.
+    channels = [grpc.aio.insecure_channel(target, options=[("pollen.load.connection", i),
+                                                           ("grpc.max_receive_message_length", -1)])
                 for i in range(load.streams if load.connection_per_stream else 1)]
     try:
         stubs = [pb_grpc.EmbedderStub(c) for c in channels]
