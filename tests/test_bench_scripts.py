@@ -1,8 +1,8 @@
 """load/'s result files, A/B table and GPU run scripts, on this machine (no GPU): the result
 convention's names and round trip, the A/B verdicts, tables of partial runs, every flag
 load/run_gpu.sh and load/ab_commits.sh pass being one the benchmark takes, load/bench_models.py's
-smoke run on the CPU (tiny models, real servers), and load/bench_cpu.py's (pollen against
-sentence-transformers and ONNX Runtime, quiet and busy)."""
+and load/bench_sparse.py's smoke runs on the CPU (tiny models, real servers), and load/bench_cpu.py's
+(pollen against sentence-transformers and ONNX Runtime, quiet and busy)."""
 from __future__ import annotations
 
 import argparse
@@ -143,6 +143,35 @@ def test_bench_models_smoke_run_serves_every_shape_and_writes_its_table(tmp_path
         assert row["pollen"]["tokens"] >= row["pollen"]["texts"] * 8  # texts of 8 to 48 tokens
         assert row["reference"]["tokens"] == row["tokens"]  # sentence-transformers' tokenizer agrees
         assert all(row["reference"][f"bs{bs}"]["tokens_per_s"] > 0 for bs in (32, 128))
+        assert re.search(rf"^\| {re.escape(name)} \| .+ \| [\d.,]+x \|$", table, re.M), name
+
+
+@pytest.mark.slow
+def test_bench_sparse_smoke_run_serves_splade_and_bge_m3_and_writes_its_table(tmp_path):
+    """load/bench_sparse.py --device cpu: a tiny SPLADE folder and a tiny bge-m3 folder built and
+    served by `pollen serve` (SPLADE answering sparse rows, bge-m3 all three outputs, then dense
+    only, beside its weights served as a plain embedder), the references encoding the same texts;
+    one row each, every figure measured."""
+    out = tmp_path / "sparse-cpu.md"
+    run = subprocess.run([sys.executable, str(REPO / "load" / "bench_sparse.py"), "--device", "cpu", "--root",
+                          str(tmp_path / "ckpt"), "--out", str(out)],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    rows = {r["row"]: r for r in results_file.read_figures(out)["rows"]}
+    assert list(rows) == ["splade-bert-base", "bge-m3 all outputs", "bge-m3 dense only"]
+    for name, row in rows.items():
+        assert not row.get("refused"), row["refused"]
+        assert row["pollen"]["texts"] > 0 and row["pollen"]["errors"] == 0, name
+        assert row["pollen"]["tokens"] >= row["pollen"]["texts"] * 8  # texts of 8 to 48 tokens
+    for name in ("splade-bert-base", "bge-m3 all outputs"):
+        ref = rows[name]["reference"]
+        assert ref["tokens"] == rows[name]["tokens"]  # the reference's tokenizer counts the server's tokens
+        assert all(v["tokens_per_s"] > 0 for k, v in ref.items() if k.startswith("bs")), name
+    assert 0 < rows["splade-bert-base"]["reference"]["bs32"]["terms_per_text"] < 1000  # sparse rows
+    assert rows["bge-m3 dense only"]["plain"]["texts"] > 0 and rows["bge-m3 dense only"]["plain"]["errors"] == 0
+    table = out.read_text()
+    for name in rows:
         assert re.search(rf"^\| {re.escape(name)} \| .+ \| [\d.,]+x \|$", table, re.M), name
 
 
