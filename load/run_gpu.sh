@@ -7,18 +7,19 @@
 #   STEPS="engine e2e" bash load/run_gpu.sh
 #
 # Steps, all by default, in this order: tests engine e2e concurrency mixed one_client http rerank
-# two_models models.
+# two_models models sparse.
 # The models are random weights in the real shapes (load/gpu_models.py, load/arch_models.py, written once under
 # /tmp/pollen-ckpt); the servers tokenize with the real Qwen3 tokenizer.json, which
 # POLLEN_QWEN3_TOKENIZER names (concurrency, mixed, one_client, http, rerank, two_models and models
 # need it; rerank and two_models also a BERT tokenizer directory, POLLEN_BERT_TOKENIZER_DIR, which
-# models uses too, with the STS-B test CSV that POLLEN_STSB names). With h2load on
+# models and sparse use too, with the STS-B test CSV that POLLEN_STSB names; sparse needs no Qwen3
+# tokenizer: its SPLADE and bge-m3 shapes take the BERT one). With h2load on
 # PATH (Debian/Ubuntu: nghttp2-client), concurrency also measures unary calls from it. A failed
 # step does not stop the ones after it; the exit status says whether any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-$(command -v python || command -v python3)}
-steps=" ${STEPS:-tests engine e2e concurrency mixed one_client http rerank two_models models} "
+steps=" ${STEPS:-tests engine e2e concurrency mixed one_client http rerank two_models models sparse} "
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 tok=(--tokenizer "${POLLEN_QWEN3_TOKENIZER:-}")
 for name in concurrency mixed one_client http rerank two_models models; do
@@ -52,6 +53,7 @@ step two_models "$py" load/bench_two_models.py --bert-tokenizer "${POLLEN_BERT_T
     --qwen3-tokenizer "${POLLEN_QWEN3_TOKENIZER:-}"
 step models "$py" load/bench_models.py --bert-tokenizer "${POLLEN_BERT_TOKENIZER_DIR:-}" \
     --qwen3-tokenizer "${POLLEN_QWEN3_TOKENIZER:-}"
+step sparse "$py" load/bench_sparse.py --bert-tokenizer "${POLLEN_BERT_TOKENIZER_DIR:-}"
 
 if [[ -n $failed ]]; then
     echo "failed:$failed" >&2
