@@ -36,7 +36,7 @@ from pollen.common.model_spec import check_tokenizer
 from pollen.common.worker_config import WorkerConfig
 from pollen.server import auth, metrics
 from pollen.server.address import Claim, claim
-from pollen.server.config import FRONTEND_ENV, FrontendConfig, ServeConfig
+from pollen.server.config import FRONTEND_ENV, FrontendConfig, ServeConfig, worker_environment
 from pollen.shared_mem.ring import Ring
 from pollen.shared_mem.ring_pair import RingPair
 from pollen.shared_mem.segment import NoSpace
@@ -206,7 +206,7 @@ class Supervisor:
         argv = [sys.executable, "-m", "pollen.worker", wcfg.to_json()]
         self.workers[w] = child = Child(f"worker {w}", argv, theirs, ours,
                                         lambda c, code: self.on_worker_exit(w, code, c.error),
-                                        env=auth.without_keys(os.environ))
+                                        env=worker_environment(self.cfg.device, auth.without_keys(os.environ)))
         log.info("worker %d started (pid %d)", w, child.pid)
         for f, pair in zip(frontends, rings):
             self.connect(f, w, pair)
