@@ -337,26 +337,29 @@ def to_openai(answer: pb.EmbedResponse, encoding_format: str, model: str, sparse
     rows = encodings.rows_of(answer.embeddings, answer.rows, answer.dims, answer.encoding)
     data = []
     for i, row in enumerate(rows):
-        item = {"object": "embedding", "index": i, "embedding": json_vector(row, encoding_format, answer.encoding)}
+        dense = {"object": "embedding", "index": i, "embedding": json_vector(row, encoding_format, answer.encoding)}
         if answer.scales:
-            item["scale"] = answer.scales[i]
-        data.append(item)
+            dense["scale"] = answer.scales[i]
+        data.append(dense)
+
+    def item(i: int) -> dict:
+        """Text i's data item; a text with no dense vector gets one here (outputs without "dense")."""
+        if i == len(data):
+            data.append({"object": "embedding", "index": i})
+        return data[i]
+
     if answer.token_counts:  # outputs "tokens": each text's token vectors, beside its dense one if asked
         texts = encodings.ragged(answer.token_embeddings, np.float32, answer.token_counts, answer.dims)
         for i, rows in enumerate(texts):
-            if i == len(data):
-                data.append({"object": "embedding", "index": i})
-            data[i]["token_embeddings"] = [json_vector(row, encoding_format, pb.ENCODING_FLOAT32) for row in rows]
+            item(i)["token_embeddings"] = [json_vector(row, encoding_format, pb.ENCODING_FLOAT32) for row in rows]
     if answer.sparse_counts:  # outputs "sparse": ids ascending and their weights (and their tokens)
         ids = encodings.ragged(answer.sparse_indices, np.uint32, answer.sparse_counts)
         weights = encodings.ragged(answer.sparse_values, np.float32, answer.sparse_counts)
         strings = iter(answer.sparse_tokens)
         for i, (t, w) in enumerate(zip(ids, weights)):
-            if i == len(data):
-                data.append({"object": "embedding", "index": i})
-            data[i]["sparse_embedding"] = {"indices": t.tolist(), "values": w.tolist()}
+            sparse = item(i)["sparse_embedding"] = {"indices": t.tolist(), "values": w.tolist()}
             if sparse_tokens:
-                data[i]["sparse_embedding"]["tokens"] = [next(strings) for _ in range(len(t))]
+                sparse["tokens"] = [next(strings) for _ in range(len(t))]
     tokens = answer.usage.prompt_tokens
     return {"object": "list", "data": data, "model": model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
