@@ -2,8 +2,8 @@
 
 A CPU sidecar shares its cores with the service it serves. On idle cores, torch's intra-op pool
 of one thread per core is fastest, for docs and for a query's forward alike. When other
-processes keep the cores busy, each parallel region waits
-at its barrier for the thread that lost its core, and a layer has dozens of regions: the same
+processes keep the cores busy, each parallel region waits at its barrier for the thread that
+lost its core, and a layer has dozens of regions: the same
 batches then run several times slower on two threads than on one (the pool's spinning threads
 burn the time the others need). No setting is right for both, and which one holds changes with
 the neighbours' load.
