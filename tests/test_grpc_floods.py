@@ -144,11 +144,15 @@ def test_pings_too_soon_get_goaway_too_many_pings(server, kind):
 def test_ping_flood_is_closed_and_the_good_client_keeps_its_p99(server, kind):
     """gRPC core, once it has sent GOAWAY, defers closing a transport while a write is in progress,
     and a flood that reads its acks keeps one in progress: without the guard the connection stays
-    open, acking tens of thousands of pings on the frontend's one poller thread."""
+    open for the whole flood, acking pings on the frontend's one poller thread. With it, the
+    connection is closed within a few of the guard's ticks of the GOAWAY. (How many acks gRPC
+    writes in those ticks depends on the machine's speed, so the bound is on the time: the
+    attacker sees both when it reads them, behind the acks already in the socket.)"""
     figures = flood(server, kind)
     attacker = figures["attacker"]
     assert attacker["closed_after_s"] is not None and attacker["closed_after_s"] < 1.5, figures
-    assert attacker["acks_after_goaway"] < 1_000, figures
+    if attacker["goaway"] is not None:
+        assert attacker["closed_after_s"] - attacker["goaway"]["after_s"] < 0.5, figures
 
 
 BIG_TEXT = "lorem ipsum dolor sit amet " * 4_000  # about 108 KB: one large message each
