@@ -41,6 +41,13 @@ def widest(specs: list[ModelSpec]) -> int:
     return max(max(spec.hidden_size, spec.output_dims) for spec in specs)
 
 
+# --max-batch-tokens auto, where the model's limit is lower. A GPU fills its SMs with large
+# batches. A CPU's tokens/s is flat from a few hundred tokens a batch on (within a few percent
+# from 512 to 8,192: load/bench_cpu.py), while its working set, which the worker's heap keeps
+# (server/config.py WORKER_HEAP_KEEP), grows with the batch: 1,024 tokens hold it low.
+AUTO_BATCH_TOKENS = {"cuda": 8192, "cpu": 1024}
+
+
 def check_limits(cfg: ServeConfig, specs: list[ModelSpec]) -> None:
     """Size what is automatic (the response rings) and refuse at start the settings that would
     fail requests later, for every served model: the token budgets fit the longest model's limit
@@ -48,7 +55,7 @@ def check_limits(cfg: ServeConfig, specs: list[ModelSpec]) -> None:
     spec = max(specs, key=lambda s: s.max_tokens)  # the longest text any model reads
     hidden = widest(specs)
     if not cfg.max_batch_tokens:
-        cfg.max_batch_tokens = max(8192, spec.max_tokens)
+        cfg.max_batch_tokens = max(AUTO_BATCH_TOKENS[cfg.device], spec.max_tokens)
     if not cfg.bulk_batch_tokens and cfg.device == "cuda":
         # Bulk batches replay graphs too (an eager one would hold the worker's thread for the
         # milliseconds of its kernel launches, in front of any interactive request).

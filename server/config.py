@@ -138,7 +138,7 @@ class ServeConfig:
     worker_hang_timeout: float = _flag(PROCESSES, 60.0, "how long a worker may go without progress before it is "
                                        "killed and restarted, its requests sent again")
     max_batch_tokens: int = _flag(LIMITS, 0, "tokens in one model batch (sequences are packed, never padded)",
-                                  words={"auto": 0}, shown="auto, 8192 or the model's limit where that is larger")
+                                  words={"auto": 0}, shown="auto: 8192 with cuda, 1024 on cpu, or the model's limit where that is larger")
     bulk_batch_tokens: int = _flag(LIMITS, 0, "tokens of PRIORITY_BULK work in one batch: lower keeps queries fast "
                                    "under bulk load, higher gives bulk throughput", words={"auto": 0},
                                    shown="auto, --graph-max-tokens on cuda and --max-batch-tokens on cpu")
@@ -331,7 +331,17 @@ FRONTEND_ENV = {"TOKENIZERS_PARALLELISM": "false", **GRPC_CORE_ENV}
 # a shared node needs). A shorter spin still bridges the gaps between one forward's regions, so the
 # forward keeps its speed; only the idle time after a batch stops costing a core. Measured by
 # load/bench_cpu.py (CPU ms per query).
-CPU_WORKER_ENV = {"GOMP_SPINCOUNT": "10000"}
+#
+# glibc's malloc serves every allocation over its mmap threshold (128 KiB, raised only as far as
+# the largest block freed so far) with fresh pages from the kernel, and gives the top of its heap
+# back past its trim threshold: each batch's activations (megabytes) were faulted in and zeroed
+# again, batch after batch (about 300,000 page faults in one pass over the benchmark's 600 docs,
+# a fifth of the worker's CPU). With both thresholds at WORKER_HEAP_KEEP the heap keeps what the
+# largest batch so far needed and reuses it; that memory is bounded by --max-batch-tokens (the
+# batch's activations), and a block larger than WORKER_HEAP_KEEP is still mapped and unmapped.
+WORKER_HEAP_KEEP = 1 << 30
+CPU_WORKER_ENV = {"GOMP_SPINCOUNT": "10000", "MALLOC_MMAP_THRESHOLD_": str(WORKER_HEAP_KEEP),
+                  "MALLOC_TRIM_THRESHOLD_": str(WORKER_HEAP_KEEP)}
 
 
 def worker_environment(device: str, environ: dict[str, str]) -> dict[str, str]:

@@ -1,14 +1,17 @@
-"""A CPU worker starts with a short OpenMP spin (server/config.py CPU_WORKER_ENV), so its idle
-helper threads sleep soon after a batch instead of spinning through the gap before the next one;
-a value the user's environment sets wins, and a CUDA worker's environment is the user's. (The
-workers' /proc/PID/environ cannot show it: setproctitle writes the process title over that
-memory.) The libgomp that torch loads reads the variable: a bad value makes it complain at
-start-up, which a child process shows."""
+"""A CPU worker's environment (server/config.py CPU_WORKER_ENV), unless the user's sets the same
+variables: a short OpenMP spin, so its idle helper threads sleep soon after a batch instead of
+spinning through the gap before the next one; and malloc thresholds that keep batch-sized blocks
+in the heap instead of mapping and faulting them in anew for every batch. A CUDA worker's
+environment is the user's. (The workers' /proc/PID/environ cannot show it: setproctitle writes
+the process title over that memory.) What reads the variables (torch's libgomp, glibc) is checked
+in a child process; and the CPU's automatic batch budget."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+
+import pytest
 
 from pollen.server.config import CPU_WORKER_ENV, worker_environment
 
@@ -25,3 +28,51 @@ def test_torchs_openmp_reads_the_spin_count():
     good = subprocess.run(run, env={**os.environ, **CPU_WORKER_ENV}, capture_output=True, text=True)
     assert "GOMP_SPINCOUNT" in bad.stderr
     assert "GOMP_SPINCOUNT" not in good.stderr and good.returncode == 0
+
+
+# Allocates and frees a batch-sized block (32 MiB: over glibc's largest automatic mmap threshold)
+# again and again, as a CPU worker's batches do, and prints the page faults that cost.
+_ROUNDS = 20
+_REUSE = f"""
+import resource, torch
+ROUNDS = {_ROUNDS}
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+x = torch.ones(8 << 20); del x
+before = faults()
+for _ in range(ROUNDS):
+    x = torch.ones(8 << 20); del x
+print(faults() - before)
+"""
+
+
+def test_a_cpu_workers_heap_keeps_batch_sized_blocks():
+    """glibc reads the thresholds: without them every 32 MiB block is mapped and faulted in anew
+    (8,192 pages each time); with them the heap keeps the pages, and most rounds reuse them (torch
+    allocates aligned blocks, which glibc's heap does not always fit where the last one was)."""
+    run = [sys.executable, "-c", _REUSE]
+    default = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    fresh = int(subprocess.run(run, env=default, capture_output=True, text=True, check=True).stdout)
+    kept = int(subprocess.run(run, env={**default, **CPU_WORKER_ENV}, capture_output=True, text=True,
+                              check=True).stdout)
+    assert fresh >= _ROUNDS * 8192 * 0.9, fresh
+    assert kept < fresh / 2, (kept, fresh)
+
+
+def test_auto_batch_tokens_by_device():
+    import dataclasses
+
+    from pollen.common.model_spec import default_model_path, read_model_spec
+    from pollen.server.app import AUTO_BATCH_TOKENS, check_limits
+    from pollen.server.config import ServeConfig
+
+    spec = read_model_spec(default_model_path())
+    cfg = ServeConfig()
+    check_limits(cfg, [spec])
+    assert cfg.device == "cpu" and cfg.max_batch_tokens == AUTO_BATCH_TOKENS["cpu"] == 1024
+    long = dataclasses.replace(spec, max_tokens=4096)  # one text must always fit a batch
+    cfg = ServeConfig()
+    check_limits(cfg, [spec, long])
+    assert cfg.max_batch_tokens == 4096
+    with pytest.raises(ValueError, match="--max-batch-tokens 2048 is below the model's limit of 4096"):
+        check_limits(ServeConfig(max_batch_tokens=2048), [long])
