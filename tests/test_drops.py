@@ -131,22 +131,22 @@ def test_expired_and_cancelled_requests_never_reach_the_model():
 def test_requests_expire_in_the_frontend_backlog_when_the_ring_is_full():
     # A small request ring: while the worker runs one long batch, most requests wait in the
     # frontend's backlog, where their deadline passes.
-    server = ServerProcess("--max-batch-tokens", "8192", "--max-texts-per-request", "8",
+    server = ServerProcess("--max-batch-tokens", "16384", "--max-texts-per-request", "16",
                            "--request-ring-bytes", str(64 << 10)).start()
     seen_backlog = []
 
     async def scenario_fn():
         async with grpc.aio.insecure_channel(server.listen) as channel:
             stub = pb_grpc.EmbedderStub(channel)
-            first = [asyncio.ensure_future(stub.Embed(pb.EmbedRequest(token_ids=[ids(256, 1000 + i)] * 8)))
-                     for i in range(4)]  # 8192 tokens: long batches ahead of everything else
-            while sample(await scrape_async(server), "pollen_queued_tokens") < 4 * 8 * 256:
+            first = [asyncio.ensure_future(stub.Embed(pb.EmbedRequest(token_ids=[ids(256, 1000 + i)] * 16)))
+                     for i in range(4)]  # 16,384 tokens: one long batch ahead of everything else
+            while sample(await scrape_async(server), "pollen_queued_tokens") < 4 * 16 * 256:
                 await asyncio.sleep(0.001)
-            # 300 ms: long enough for all 40 to arrive before the first expires (on a busy 2-core
-            # machine they trickle in over tens of ms), far shorter than the 8,192-token batch
-            # ahead of them (over a second on the CPU), so none reaches the model.
+            # 600 ms: long enough for all 40 to arrive before the first expires (on a busy 2-core
+            # machine they trickle in over a few hundred ms), far shorter than the 16,384-token
+            # batch ahead of them (over a second on the CPU), so none reaches the model.
             late = [asyncio.ensure_future(stub.Embed(pb.EmbedRequest(token_ids=[ids(256, 2000 + i)] * 8,
-                                                                     timeout_ms=300))) for i in range(40)]
+                                                                     timeout_ms=600))) for i in range(40)]
             while not all(call.done() for call in late):
                 seen_backlog.append(sample(await scrape_async(server), "pollen_backlog_requests"))
             codes = []
@@ -166,5 +166,5 @@ def test_requests_expire_in_the_frontend_backlog_when_the_ring_is_full():
         server.terminate()
     assert max(seen_backlog) > 20  # most waited in the frontend's backlog: the ring was full
     assert codes == ["DEADLINE_EXCEEDED"] * 40
-    assert sample(metrics, "pollen_sequences_total") == 32  # only the first four requests reached the model
+    assert sample(metrics, "pollen_sequences_total") == 64  # only the first four requests reached the model
     assert sample(metrics, "pollen_dropped_total", reason="deadline") == 40
