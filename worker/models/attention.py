@@ -120,14 +120,16 @@ def _sdpa_loop(q, k, v, cu_seqlens, max_seqlen, causal, window=None):
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end == start:
             continue
-        # SDPA wants [heads, L, D].
-        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))
+        # SDPA wants [batch, heads, L, D]: with the batch dimension torch takes its fused CPU
+        # flash kernel (no mask), which it never does for [heads, L, D]; that falls back to the
+        # op-by-op math path, 1.3x slower at ten tokens and 2.7x at 256.
+        qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
         if window is not None and end - start > window + 1:
             mask = band_mask(end - start, window, causal, q.device)
             attended = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
         else:
             attended = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, enable_gqa=gqa)
-        out[start:end] = attended.transpose(0, 1)
+        out[start:end] = attended[0].transpose(0, 1)
     return out
 
 
