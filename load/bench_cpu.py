@@ -221,7 +221,9 @@ def spread(values: list[float]) -> dict:
 
 
 def cell(s: dict, digits: int) -> str:
-    f = (lambda v: f"{v:,.{digits}f}")
+    def f(v: float) -> str:
+        return f"{v:,.{digits}f}"
+
     return f(s["median"]) if len(s["values"]) == 1 else f"{f(s['median'])} ({f(s['min'])}..{f(s['max'])})"
 
 

@@ -1,12 +1,13 @@
 """How many threads the CPU engine's batches run on, chosen by what the batches measure.
 
 A CPU sidecar shares its cores with the service it serves. On idle cores, torch's intra-op pool
-of one thread per core is fastest, for docs and for a query's forward alike. When other
-processes keep the cores busy, each parallel region waits at its barrier for the thread that
-lost its core, and a layer has dozens of regions: the same
-batches then run several times slower on two threads than on one (the pool's spinning threads
-burn the time the others need). No setting is right for both, and which one holds changes with
-the neighbours' load.
+of one thread per core is fastest for docs, and for a query's forward too where its helper
+threads spin between the products (with the worker's default GOMP_SPINCOUNT=0 they sleep, and a
+query is faster on one thread: server/config.py CPU_WORKER_ENV). When other processes keep the
+cores busy, each parallel region waits at its barrier for the thread that lost its core, and a
+layer has dozens of regions: the same batches then run several times slower on two threads than
+on one. No setting is right for every case, and which one holds changes with the neighbours'
+load and the spin.
 
 So the engine measures, in two classes of batch that it learns apart: small ones (under
 LEARN_TOKENS tokens: queries, whose time is mostly fixed costs, so a batch's seconds are its
