@@ -5,10 +5,14 @@ alternating rounds, on a quiet machine and under a stated background load.
     python load/bench_cpu.py                        # the full run: writes load/results/cpu-cpu.md
     python load/bench_cpu.py --smoke [--out FILE]   # tiny sizes, about a minute; no file without --out
 
-Contenders (load/cpu_contenders.py; --contenders picks them, default pollen,st,ort,fastembed):
+Contenders (load/cpu_contenders.py; --contenders picks them, default pollen,engine,st,ort,fastembed):
   pollen     `pollen serve` on its defaults plus each --pollen-flag (e.g. --pollen-flag=--worker-threads=1);
              queries by unary Embed from this process, docs over EmbedStream on --streams streams (a
              connection each) of --per-message texts per message.
+  engine     pollen's CPU engine without the server, in a child process with the worker's environment:
+             the worker's model code, packing and thread choice, `tokenizers` (truncation 256); a query is
+             one packed batch, docs are packed in order into batches of the server's CPU budget (1,024
+             tokens). pollen's figures less these are what the server's trip costs.
   st         SentenceTransformer(folder, device="cpu") in a child process: a query is encode([text]),
              docs are encode(docs, batch_size=--batch-size) (sentence-transformers sorts them by length).
   ort        the checkpoint exported to ONNX at start (torch.onnx.export, TorchScript exporter, dynamic
@@ -64,7 +68,8 @@ from load import cpu_contenders as cc  # noqa: E402
 from load.results_file import add_out_argument, write_result  # noqa: E402
 from tests.texts import stsb_pairs  # noqa: E402
 
-NAMES = {"pollen": "pollen", "st": "sentence-transformers", "ort": "ONNX Runtime", "fastembed": "fastembed"}
+NAMES = {"pollen": "pollen", "engine": "pollen engine", "st": "sentence-transformers", "ort": "ONNX Runtime",
+         "fastembed": "fastembed"}
 MIN_COSINE = 0.9999
 BUSY_CODE = "while True: pass"
 
@@ -128,6 +133,12 @@ def make_contender(key: str, args, onnx: dict | None, model_dir: str):
     threads = args.threads or os.cpu_count()
     if key == "pollen":
         return cc.PollenContender(args.pollen_flag, args.streams, args.per_message)
+    if key == "engine":
+        from pollen.server.app import AUTO_BATCH_TOKENS
+        from pollen.server.config import CPU_WORKER_ENV
+
+        return cc.ChildContender(key, "pollen-engine", {"model_dir": model_dir, "batch_tokens": AUTO_BATCH_TOKENS["cpu"]},
+                                 env=CPU_WORKER_ENV)
     if key == "st":
         return cc.ChildContender(key, "st", {"model_dir": model_dir, "batch_size": args.batch_size})
     if key == "ort":
@@ -272,6 +283,9 @@ RATIOS = [  # (name, metric, numerator, denominator, target: (op, bound) or None
     ("pollen query p50, busy / quiet", "query_p50_ms", ("pollen", "busy"), ("pollen", "quiet"), ("<=", 3.0)),
     ("ORT docs texts/s, busy / quiet", "docs_texts_per_s", ("ort", "busy"), ("ort", "quiet"), None),
     ("ORT query p50, busy / quiet", "query_p50_ms", ("ort", "busy"), ("ort", "quiet"), None),
+    ("pollen engine / ORT query p50, quiet", "query_p50_ms", ("engine", "quiet"), ("ort", "quiet"), None),
+    ("pollen engine / ORT docs texts/s, quiet", "docs_texts_per_s", ("engine", "quiet"), ("ort", "quiet"), None),
+    ("pollen / pollen engine query p50, quiet", "query_p50_ms", ("pollen", "quiet"), ("engine", "quiet"), None),
 ]
 
 
@@ -322,8 +336,9 @@ def markdown(rows: list[dict], ratios: dict, skipped: dict, figures: dict) -> st
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--contenders", default="pollen,st,ort,fastembed",
-                        help="comma-separated, of pollen, st, ort, fastembed (default: all; fastembed if it imports)")
+    parser.add_argument("--contenders", default="pollen,engine,st,ort,fastembed",
+                        help="comma-separated, of pollen, engine, st, ort, fastembed (default: all; fastembed if it "
+                        "imports)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--busy", type=int, default=2, help="background busy processes in the busy condition (0: none)")
     parser.add_argument("--queries", type=int, default=200)

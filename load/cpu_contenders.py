@@ -332,7 +332,61 @@ class FastEmbedEngine:
         return _timed_docs(lambda ts: self._embed(ts, self.batch_size), texts)
 
 
-ENGINES = {"st": STEngine, "ort": ORTEngine, "fastembed": FastEmbedEngine}
+class PollenEngine:
+    """pollen's CPU engine without the server: the worker's model code, packing and thread choice
+    in this process, with the worker's environment (the parent passes CPU_WORKER_ENV), the
+    folder's tokenizer.json without padding, truncation 256. What `pollen serve` adds to it is
+    the trip through the client, gRPC, the frontend and the rings."""
+
+    def __init__(self, model_dir: str, batch_tokens: int):
+        import torch
+        from tokenizers import Tokenizer
+
+        from pollen.worker.engine import EagerEngine
+        from pollen.worker.models.loader import load_model
+
+        self.tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+        self.tokenizer.no_padding()  # the file pads to 128
+        self.tokenizer.enable_truncation(MAX_LENGTH)
+        self.engine = EagerEngine(load_model(model_dir), torch.get_num_threads())
+        self.batch_tokens = batch_tokens
+        self.info = {"torch": torch.__version__, "threads": torch.get_num_threads(), "batch_tokens": batch_tokens,
+                     "truncation": MAX_LENGTH, "environment": {k: os.environ.get(k) for k in sorted(_worker_env())},
+                     "docs_order": "as given, packed into batches of at most batch_tokens (the server's CPU default)"}
+
+    def _rows(self, seqs: list[np.ndarray]) -> np.ndarray:
+        from pollen.worker.packed import pack
+
+        return self.engine.submit(pack(seqs), normalize=np.ones(len(seqs), np.int32)).result()
+
+    def _ids(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, dtype=np.int32) for e in self.tokenizer.encode_batch(texts)]
+
+    def embed_queries(self, texts: list[str]) -> dict:
+        return _timed_queries(lambda t: self._rows(self._ids([t])), texts)
+
+    def _embed_all(self, texts: list[str]) -> np.ndarray:
+        rows, batch, tokens = [], [], 0
+        for ids in self._ids(texts):
+            if batch and tokens + len(ids) > self.batch_tokens:
+                rows.append(self._rows(batch))
+                batch, tokens = [], 0
+            batch.append(ids)
+            tokens += len(ids)
+        rows.append(self._rows(batch))
+        return np.concatenate(rows)
+
+    def embed_docs(self, texts: list[str]) -> dict:
+        return _timed_docs(self._embed_all, texts)
+
+
+def _worker_env() -> dict[str, str]:
+    from pollen.server.config import CPU_WORKER_ENV
+
+    return CPU_WORKER_ENV
+
+
+ENGINES = {"st": STEngine, "ort": ORTEngine, "fastembed": FastEmbedEngine, "pollen-engine": PollenEngine}
 
 
 def child_main() -> None:
@@ -365,13 +419,15 @@ def child_main() -> None:
 class ChildContender:
     """An engine in a child process of its own; the parent reads the child's CPU time and memory."""
 
-    def __init__(self, key: str, engine: str, kwargs: dict, sys_path: list[str] | None = None):
+    def __init__(self, key: str, engine: str, kwargs: dict, sys_path: list[str] | None = None,
+                 env: dict[str, str] | None = None):
         self.key, self.engine, self.kwargs, self.sys_path = key, engine, kwargs, sys_path or []
+        self.env = env or {}  # under the parent's environment: a variable the user set wins
         self.proc: subprocess.Popen | None = None
         self.info: dict = {}
 
     def start(self) -> ChildContender:
-        env = {**os.environ}
+        env = {**self.env, **os.environ}
         if self.sys_path:
             env["PYTHONPATH"] = os.pathsep.join([*self.sys_path, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         self.proc = subprocess.Popen([sys.executable, "-c", "from load.cpu_contenders import child_main; child_main()"],
