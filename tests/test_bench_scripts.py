@@ -2,7 +2,7 @@
 convention's names and round trip, the A/B verdicts, tables of partial runs, every flag
 load/run_gpu.sh and load/ab_commits.sh pass being one the benchmark takes, load/bench_models.py's
 and load/bench_sparse.py's smoke runs on the CPU (tiny models, real servers), and load/bench_cpu.py's
-(pollen against sentence-transformers and ONNX Runtime, quiet and busy)."""
+(pollen and its engine alone against sentence-transformers and ONNX Runtime, quiet and busy)."""
 from __future__ import annotations
 
 import argparse
@@ -177,8 +177,8 @@ def test_bench_sparse_smoke_run_serves_splade_and_bge_m3_and_writes_its_table(tm
 
 @pytest.mark.slow
 def test_bench_cpu_smoke_run_measures_each_contender_quiet_and_busy(tmp_path):
-    """load/bench_cpu.py --smoke: pollen, sentence-transformers and ONNX Runtime (the checkpoint exported
-    to ONNX) on the same texts, quiet and under one busy process; every figure measured, every vector
+    """load/bench_cpu.py --smoke: pollen, its engine without the server, sentence-transformers and ONNX
+    Runtime (the checkpoint exported to ONNX) on the same texts, quiet and under one busy process; every figure measured, every vector
     within 0.9999 cosine of sentence-transformers', memory per process, and the issue's ratios."""
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnx")
@@ -190,7 +190,7 @@ def test_bench_cpu_smoke_run_measures_each_contender_quiet_and_busy(tmp_path):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     figures = results_file.read_figures(out)
     rows = {(r["contender"], r["condition"]): r for r in figures["rows"]}
-    for key in ("pollen", "st", "ort"):
+    for key in ("pollen", "engine", "st", "ort"):
         for condition in ("quiet", "busy"):
             row = rows[(key, condition)]
             for metric in ("query_p50_ms", "query_p99_ms", "cpu_ms_per_query", "docs_texts_per_s", "docs_tokens_per_s",
@@ -203,7 +203,9 @@ def test_bench_cpu_smoke_run_measures_each_contender_quiet_and_busy(tmp_path):
     assert all(r["min_cosine"] >= 0.9999 for r in figures["runs"])
     assert {"pollen / ORT query p50, quiet", "pollen / ORT docs texts/s, quiet", "pollen / ORT CPU seconds per query, quiet",
             "pollen docs texts/s, busy / quiet", "pollen / sentence-transformers docs texts/s, busy",
-            "pollen query p50, busy / quiet"} <= set(figures["ratios"])
+            "pollen query p50, busy / quiet", "pollen / pollen engine query p50, quiet"} <= set(figures["ratios"])
+    assert figures["runs"] and all(r["info"]["environment"]["GOMP_SPINCOUNT"] is not None
+                                   for r in figures["runs"] if r["contender"] == "engine")  # the worker's
     assert figures["onnx_export"]["reused"] is False  # a fresh folder: exported by this run
     text = out.read_text()
     assert "| pollen | busy |" in text and "| ONNX Runtime | quiet |" in text and "while True: pass" in text
