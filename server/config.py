@@ -329,16 +329,11 @@ FRONTEND_ENV = {"TOKENIZERS_PARALLELISM": "false", **GRPC_CORE_ENV}
 # A CPU worker's environment, unless the user's sets the same variable. torch's OpenMP threads spin
 # after each parallel region before they sleep. GNU OpenMP's default spin outlasts the gap between
 # two queries, so a query's helper threads would burn a core through that gap (CPU a neighbour on
-# a shared node needs); a short spin (10,000) bridges the serial ops between one forward's
-# products, so a query's forward on two threads beats one thread, but costs half again its CPU.
-# With no spin, a helper thread sleeps as soon as its share of a product is done and must be woken
-# for the next: a query on two threads then runs slower than on one, so the worker's thread choice
-# (worker/thread_choice.py) runs queries on one thread, and docs, whose products are large, on
-# two. load/bench_cpu.py, 0 against 10,000: a quarter less CPU per query (4.7 against 6.3 ms), a
-# query p50 0.4 ms higher on idle cores (4.4 against 4.0 ms), docs within the run-to-run spread
-# (307 against 321 texts/s), and with two busy processes on the two cores the query p99 halved
-# (21 against 47 ms). GOMP_SPINCOUNT=10000 in the environment buys the 0.4 ms back where the
-# cores are the worker's own.
+# a shared node needs). A short spin still bridges the serial ops between one forward's products,
+# so docs keep the pool's speed (with no spin a helper is woken for every product: a sixth slower
+# on docs); only the idle time after a batch stops costing a core. Queries, for which the pool
+# buys little on few cores, run on one thread by the thread choice's own rule
+# (worker/thread_choice.py SMALL_MIN_SPEEDUP). Measured by load/bench_cpu.py.
 #
 # glibc's malloc serves every allocation over its mmap threshold (128 KiB, raised only as far as
 # the largest block freed so far) with fresh pages from the kernel, and gives the top of its heap
@@ -348,7 +343,7 @@ FRONTEND_ENV = {"TOKENIZERS_PARALLELISM": "false", **GRPC_CORE_ENV}
 # largest batch so far needed and reuses it; that memory is bounded by --max-batch-tokens (the
 # batch's activations), and a block larger than WORKER_HEAP_KEEP is still mapped and unmapped.
 WORKER_HEAP_KEEP = 1 << 30
-CPU_WORKER_ENV = {"GOMP_SPINCOUNT": "0", "MALLOC_MMAP_THRESHOLD_": str(WORKER_HEAP_KEEP),
+CPU_WORKER_ENV = {"GOMP_SPINCOUNT": "10000", "MALLOC_MMAP_THRESHOLD_": str(WORKER_HEAP_KEEP),
                   "MALLOC_TRIM_THRESHOLD_": str(WORKER_HEAP_KEEP)}
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pollen.worker.thread_choice import LEARN_TOKENS, PROBE_EVERY, ThreadChoice
+from pollen.worker.thread_choice import LEARN_TOKENS, PROBE_EVERY, SMALL_MIN_SPEEDUP, ThreadChoice
 
 
 @pytest.fixture(autouse=True)
@@ -87,9 +87,22 @@ def test_a_step_in_load_switches_after_two_batches_and_a_hiccup_does_not():
 def test_a_step_seen_by_queries_moves_docs_too():
     choice = ThreadChoice(2)
     drive(choice, {2: 1.0, 1: 1.5}, 10)  # docs, quiet: two threads
-    drive(choice, {2: 1.0, 1: 1.4}, 10, tokens=10)  # queries, quiet: two threads
+    drive(choice, {2: 1.0, 1: 2.0}, 10, tokens=10)  # queries, quiet: two threads (twice as fast)
     assert choice.small.current == choice.large.current == 2
     assert drive(choice, {2: 5.0, 1: 2.0}, 3, tokens=10) == [2, 2, 1]  # queries see the step
     assert choice.large.current == 1  # docs scaled by it: their first batch runs on one thread
     docs = drive(choice, {2: 5.0, 1: 2.0}, PROBE_EVERY // 4 + 2)
     assert docs[0] == 1 and docs.count(2) == 1  # and probe two threads soon, to check
+
+
+def test_a_query_takes_the_pool_only_where_it_buys_enough_speed():
+    """Docs take the faster count; a query takes more threads only when they make it at least
+    SMALL_MIN_SPEEDUP times faster (on two cores two threads cost a query half again its CPU
+    for a quarter less time)."""
+    slight = {2: 1.0, 1: 0.9 * SMALL_MIN_SPEEDUP}
+    choice = ThreadChoice(2)
+    assert drive(choice, slight, 30)[2:].count(2) >= 25  # docs: the faster count
+    queries = drive(choice, slight, 30, tokens=10)
+    assert queries[:2] == [2, 1] and queries[2:].count(1) >= 25
+    plenty = ThreadChoice(8)
+    assert drive(plenty, {8: 1.0, 1: 4.0}, 30, tokens=10)[2:].count(8) >= 25  # many cores: the pool

@@ -1,19 +1,18 @@
 """How many threads the CPU engine's batches run on, chosen by what the batches measure.
 
 A CPU sidecar shares its cores with the service it serves. On idle cores, torch's intra-op pool
-of one thread per core is fastest for docs, and for a query's forward too where its helper
-threads spin between the products (with the worker's default GOMP_SPINCOUNT=0 they sleep, and a
-query is faster on one thread: server/config.py CPU_WORKER_ENV). When other processes keep the
-cores busy, each parallel region waits at its barrier for the thread that lost its core, and a
-layer has dozens of regions: the same batches then run several times slower on two threads than
-on one. No setting is right for every case, and which one holds changes with the neighbours'
-load and the spin.
+of one thread per core is fastest, for docs and for a query's forward alike, though for a query
+on few cores it buys little for its CPU (SMALL_MIN_SPEEDUP). When other processes keep the cores
+busy, each parallel region waits at its barrier for the thread that lost its core, and a layer
+has dozens of regions: the same batches then run several times slower on two threads than on
+one. No setting is right for both, and which one holds changes with the neighbours' load.
 
 So the engine measures, in two classes of batch that it learns apart: small ones (under
 LEARN_TOKENS tokens: queries, whose time is mostly fixed costs, so a batch's seconds are its
 figure) and large ones (docs: seconds per token). In each class, every batch records its figure
 under the thread count it ran on (an exponential average for the count in use); batches run on the
-count with the lower figure (two batches in a row over STEP times their count's figure replace it:
+count with the lower figure (a small batch on more threads only where that figure is
+SMALL_MIN_SPEEDUP times lower; two batches in a row over STEP times their count's figure replace it:
 a change of load shows at once, a lone hiccup does not), and every PROBE_EVERY-th batch of the class
 runs on the other one, whose figure that probe replaces, so a count's figure never goes stale by
 more than that many batches of its class. A step seen in one class scales the other class's
@@ -29,13 +28,20 @@ PROBE_EVERY = 24
 SMOOTHING = 0.3  # the weight of the newest batch in the count in use's average
 STEP = 2.0  # STEP_BATCHES batches in a row this many times their count's figure: the load changed
 STEP_BATCHES = 2
+# A small batch (a query) takes the pool only where it runs at least this much faster than on one
+# thread. A query's forward is mostly products of a few rows, bound by reading the weights, and
+# the serial ops between them, through which the pool's helper threads spin: on two cores two
+# threads take a quarter to a third less time for half again the CPU, which a sidecar's
+# neighbours pay. Many cores buy a query several times its speed, and keep the pool.
+SMALL_MIN_SPEEDUP = 1.5
 
 
 class CountChoice:
     """One class of batch's choice between the counts in `counts` (the first is the default)."""
 
-    def __init__(self, counts: tuple[int, ...]):
+    def __init__(self, counts: tuple[int, ...], min_speedup: float = 1.0):
         self.counts = counts
+        self.min_speedup = min_speedup  # what more threads must buy over the fewest to be chosen
         self.cost: dict[int, float | None] = dict.fromkeys(counts)
         self.current = counts[0]
         self.since_probe = 0
@@ -85,7 +91,8 @@ class CountChoice:
 
     def _choose(self) -> None:
         known = {c: v for c, v in self.cost.items() if v is not None}
-        self.current = min(known, key=known.get)
+        best, fewest = min(known, key=known.get), min(known)
+        self.current = best if known[fewest] >= self.min_speedup * known[best] else fewest
 
 
 class ThreadChoice:
@@ -93,7 +100,7 @@ class ThreadChoice:
 
     def __init__(self, most: int, adapt: bool = True):
         counts = (most, 1) if adapt and most > 1 else (most,)
-        self.small, self.large = CountChoice(counts), CountChoice(counts)
+        self.small, self.large = CountChoice(counts, SMALL_MIN_SPEEDUP), CountChoice(counts)
 
     def _class(self, tokens: int) -> CountChoice:
         return self.large if tokens >= LEARN_TOKENS else self.small
