@@ -330,18 +330,18 @@ FRONTEND_ENV = {"TOKENIZERS_PARALLELISM": "false", **GRPC_CORE_ENV}
 # after each parallel region before they sleep. GNU OpenMP's default spin outlasts the gap between
 # two queries, so a query's helper threads would burn a core through that gap (CPU a neighbour on
 # a shared node needs). A short spin still bridges the serial ops between one forward's products,
-# so docs keep the pool's speed (with no spin a helper is woken for every product: a sixth slower
-# on docs); only the idle time after a batch stops costing a core. Queries, for which the pool
+# so docs keep the pool's speed (with no spin a helper is woken for every product, and docs run
+# measurably slower); only the idle time after a batch stops costing a core. Queries, for which the pool
 # buys little on few cores, run on one thread by the thread choice's own rule
 # (worker/thread_choice.py SMALL_MIN_SPEEDUP). Measured by load/bench_cpu.py.
 #
 # glibc's malloc serves every allocation over its mmap threshold (128 KiB, raised only as far as
 # the largest block freed so far) with fresh pages from the kernel, and gives the top of its heap
 # back past its trim threshold: each batch's activations (megabytes) were faulted in and zeroed
-# again, batch after batch (about 300,000 page faults in one pass over the benchmark's 600 docs,
-# a fifth of the worker's CPU). With both thresholds at WORKER_HEAP_KEEP the heap keeps what the
-# largest batch so far needed and reuses it; that memory is bounded by --max-batch-tokens (the
-# batch's activations), and a block larger than WORKER_HEAP_KEEP is still mapped and unmapped.
+# again, batch after batch, a large share of the worker's CPU on docs (docs/performance.md). With
+# both thresholds at WORKER_HEAP_KEEP the heap keeps what the largest batch so far needed and
+# reuses it; that memory is bounded by --max-batch-tokens (the batch's activations), and a block
+# larger than WORKER_HEAP_KEEP is still mapped and unmapped.
 WORKER_HEAP_KEEP = 1 << 30
 CPU_WORKER_ENV = {"GOMP_SPINCOUNT": "10000", "MALLOC_MMAP_THRESHOLD_": str(WORKER_HEAP_KEEP),
                   "MALLOC_TRIM_THRESHOLD_": str(WORKER_HEAP_KEEP)}

@@ -31,8 +31,8 @@ STEP_BATCHES = 2
 # A small batch (a query) takes the pool only where it runs at least this much faster than on one
 # thread. A query's forward is mostly products of a few rows, bound by reading the weights, and
 # the serial ops between them, through which the pool's helper threads spin: on two cores two
-# threads take a quarter to a third less time for half again the CPU, which a sidecar's
-# neighbours pay. Many cores buy a query several times its speed, and keep the pool.
+# threads save a query far less time than the CPU they add, which a sidecar's neighbours pay.
+# Many cores buy a query several times its speed, and keep the pool.
 SMALL_MIN_SPEEDUP = 1.5
 
 
