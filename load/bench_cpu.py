@@ -9,10 +9,10 @@ Contenders (load/cpu_contenders.py; --contenders picks them, default pollen,engi
   pollen     `pollen serve` on its defaults plus each --pollen-flag (e.g. --pollen-flag=--worker-threads=1);
              queries by unary Embed from this process, docs over EmbedStream on --streams streams (a
              connection each) of --per-message texts per message.
-  engine     pollen's CPU engine without the server, in a child process with the worker's environment:
-             the worker's model code, packing and thread choice, `tokenizers` (truncation 256); a query is
-             one packed batch, docs are packed in order into batches of the server's CPU budget (1,024
-             tokens). pollen's figures less these are what the server's trip costs.
+  engine     pollen's CPU engine without the server (bulk/'s BulkEmbedder: the server's tokenizer, packing
+             and engine with the worker's thread choice), in a child process with the worker's environment;
+             a query is one packed batch, docs are packed in order into batches of the server's CPU budget
+             (1,024 tokens). pollen's figures less these are what the server's trip costs.
   st         SentenceTransformer(folder, device="cpu") in a child process: a query is encode([text]),
              docs are encode(docs, batch_size=--batch-size) (sentence-transformers sorts them by length).
   ort        the checkpoint exported to ONNX at start (torch.onnx.export, TorchScript exporter, dynamic

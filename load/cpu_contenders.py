@@ -333,57 +333,27 @@ class FastEmbedEngine:
 
 
 class PollenEngine:
-    """pollen's CPU engine without the server: the worker's model code, packing and thread choice
-    in this process, with the worker's environment (the parent passes CPU_WORKER_ENV), the
-    folder's tokenizer.json without padding, truncation 256. What `pollen serve` adds to it is
-    the trip through the client, gRPC, the frontend and the rings."""
+    """pollen's CPU engine without the server: bulk/'s BulkEmbedder (the server's tokenizer, packing
+    and engine, with the worker's thread choice) in this process, with the worker's environment
+    (the parent passes CPU_WORKER_ENV) and the server's CPU batch budget. What `pollen serve` adds
+    to it is the trip through the client, gRPC, the frontend and the rings."""
 
     def __init__(self, model_dir: str, batch_tokens: int):
         import torch
-        from tokenizers import Tokenizer
 
-        from pollen.worker.engine import EagerEngine
-        from pollen.worker.models.loader import load_model
+        from pollen.bulk.embedder import BulkEmbedder
+        from pollen.server.config import CPU_WORKER_ENV
 
-        self.tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-        self.tokenizer.no_padding()  # the file pads to 128
-        self.tokenizer.enable_truncation(MAX_LENGTH)
-        self.engine = EagerEngine(load_model(model_dir), torch.get_num_threads())
-        self.batch_tokens = batch_tokens
+        self.embedder = BulkEmbedder(model_dir, device="cpu", max_batch_tokens=batch_tokens)
         self.info = {"torch": torch.__version__, "threads": torch.get_num_threads(), "batch_tokens": batch_tokens,
-                     "truncation": MAX_LENGTH, "environment": {k: os.environ.get(k) for k in sorted(_worker_env())},
+                     "environment": {k: os.environ.get(k) for k in sorted(CPU_WORKER_ENV)},
                      "docs_order": "as given, packed into batches of at most batch_tokens (the server's CPU default)"}
 
-    def _rows(self, seqs: list[np.ndarray]) -> np.ndarray:
-        from pollen.worker.packed import pack
-
-        return self.engine.submit(pack(seqs), normalize=np.ones(len(seqs), np.int32)).result()
-
-    def _ids(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray(e.ids, dtype=np.int32) for e in self.tokenizer.encode_batch(texts)]
-
     def embed_queries(self, texts: list[str]) -> dict:
-        return _timed_queries(lambda t: self._rows(self._ids([t])), texts)
-
-    def _embed_all(self, texts: list[str]) -> np.ndarray:
-        rows, batch, tokens = [], [], 0
-        for ids in self._ids(texts):
-            if batch and tokens + len(ids) > self.batch_tokens:
-                rows.append(self._rows(batch))
-                batch, tokens = [], 0
-            batch.append(ids)
-            tokens += len(ids)
-        rows.append(self._rows(batch))
-        return np.concatenate(rows)
+        return _timed_queries(lambda t: self.embedder.embed([t]), texts)
 
     def embed_docs(self, texts: list[str]) -> dict:
-        return _timed_docs(self._embed_all, texts)
-
-
-def _worker_env() -> dict[str, str]:
-    from pollen.server.config import CPU_WORKER_ENV
-
-    return CPU_WORKER_ENV
+        return _timed_docs(self.embedder.embed, texts)
 
 
 ENGINES = {"st": STEngine, "ort": ORTEngine, "fastembed": FastEmbedEngine, "pollen-engine": PollenEngine}

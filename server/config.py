@@ -331,8 +331,8 @@ FRONTEND_ENV = {"TOKENIZERS_PARALLELISM": "false", **GRPC_CORE_ENV}
 # two queries, so a query's helper threads would burn a core through that gap (CPU a neighbour on
 # a shared node needs). A short spin still bridges the serial ops between one forward's products,
 # so docs keep the pool's speed (with no spin a helper is woken for every product, and docs run
-# measurably slower); only the idle time after a batch stops costing a core. Queries, for which the pool
-# buys little on few cores, run on one thread by the thread choice's own rule
+# measurably slower); only the idle time after a batch stops costing a core. Queries, for which
+# the pool buys little on few cores, run on one thread by the thread choice's own rule
 # (worker/thread_choice.py SMALL_MIN_SPEEDUP). Measured by load/bench_cpu.py.
 #
 # glibc's malloc serves every allocation over its mmap threshold (128 KiB, raised only as far as

@@ -12,8 +12,8 @@ LEARN_TOKENS tokens: queries, whose time is mostly fixed costs, so a batch's sec
 figure) and large ones (docs: seconds per token). In each class, every batch records its figure
 under the thread count it ran on (an exponential average for the count in use); batches run on the
 count with the lower figure (a small batch on more threads only where that figure is
-SMALL_MIN_SPEEDUP times lower; two batches in a row over STEP times their count's figure replace it:
-a change of load shows at once, a lone hiccup does not), and every PROBE_EVERY-th batch of the class
+SMALL_MIN_SPEEDUP times lower; two batches in a row over STEP times their count's figure replace
+it: a change of load shows at once, a lone hiccup does not), and every PROBE_EVERY-th batch of the class
 runs on the other one, whose figure that probe replaces, so a count's figure never goes stale by
 more than that many batches of its class. A step seen in one class scales the other class's
 figure for that count by the same factor (and brings that class's next probe closer, to check
