@@ -32,6 +32,7 @@ class WorkerConfig:
     graph_max_tokens: int = 8192
     pooling: str | None = None
     attention: str | None = None
+    quantization: str = "none"  # per model, comma-separated in --model's order (ServeConfig.quantizations)
     bulk_batch_tokens: int = 0  # cap on bulk tokens per batch; 0: max_batch_tokens
     bulk_sms: int = 0  # cuda: SMs of the bulk lane (ServeConfig.bulk_sms)
     spin_us: int = 0  # microseconds the loop polls the request rings before it sleeps
@@ -51,11 +52,16 @@ class WorkerConfig:
         its worker settings, and this worker's GPU, cores, control socket and server state."""
         same = {f.name: getattr(serve, f.name) for f in dataclasses.fields(serve) if f.name in cls.__dataclass_fields__}
         cuda = serve.device == "cuda"
-        return cls(**{**same, "dtype": serve.worker_dtype(), "cuda_graphs": serve.cuda_graphs == "on"},
+        return cls(**{**same, "dtype": serve.worker_dtype(), "cuda_graphs": serve.cuda_graphs == "on",
+                      "quantization": ",".join(serve.quantizations())},
                    index=index, threads=serve.worker_threads, parent_pid=os.getpid(), control_fd=control_fd,
                    state=state, gpu=serve.gpu_list()[index] if cuda else -1, cpu_cores=cpu_cores,
                    cuda_device=serve.cuda_device(index) if cuda else "", spin_us=serve.worker_spin_us,
                    engine_options=serve.engine_options())
+
+    def quantization_of(self, index: int) -> str:
+        """Model `index`'s quantization."""
+        return self.quantization.split(",")[index]
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -29,7 +29,7 @@ _GEMMA_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    arch: str          # bert, mpnet, modernbert, gemma3, mistral
+    arch: str          # bert, mpnet, modernbert, gemma3, mistral, qwen3
     model: str         # the real model the shape copies
     dims: dict         # its config.json's sizes and attention pattern
     tiny: dict         # the same pattern, small (the CPU smoke run)
@@ -86,6 +86,19 @@ SHAPES = {
              max_position_embeddings=512),
         "cls_token", 512, "wordpiece"),
 }
+# Qwen3-Embedding's three sizes (load/bench_fp8.py), with the real Qwen3 tokenizer.json as their BPE.
+_QWEN3 = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
+              rope_theta=1000000.0, rms_norm_eps=1e-6)
+_QWEN3_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   intermediate_size=128, max_position_embeddings=32768, rope_theta=1000000.0)
+for _name, _dims in (("qwen3-0.6b", dict(_QWEN3, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                                         intermediate_size=3072)),
+                     ("qwen3-4b", dict(_QWEN3, hidden_size=2560, num_hidden_layers=36, intermediate_size=9728)),
+                     ("qwen3-8b", dict(_QWEN3, hidden_size=4096, num_hidden_layers=36, intermediate_size=12288))):
+    SHAPES[_name] = Shape("qwen3", f"Qwen/Qwen3-Embedding-{_name[6:].upper()}", _dims, _QWEN3_TINY, "lasttoken", 8192,
+                          "bpe", dtype=torch.bfloat16)
+# What load/bench_models.py runs unless told otherwise (the Qwen3 shapes have their own benchmarks).
+MODELS_SHAPES = ("mpnet-base", "modernbert-base", "embeddinggemma-300m", "mistral-7b", "bert-base")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +161,8 @@ def hf_model(shape: Shape, dims: dict, vocab: int, pad: int, device: str) -> tor
     config_class, model_class = {"bert": (tf.BertConfig, tf.BertModel), "mpnet": (tf.MPNetConfig, tf.MPNetModel),
                                  "modernbert": (tf.ModernBertConfig, tf.ModernBertModel),
                                  "gemma3": (tf.Gemma3TextConfig, tf.Gemma3TextModel),
-                                 "mistral": (tf.MistralConfig, tf.MistralModel)}[shape.arch]
+                                 "mistral": (tf.MistralConfig, tf.MistralModel),
+                                 "qwen3": (tf.Qwen3Config, tf.Qwen3Model)}[shape.arch]
     ids = {"pad_token_id": pad}
     if shape.arch == "modernbert":  # its defaults are the GPT-NeoX ids, past a smaller vocabulary
         ids |= {"bos_token_id": None, "eos_token_id": None, "cls_token_id": None, "sep_token_id": None}

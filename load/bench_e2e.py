@@ -34,12 +34,13 @@ from pollen.v1 import embedder_pb2_grpc as pb_grpc  # noqa: E402
 from tests.conftest import ServerProcess  # noqa: E402
 
 
-def engine_docs(path, seqs, budget, options):
+def engine_docs(path, seqs, budget, options, quantization="none"):
     from pollen.worker.cuda_engine import CudaEngine
     from pollen.worker.models.loader import load_model
 
     # The server's defaults: graphs up to 8,192 tokens, larger batches eager.
-    engine = CudaEngine(load_model(path, device="cuda", dtype=torch.bfloat16, options=options), "cuda",
+    engine = CudaEngine(load_model(path, device="cuda", dtype=torch.bfloat16, options=options,
+                                   quantization=quantization), "cuda",
                         max_batch_tokens=budget, graph_max_tokens=8192)
     engine.warm_up()
     ours_throughput(engine, seqs[:2000], budget)
@@ -126,6 +127,8 @@ def main():
                    help="the docs through EmbedStream alone: no engine-alone figure, no queries, no second server")
     p.add_argument("--engine-options", type=EngineOptions.parse, default=EngineOptions(),
                    help="NAME=VALUE,... of pollen.common.engine_options.EngineOptions, for the engine and the servers")
+    p.add_argument("--quantization", default="none", choices=("none", "fp8"),
+                   help="the engine's and the servers' products (pollen serve --quantization)")
     args = p.parse_args()
     path = make_checkpoint(args.shape, args.root)
     vocab = SHAPES[args.shape]["vocab_size"]
@@ -135,13 +138,14 @@ def main():
     hi = 512 if SHAPES[args.shape]["kind"] == "bert" else 2048
     d = docs(int(DOCS[args.shape] * args.docs_scale), vocab, hi)
     tokens = sum(len(s) for s in d)
-    res = {"meta": versions(), "shape": args.shape, "engine_options": dataclasses.asdict(args.engine_options)}
+    res = {"meta": versions(), "shape": args.shape, "engine_options": dataclasses.asdict(args.engine_options),
+           "quantization": args.quantization}
     if not args.docs_only:
-        res["engine_docs_tokens_per_s"] = engine_docs(path, d, budget, args.engine_options)
+        res["engine_docs_tokens_per_s"] = engine_docs(path, d, budget, args.engine_options, args.quantization)
         print("engine", res, flush=True)
     flags = ["--model", path, "--device", "cuda", "--max-batch-tokens", str(budget), "--max-request-bytes",
              str(64 << 20), "--max-queued-tokens", str(64 << 20), "--max-texts-per-request", "32",
-             *args.engine_options.serve_flags()]
+             "--quantization", args.quantization, *args.engine_options.serve_flags()]
     server = ServerProcess(*flags, env={"PYTHONUNBUFFERED": "1"}).start(timeout=300)
     try:
         res["server_start_s"] = server.started_in_s
@@ -175,6 +179,8 @@ def markdown(res: dict, args) -> str:
     m = res["meta"]
     md = (f"{m['gpu']}, driver {m['driver']}, torch {m['torch']}, {m['date']}; client and server on the same "
           "machine, gRPC on loopback, pre-tokenized input.")
+    if res.get("quantization", "none") != "none":
+        md += f" Engine and server with --quantization {res['quantization']}."
     if "queries" in res:
         md += f" gRPC round-trip floor (Info) p50 {res['queries']['grpc_info_p50_ms']:.2f} ms."
     engine, q = res.get("engine_docs_tokens_per_s"), res.get("queries")

@@ -37,8 +37,8 @@ from pollen.worker.cuda_engine import CudaEngine  # noqa: E402
 from pollen.worker.models.loader import load_model  # noqa: E402
 from pollen.worker.packed import pack  # noqa: E402
 
-DOCS = {"qwen3-0.6b": 20000, "qwen3-4b": 5000, "bert-base": 20000}
-BUDGET = {"qwen3-0.6b": 16384, "qwen3-4b": 16384, "bert-base": 32768}
+DOCS = {"qwen3-0.6b": 20000, "qwen3-4b": 5000, "qwen3-8b": 3000, "bert-base": 20000}
+BUDGET = {"qwen3-0.6b": 16384, "qwen3-4b": 16384, "qwen3-8b": 16384, "bert-base": 32768}
 
 
 def log(*a):
@@ -258,7 +258,8 @@ def bench_shape(shape, root, rate, args):
 
     # ---- ours, eager then graphs
     for label, graphs in (("graphs", True),) if args.docs_only else (("eager", False), ("graphs", True)):
-        model = load_model(path, device="cuda", dtype=torch.bfloat16, options=args.engine_options)
+        model = load_model(path, device="cuda", dtype=torch.bfloat16, options=args.engine_options,
+                           quantization=args.quantization)
         engine = CudaEngine(model, "cuda", max_batch_tokens=budget, cuda_graphs=graphs)
         engine.warm_up()
         torch.cuda.synchronize()
@@ -293,7 +294,8 @@ def bench_shape(shape, root, rate, args):
     if args.queries_only or args.docs_only:
         return res
     if causal and not args.skip_bidir:
-        model = load_model(pplx_variant(path), device="cuda", dtype=torch.bfloat16, options=args.engine_options)
+        model = load_model(pplx_variant(path), device="cuda", dtype=torch.bfloat16, options=args.engine_options,
+                           quantization=args.quantization)
         engine = CudaEngine(model, "cuda", max_batch_tokens=budget, cuda_graphs=True)
         engine.warm_up()
         ours_throughput(engine, d[:2000], budget)
@@ -360,7 +362,8 @@ def markdown(meta, rate, shapes):
              f"transformers {meta['transformers']}, Python {meta['python']}, {meta['date']}. bf16 matrix product "
              f"rate measured in this run: {rate / 1e12:.0f} TFLOP/s (MFU is against it).", "",
              "Random weights in the real HF format, loaded through pollen's loader. Causal attention on both sides "
-             "for the HF comparison.", "",
+             "for the HF comparison." + (f" pollen's timed runs with --quantization {meta['quantization']}."
+                                         if meta.get("quantization", "none") != "none" else ""), "",
              "| shape | workload | HF transformers | pollen eager | pollen graphs | graphs / HF |",
              "| --- | --- | --- | --- | --- | --- |"]
     for s in shapes:
@@ -416,9 +419,13 @@ def main():
                    help="our engine's docs tokens/s with graphs alone (no check, eager, HF, queries, long or bidirectional)")
     p.add_argument("--engine-options", type=EngineOptions.parse, default=EngineOptions(),
                    help="NAME=VALUE,... of pollen.common.engine_options.EngineOptions, e.g. skinny=0")
+    p.add_argument("--quantization", default="none", choices=("none", "fp8"),
+                   help="the timed runs' products (the check against HF stays unquantized): fp8 as "
+                        "`pollen serve --quantization fp8`, from the batch size the load measures")
     args = p.parse_args()
     meta = versions()
     meta["engine_options"] = dataclasses.asdict(args.engine_options)
+    meta["quantization"] = args.quantization
     rate = matmul_rate()
     log("matmul", rate / 1e12, "TFLOP/s", meta)
     shapes = [bench_shape(shape, args.root, rate, args) for shape in args.shapes.split(",")]

@@ -48,7 +48,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from load.arch_models import SHAPES, Tokenizer, make_checkpoint  # noqa: E402
+from load.arch_models import MODELS_SHAPES, SHAPES, Tokenizer, make_checkpoint  # noqa: E402
 from load.bench_mixed import StreamLoad, stream_docs  # noqa: E402
 from load.results_file import add_out_argument, device_kind, write_result  # noqa: E402
 
@@ -67,7 +67,8 @@ class Workload:
 
 WORKLOADS = {"mpnet-base": Workload(4000, 30, 512, 32), "modernbert-base": Workload(4000, 30, 512, 32),
              "embeddinggemma-300m": Workload(4000, 30, 512, 32), "mistral-7b": Workload(1000, 30, 512, 32, warm=15.0),
-             "bert-base": Workload(10000, 50, 50, 128)}
+             "bert-base": Workload(10000, 50, 50, 128), "qwen3-0.6b": Workload(4000, 30, 512, 32),
+             "qwen3-4b": Workload(4000, 30, 512, 32, warm=10.0), "qwen3-8b": Workload(2000, 30, 512, 32, warm=15.0)}
 SMOKE = Workload(12, 8, 48, 4, warm=2.0)  # --device cpu: tiny shapes (a CPU worker's first calls are slow)
 
 
@@ -223,7 +224,7 @@ def parse_tokenizers(values: list[str]) -> dict[str, str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--shapes", default=",".join(MODELS_SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: a smoke run, tiny versions of the shapes and a few texts")
     p.add_argument("--root", default="/tmp/pollen-ckpt", help="where the checkpoints are written once")

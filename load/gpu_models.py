@@ -1,6 +1,6 @@
 """Random-weight checkpoints in the real Hugging Face format, made on the GPU machine itself.
 
-Shapes from the GPU issue: Qwen3-0.6B, Qwen3-4B and BERT-base. Weights are drawn on the GPU (fast
+Shapes: Qwen3-0.6B, Qwen3-4B, Qwen3-8B and BERT-base. Weights are drawn on the GPU (fast
 even for 4B), saved with save_pretrained (sharded, as real checkpoints are), and read back through
 pollen's own loader by the benchmarks. A word-level tokenizer.json is written next to them so
 `pollen serve` can start; the benchmarks send token ids.
@@ -18,6 +18,9 @@ SHAPES = {
                        max_position_embeddings=32768, rope_theta=1000000.0),
     "qwen3-4b": dict(kind="qwen3", hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151669,
+                     max_position_embeddings=32768, rope_theta=1000000.0),
+    "qwen3-8b": dict(kind="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151669,
                      max_position_embeddings=32768, rope_theta=1000000.0),
     "bert-base": dict(kind="bert", hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                       intermediate_size=3072, vocab_size=30522, max_position_embeddings=512),

@@ -7,22 +7,23 @@
 #   STEPS="engine e2e" bash load/run_gpu.sh
 #
 # Steps, all by default, in this order: tests engine e2e concurrency mixed one_client http rerank
-# two_models models sparse.
+# two_models models sparse fp8.
 # The models are random weights in the real shapes (load/gpu_models.py, load/arch_models.py, written once under
 # /tmp/pollen-ckpt); the servers tokenize with the real Qwen3 tokenizer.json, which
 # POLLEN_QWEN3_TOKENIZER names (concurrency, mixed, one_client, http, rerank, two_models and models
 # need it; rerank and two_models also a BERT tokenizer directory, POLLEN_BERT_TOKENIZER_DIR, which
 # models and sparse use too, with the STS-B test CSV that POLLEN_STSB names; sparse needs no Qwen3
-# tokenizer: its SPLADE and bge-m3 shapes take the BERT one). With h2load on
+# tokenizer: its SPLADE and bge-m3 shapes take the BERT one; fp8 needs the Qwen3 tokenizer and reads
+# all-MiniLM-L6-v2 from its installed package, or POLLEN_MINILM_DIR). With h2load on
 # PATH (Debian/Ubuntu: nghttp2-client), concurrency also measures unary calls from it. A failed
 # step does not stop the ones after it; the exit status says whether any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-$(command -v python || command -v python3)}
-steps=" ${STEPS:-tests engine e2e concurrency mixed one_client http rerank two_models models sparse} "
+steps=" ${STEPS:-tests engine e2e concurrency mixed one_client http rerank two_models models sparse fp8} "
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 tok=(--tokenizer "${POLLEN_QWEN3_TOKENIZER:-}")
-for name in concurrency mixed one_client http rerank two_models models; do
+for name in concurrency mixed one_client http rerank two_models models fp8; do
     if [[ $steps == *" $name "* && ! -f ${POLLEN_QWEN3_TOKENIZER:-} ]]; then
         echo "$name needs POLLEN_QWEN3_TOKENIZER, the real Qwen3 tokenizer.json" >&2
         exit 2
@@ -54,6 +55,8 @@ step two_models "$py" load/bench_two_models.py --bert-tokenizer "${POLLEN_BERT_T
 step models "$py" load/bench_models.py --bert-tokenizer "${POLLEN_BERT_TOKENIZER_DIR:-}" \
     --qwen3-tokenizer "${POLLEN_QWEN3_TOKENIZER:-}"
 step sparse "$py" load/bench_sparse.py --bert-tokenizer "${POLLEN_BERT_TOKENIZER_DIR:-}"
+step fp8 "$py" load/bench_fp8.py --qwen3-tokenizer "${POLLEN_QWEN3_TOKENIZER:-}" \
+    ${POLLEN_MINILM_DIR:+--minilm "$POLLEN_MINILM_DIR"}
 
 if [[ -n $failed ]]; then
     echo "failed:$failed" >&2

@@ -78,6 +78,11 @@ class ServeConfig:
                                   shown="the checkpoint's", choices=("causal", "bidirectional"))
     dtype: str = _flag(MODEL, "auto", "weights and activations", shown="auto, bfloat16 on cuda and float32 on cpu",
                        choices=("auto", "bfloat16", "float16", "float32"))
+    quantization: str = _flag(MODEL, "none", "fp8: the layers' matrix products in e4m3 on a GPU that has them "
+                              "(Ada, Hopper and later; bfloat16 only): long batches run faster, each vector "
+                              "moves slightly (docs/performance.md measures both); attention, norms and pooling "
+                              "stay bfloat16, and batches too short to gain stay on bfloat16 products; repeated, "
+                              "each of --model's models in order", metavar="none|fp8", repeat=True)
     tiktoken: bool = _flag(MODEL, True, "tokenize a lone ASCII query with tiktoken where the tokenizer.json is "
                            "byte-level BPE and tiktoken gives its very ids (checked at start)")
     listen: str = _flag(NETWORK, "127.0.0.1:50051", "the gRPC address (a unix path is served by one frontend: "
@@ -197,6 +202,7 @@ class ServeConfig:
         for name in ("revision", "served_model_name", "default_prompt_name"):  # an empty variable means unset
             setattr(self, name, getattr(self, name) or None)
         self.check_models()
+        self.check_quantization()
         cuda = self.device == "cuda"
         if cuda:
             # Resolved once, here: asking nvidia-smi again at each worker (re)start would be waste.
@@ -252,6 +258,27 @@ class ServeConfig:
             if given:
                 raise ValueError(f"{', '.join(given)} change one checkpoint and this server serves {len(paths)}; "
                                  "serve that model alone, or set it in the checkpoint's sentence-transformers files")
+
+    def quantizations(self) -> list[str]:
+        """--quantization by model, in --model's order (one value is every model's)."""
+        given = (self.quantization or "none").split(",")
+        return given * len(self.model_paths()) if len(given) == 1 else given
+
+    def check_quantization(self) -> None:
+        given = (self.quantization or "none").split(",")
+        if len(given) not in (1, len(self.model_paths())):
+            raise ValueError(f"--quantization gives {len(given)} values for {len(self.model_paths())} models: "
+                             "give one for all, or one for each")
+        for value in given:
+            if value not in ("none", "fp8"):
+                raise ValueError(f"--quantization must be none or fp8, got {value!r}")
+        if "fp8" not in given:
+            return
+        if self.device != "cuda":
+            raise ValueError("--quantization fp8 needs --device cuda and a GPU with fp8 products (compute "
+                             "capability 8.9 or later); the CPU has none")
+        if self.dtype not in ("auto", "bfloat16"):
+            raise ValueError(f"--quantization fp8 quantizes bfloat16 weights; --dtype is {self.dtype}")
 
     def check_values(self) -> None:
         """Each text against its choices (None: unset), each count against its least value: 1, or

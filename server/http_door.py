@@ -192,7 +192,8 @@ class HttpDoor:
         if request.path == "/v1/models":
             return Response(200, _ENCODER.encode({"object": "list", "data": [
                 {"id": model.name, "object": "model", "created": self.created, "owned_by": "pollen",
-                 "task": model.task, "dimensions": model.dimensions, "max_tokens": model.spec.max_tokens}
+                 "task": model.task, "dimensions": model.dimensions, "max_tokens": model.spec.max_tokens,
+                 "quantization": model.quantization}
                 for model in self.service.models.models]}))
         if request.path == "/health":
             status = "SERVING" if self.serving else "NOT_SERVING"

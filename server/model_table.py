@@ -41,6 +41,7 @@ class ServedModel:
     admission: Admission
     ranker: Ranker
     classifier: Classifier
+    quantization: str = "none"  # --quantization's value for it: "none" or "fp8" (its products on the GPU)
 
     @property
     def name(self) -> str:
@@ -81,7 +82,8 @@ class ModelTable:
                                   default_truncate=cfg.default_truncate, model=index,
                                   token_limits=token_limits(cfg, spec))
             ranker = Ranker(spec, admission, router, cfg.max_documents_per_request, cfg.tokenizer_threads)
-            models.append(ServedModel(index, spec, admission, ranker, Classifier(spec, admission, router)))
+            models.append(ServedModel(index, spec, admission, ranker, Classifier(spec, admission, router),
+                                      cfg.quantizations()[index]))
         return cls(models)
 
     @property

@@ -408,7 +408,7 @@ def model_info(model: ServedModel) -> pb.ModelInfo:
     return pb.ModelInfo(name=spec.name, task=spec.task, dimensions=model.dimensions, max_tokens=spec.max_tokens,
                         pooling=_POOLING.get(spec.pooling, pb.POOLING_UNSPECIFIED), vocab_size=spec.vocab_size,
                         prompts=dict(spec.prompts), matryoshka_dimensions=list(spec.matryoshka_dimensions),
-                        labels=list(spec.labels), sparse=spec.sparse)
+                        labels=list(spec.labels), sparse=spec.sparse, quantization=model.quantization)
 
 
 def call_deadline(context) -> int:

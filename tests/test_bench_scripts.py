@@ -175,6 +175,25 @@ def test_bench_sparse_smoke_run_serves_splade_and_bge_m3_and_writes_its_table(tm
         assert re.search(rf"^\| {re.escape(name)} \| .+ \| [\d.,]+x \|$", table, re.M), name
 
 
+def test_bench_fp8_smoke_run_measures_fidelity_of_every_shape_and_minilm(tmp_path):
+    """load/bench_fp8.py --device cpu: tiny Qwen3 shapes and all-MiniLM-L6-v2's real weights, each in
+    bfloat16 and with fp8 products through torch's references; cosines and STS-B Spearman measured."""
+    out = tmp_path / "fp8-cpu.md"
+    run = subprocess.run([sys.executable, str(REPO / "load" / "bench_fp8.py"), "--device", "cpu", "--root",
+                          str(tmp_path / "ckpt"), "--out", str(out)],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    figures = results_file.read_figures(out)
+    assert [r["shape"] for r in figures["shapes"]] == ["qwen3-0.6b", "qwen3-4b", "qwen3-8b"]
+    for row in figures["shapes"]:
+        assert row["texts"] == 40 and 0.9 < row["cosine"]["min"] <= row["cosine"]["mean"] < 1.0, row
+    minilm = figures["minilm"]
+    assert minilm["pairs"] == 40 and 0.9 < minilm["cosine"]["min"] < 1.0
+    assert abs(minilm["stsb_fp8"] - minilm["stsb_bf16"]) < 5  # x100; the full test set's figure is docs/performance.md's
+    assert re.search(r"^\| qwen3-8b \| 40 \(\d+\) \| 0\.\d{5} / ", out.read_text(), re.M)
+
+
 @pytest.mark.slow
 def test_bench_cpu_smoke_run_measures_each_contender_quiet_and_busy(tmp_path):
     """load/bench_cpu.py --smoke: pollen, its engine without the server, sentence-transformers and ONNX

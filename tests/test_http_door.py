@@ -108,6 +108,7 @@ def test_models_and_health(server, stub):
     conn.request("GET", "/v1/models")
     models = json.loads(conn.getresponse().read())
     assert [m["id"] for m in models["data"]] == [info.model]
+    assert models["data"][0]["quantization"] == info.models[0].quantization == "none"
     conn.request("GET", "/health")  # the same connection: keep-alive
     reply = conn.getresponse()
     assert (reply.status, json.loads(reply.read())) == (200, {"status": "SERVING"})

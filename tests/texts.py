@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import os
 import pathlib
 import random
 
@@ -65,8 +66,11 @@ def varied_texts(n: int = 200, seed: int = 7) -> list[str]:
     return texts[:n]
 
 
-def stsb_pairs() -> list[tuple[str, str, float]]:
-    if not STSB.exists():
-        raise FileNotFoundError(f"{STSB} is missing: the STS Benchmark data lives in ../shared beside the repo")
-    with open(STSB, newline="", encoding="utf-8") as f:
+def stsb_pairs(path: str | None = None) -> list[tuple[str, str, float]]:
+    """The STS-B test pairs (sentence, sentence, gold score) from `path`, else POLLEN_STSB's file,
+    else ../shared's."""
+    path = pathlib.Path(path or os.environ.get("POLLEN_STSB") or STSB)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: the STS Benchmark data lives in ../shared beside the repo")
+    with open(path, newline="", encoding="utf-8") as f:
         return [(a, b, float(s)) for a, b, s in csv.reader(f)]

@@ -51,7 +51,10 @@ def load_one(cfg: WorkerConfig, index: int, path: str, device: str, several: boo
     cuda = device.startswith("cuda")
     before = torch.cuda.memory_reserved(device) if cuda else 0
     model = load_model(path, device=device, dtype=getattr(torch, cfg.dtype), pooling=cfg.pooling,
-                       attention=cfg.attention, options=cfg.engine_options)
+                       attention=cfg.attention, options=cfg.engine_options, quantization=cfg.quantization_of(index))
+    if model.fp8_choice is not None:
+        print(f"pollen-worker[{cfg.index}]: model {index} ({os.path.basename(path)}): "
+              f"{model.fp8_choice.describe()}", file=sys.stderr, flush=True)
     engine = make_engine(model, device, threads=cfg.threads, adapt_threads=cfg.adapt_worker_threads,
                          max_batch_tokens=cfg.max_batch_tokens, cuda_graphs=cfg.cuda_graphs,
                          graph_max_tokens=cfg.graph_max_tokens or None, defer_capture=True,

@@ -6,7 +6,7 @@ EngineOptions want the kernels (worker/models/loader.py, `choose_ops`).
 from __future__ import annotations
 
 from pollen.common.engine_options import EngineOptions
-from pollen.worker.kernels import activations, norms, relative_attention, rope, short_attention, skinny
+from pollen.worker.kernels import activations, norms, quant, relative_attention, rope, short_attention, skinny
 from pollen.worker.models.ops import Ops
 
 
@@ -24,4 +24,6 @@ def triton_ops(attention: str, options: EngineOptions) -> Ops:
                skinny_linear=skinny.skinny_linear if query else None,
                skinny_fits=skinny.fits if query else None,
                skinny_layer_wins=skinny.layer_wins if query else None,
-               relative_attention=relative_attention.relative_attention)
+               relative_attention=relative_attention.relative_attention,
+               quantize_rows=quant.quantize_rows, add_rms_norm_fp8=norms.add_rms_norm_fp8,
+               embed_rms_norm_fp8=norms.embed_rms_norm_fp8, silu_mul_fp8=quant.silu_mul_fp8)

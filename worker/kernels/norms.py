@@ -1,16 +1,23 @@
 """Residual add + RMSNorm in one pass: each token's row is read once, the sum and the normalized
 row written once. Rounds exactly where worker/models/ops.py's reference (and HF) rounds: the sum to
-the model dtype, the normalized value to the model dtype, then the product with the weight."""
+the model dtype, the normalized value to the model dtype, then the product with the weight.
+
+The *_fp8 forms write the normalized row in e4m3 with its per-token scale instead (for the fp8
+product that reads it, worker/models/fp8.py): the row is in registers already, so its amax and the
+quantization cost no pass of their own."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
+from pollen.worker.kernels.quant import AMAX_FLOOR, E4M3_MAX
+from pollen.worker.models.ops import E4M3
+
 
 @triton.jit
-def _add_rms_norm(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, ids_ptr, n_cols, eps,
-                  HAS_RESIDUAL: tl.constexpr, GATHER: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_norm(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, ids_ptr, q_scale_ptr, n_cols, eps,
+                  HAS_RESIDUAL: tl.constexpr, GATHER: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -27,30 +34,61 @@ def _add_rms_norm(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, ids_ptr, n_cols, eps,
         tl.store(s_ptr + row * n_cols + cols, summed, mask=mask)
         x = summed.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    normed = (x * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
+    dtype = s_ptr.dtype.element_ty  # the model's (y's too, unless QUANT)
+    normed = (x * rstd).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * n_cols + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=mask)
+    out = (w * normed).to(dtype)
+    if QUANT:  # as ops.quantize_rows: the rounded row by its own scale max|row| / 448
+        o = out.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(o), axis=0), AMAX_FLOOR) / E4M3_MAX
+        tl.store(q_scale_ptr + row, scale)
+        tl.store(y_ptr + row * n_cols + cols, (o / scale).to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(y_ptr + row * n_cols + cols, out, mask=mask)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    y, _, summed = _norm(x, residual, weight, eps, quant=False)
+    return y, summed
+
+
+def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(e4m3 rms_norm(x + residual), float32 scales [T, 1], x + residual)."""
+    return _norm(x, residual, weight, eps, quant=True)
+
+
+def _norm(x, residual, weight, eps, quant: bool):
     x = x.contiguous()
     rows, cols = x.shape
-    y = torch.empty_like(x)
+    y = torch.empty(rows, cols, device=x.device, dtype=E4M3 if quant else x.dtype)
+    scales = torch.empty(rows, 1, device=x.device, dtype=torch.float32) if quant else y
     summed = torch.empty_like(x) if residual is not None else x
     block = triton.next_power_of_2(cols)
-    _add_rms_norm[(rows,)](x, residual if residual is not None else x, weight, y, summed, x, cols, eps,
-                           HAS_RESIDUAL=residual is not None, GATHER=False, BLOCK=block,
+    _add_rms_norm[(rows,)](x, residual if residual is not None else x, weight, y, summed, x, scales, cols, eps,
+                           HAS_RESIDUAL=residual is not None, GATHER=False, QUANT=quant, BLOCK=block,
                            num_warps=min(max(block // 256, 1), 8))
-    return y, summed
+    return y, scales if quant else None, summed
 
 
 def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float):
     """(rms_norm(table[ids]), table[ids]): the embedding lookup fused into the first layer's norm."""
+    y, _, gathered = _embed_norm(ids, table, weight, eps, quant=False)
+    return y, gathered
+
+
+def embed_rms_norm_fp8(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(e4m3 rms_norm(table[ids]), float32 scales [T, 1], table[ids])."""
+    return _embed_norm(ids, table, weight, eps, quant=True)
+
+
+def _embed_norm(ids, table, weight, eps, quant: bool):
     cols = table.shape[1]
     rows = ids.shape[0]
-    y = table.new_empty(rows, cols)
+    y = torch.empty(rows, cols, device=table.device, dtype=E4M3 if quant else table.dtype)
+    scales = torch.empty(rows, 1, device=table.device, dtype=torch.float32) if quant else y
     gathered = table.new_empty(rows, cols)
     block = triton.next_power_of_2(cols)
-    _add_rms_norm[(rows,)](table, table, weight, y, gathered, ids, cols, eps,
-                           HAS_RESIDUAL=False, GATHER=True, BLOCK=block, num_warps=min(max(block // 256, 1), 8))
-    return y, gathered
+    _add_rms_norm[(rows,)](table, table, weight, y, gathered, ids, scales, cols, eps,
+                           HAS_RESIDUAL=False, GATHER=True, QUANT=quant, BLOCK=block,
+                           num_warps=min(max(block // 256, 1), 8))
+    return y, scales if quant else None, gathered

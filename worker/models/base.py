@@ -43,6 +43,7 @@ class EmbeddingModel(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.dense_modules: torch.nn.Module | None = None
+        self.fp8_choice = None  # with fp8 products, what the loader measured (worker/models/fp8.py, Choice)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
                       max_seqlen: int) -> torch.Tensor:
@@ -74,6 +75,10 @@ class EmbeddingModel(torch.nn.Module):
     def after_load(self, options: EngineOptions) -> None:
         """Rewrite the loaded weights into the form the forward wants (the loader calls it once)."""
         self.head_after_load()
+
+    def after_quantize(self, min_tokens: int) -> None:
+        """fp8 products from `min_tokens` tokens a batch on (worker/models/fp8.py swapped the layers'
+        products): a model whose forward quantizes inside its own fused kernels takes note."""
 
     def head_after_load(self) -> None:
         """The head's own rewrite (float32 weights, a reranker's folded row)."""

@@ -21,6 +21,7 @@ from pollen.worker.models.bge_m3 import load_head as load_bge_m3_head
 from pollen.worker.models.checkpoint import HeadTensor, full_name
 from pollen.worker.models.cpu_linear import prepack_linears
 from pollen.worker.models.dense import load_dense
+from pollen.worker.models.fp8 import quantize_model, unsupported_reason
 from pollen.worker.models.gemma3 import Gemma3Encoder
 from pollen.worker.models.modernbert import ModernBertEncoder
 from pollen.worker.models.mpnet import MPNetEncoder
@@ -32,12 +33,18 @@ FAMILIES: dict[str, type[EmbeddingModel]] = {"bert": BertEncoder, "gemma3": Gemm
                                              "qwen3": Qwen3Encoder}
 
 
+QUANTIZATIONS = ("none", "fp8")
+
+
 def load_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
                pooling: str | None = None, attention: str | None = None,
-               options: EngineOptions = EngineOptions()) -> EmbeddingModel:
+               options: EngineOptions = EngineOptions(), quantization: str = "none") -> EmbeddingModel:
     """The model in `path` on `device` in `dtype`, in eval mode, its kernels chosen from the device,
-    dtype and `options` (the worker's WorkerConfig.engine_options)."""
+    dtype and `options` (the worker's WorkerConfig.engine_options). quantization "fp8": its layers'
+    products in e4m3 (worker/models/fp8.py; bfloat16 on a GPU that has fp8 products, else refused),
+    what the load measured for it in `model.fp8_choice`."""
     spec = read_model_spec(path, pooling=pooling, attention=attention)
+    check_quantization(path, quantization, torch.device(device), dtype)
     config = read_config(spec.path)
     ops = choose_ops(torch.device(device), dtype, options)
     # Build on the meta device: no random init of weights we overwrite anyway (matters for 4B models).
@@ -46,6 +53,7 @@ def load_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float3
     model = model.to(dtype=dtype).to_empty(device=device)
     _load_weights(model, spec.path)
     model.after_load(options)
+    model.fp8_choice = quantize_model(model) if quantization == "fp8" else None
     model.dense_modules = load_dense(spec.dense, device)  # after the check that the map covers the parameters
     if spec.bge_m3:  # its heads are .pt files beside the safetensors ones
         model.output_head = load_bge_m3_head(spec.path, config["hidden_size"], device)
@@ -54,6 +62,17 @@ def load_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float3
     if torch.device(device).type == "cpu" and options.cpu_prepack:
         prepack_linears(model)
     return model
+
+
+def check_quantization(path: str, quantization: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse, in one line naming why, a quantization this device and dtype cannot run."""
+    if quantization not in QUANTIZATIONS:
+        raise UnsupportedModel(f"{path}: quantization must be one of {', '.join(QUANTIZATIONS)}, not {quantization!r}")
+    if quantization == "fp8":
+        reason = unsupported_reason(device) or (None if dtype == torch.bfloat16 else
+                                                f"it quantizes bfloat16 weights, and --dtype is {str(dtype)[6:]}")
+        if reason:
+            raise UnsupportedModel(f"{path}: --quantization fp8 is refused: {reason}")
 
 
 def choose_ops(device: torch.device, dtype: torch.dtype, options: EngineOptions) -> Ops:

@@ -42,6 +42,38 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# fp8 (worker/models/fp8.py): e4m3's largest value; an all-zero row's amax is taken as at least
+# AMAX_FLOOR so that its scale never divides by 0 (its quantized row is 0 either way).
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+AMAX_FLOOR = 1e-12
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, K] -> (e4m3 [T, K], float32 [T, 1]): each token's row by its own scale max|row| / 448."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(AMAX_FLOOR) / E4M3_MAX
+    return (xf / scale).to(E4M3), scale
+
+
+def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(e4m3 rms_norm(x + residual), its scales, x + residual): add_rms_norm with its output
+    quantized for the fp8 product that reads it."""
+    y, summed = add_rms_norm(x, residual, weight, eps)
+    return *quantize_rows(y), summed
+
+
+def embed_rms_norm_fp8(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float):
+    """embed_rms_norm with its normalized output quantized: (e4m3, scales, table[ids])."""
+    y, gathered = embed_rms_norm(ids, table, weight, eps)
+    return *quantize_rows(y), gathered
+
+
+def silu_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu_mul quantized for the down product: (e4m3 [T, I], scales [T, 1])."""
+    return quantize_rows(silu_mul(gate_up))
+
+
 def rope_inv_freq(theta: float, head_dim: int, scaling: dict | None = None) -> torch.Tensor:
     """float32 [head_dim / 2]: RoPE's frequencies theta^(-2i / head_dim), as `scaling` (a config's
     rope_parameters, common/model_spec.py) changes them: "linear" divides them all by its factor;
@@ -131,6 +163,13 @@ class Ops:
     # MPNet's attention with its relative-position bias over packed sequences
     # (worker/kernels/relative_attention.py; worker/models/relative_position.py uses it).
     relative_attention: Callable | None = None
+    # fp8 products (worker/models/fp8.py): per-token quantization alone, and fused into the kernel
+    # that makes a product's input. Either set has them; the Triton one writes the fp8 row in the
+    # same pass as the value (worker/kernels/quant.py).
+    quantize_rows: Callable = quantize_rows
+    add_rms_norm_fp8: Callable = add_rms_norm_fp8
+    embed_rms_norm_fp8: Callable = embed_rms_norm_fp8
+    silu_mul_fp8: Callable = silu_mul_fp8
 
 
 def reference_ops(attention: str) -> Ops:

@@ -92,6 +92,7 @@ class Qwen3Encoder(EmbeddingModel):
         self.short_qk_rope_attention = ops.short_qk_rope_attention if takes else None
         self.folded = False  # whether after_load folded the norms into the products (the query kernels need it)
         self.query_kernels = False  # whether queries may take the skinny products (after_load decides)
+        self.fp8_min_tokens: int | None = None  # fp8 products from this many tokens a batch (after_quantize)
 
     def rope(self, device) -> torch.Tensor:
         if self._rope is None or self._rope.device != device:
@@ -113,6 +114,8 @@ class Qwen3Encoder(EmbeddingModel):
                                    positions=positions, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         if self.fits_query_kernels(input_ids.shape[0]):
             return self.query_hidden_states(input_ids, attend)
+        if self.fp8_min_tokens is not None and input_ids.shape[0] >= self.fp8_min_tokens:
+            return self.fp8_hidden_states(input_ids, attend)
         norms = [layer.attn_norm.weight for layer in self.layers[1:]] + [self.norm.weight]
         x, residual = ops.embed_rms_norm(input_ids, self.embed.weight, self.layers[0].attn_norm.weight, self.eps)
         for layer, next_norm in zip(self.layers, norms):
@@ -139,6 +142,33 @@ class Qwen3Encoder(EmbeddingModel):
                 folded = linear.weight.float() * norm.weight.float()[None, :]
                 linear.weight.copy_(folded.to(linear.weight.dtype))
                 norm.weight.fill_(1.0)
+
+    def after_quantize(self, min_tokens: int) -> None:
+        """fp8 (worker/models/fp8.py): where every product of every layer is an Fp8Linear, batches
+        from min_tokens on take fp8_hidden_states; else the products quantize their inputs alone."""
+        products = [getattr(layer, name) for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
+        if all(hasattr(p, "scaled") for p in products):
+            self.fp8_min_tokens = min_tokens
+
+    def fp8_hidden_states(self, input_ids: torch.Tensor, attend) -> torch.Tensor:
+        """hidden_states with fp8 products: each norm and the SiLU-gate write their output in e4m3
+        with its per-token scales for the product that reads it (Ops.*_fp8); the attention's output
+        is quantized in a pass of its own by the o product (Fp8Linear.forward). The final norm's
+        output, which pooling reads, stays in the model's dtype."""
+        ops = self.ops
+        norms = [layer.attn_norm.weight for layer in self.layers[1:]] + [self.norm.weight]
+        x8, scale, residual = ops.embed_rms_norm_fp8(input_ids, self.embed.weight, self.layers[0].attn_norm.weight,
+                                                     self.eps)
+        last = len(self.layers) - 1
+        for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
+            attn = attend(layer, layer.qkv.scaled(x8, scale))
+            x8, scale, residual = ops.add_rms_norm_fp8(layer.o(attn), residual, layer.mlp_norm.weight, self.eps)
+            down = layer.down.scaled(*ops.silu_mul_fp8(layer.gate_up.scaled(x8, scale)))
+            if i < last:
+                x8, scale, residual = ops.add_rms_norm_fp8(down, residual, next_norm, self.eps)
+            else:
+                x, _ = ops.add_rms_norm(down, residual, next_norm, self.eps)
+        return x
 
     def fits_query_kernels(self, tokens: int) -> bool:
         """Whether a batch of `tokens` takes query_hidden_states: the model may (after_load), the

@@ -200,7 +200,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "task", "dimensions", "max_tokens", "pooling", "vocab_size", "prompts", "matryoshka_dimensions", "labels", "sparse")
+    __slots__ = ("name", "task", "dimensions", "max_tokens", "pooling", "vocab_size", "prompts", "matryoshka_dimensions", "labels", "sparse", "quantization")
     class PromptsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +218,7 @@ class ModelInfo(_message.Message):
     MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     name: str
     task: str
     dimensions: int
@@ -228,7 +229,8 @@ class ModelInfo(_message.Message):
     matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
     labels: _containers.RepeatedScalarFieldContainer[str]
     sparse: bool
-    def __init__(self, name: _Optional[str] = ..., task: _Optional[str] = ..., dimensions: _Optional[int] = ..., max_tokens: _Optional[int] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., vocab_size: _Optional[int] = ..., prompts: _Optional[_Mapping[str, str]] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., sparse: _Optional[bool] = ...) -> None: ...
+    quantization: str
+    def __init__(self, name: _Optional[str] = ..., task: _Optional[str] = ..., dimensions: _Optional[int] = ..., max_tokens: _Optional[int] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., vocab_size: _Optional[int] = ..., prompts: _Optional[_Mapping[str, str]] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[str]] = ..., sparse: _Optional[bool] = ..., quantization: _Optional[str] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
     __slots__ = ("model", "dimensions", "max_tokens", "pooling", "encodings", "max_texts_per_request", "max_batch_tokens", "max_queued_tokens", "max_request_bytes", "vocab_size", "workers", "device", "prompts", "matryoshka_dimensions", "frontends", "frontend", "task", "labels", "models")
