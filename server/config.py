@@ -79,10 +79,10 @@ class ServeConfig:
     dtype: str = _flag(MODEL, "auto", "weights and activations", shown="auto, bfloat16 on cuda and float32 on cpu",
                        choices=("auto", "bfloat16", "float16", "float32"))
     quantization: str = _flag(MODEL, "none", "fp8: the layers' matrix products in e4m3 on a GPU that has them "
-                              "(Ada, Hopper and later; bfloat16 only): long batches run faster, each vector "
-                              "moves slightly (docs/performance.md measures both); attention, norms and pooling "
-                              "stay bfloat16, and batches too short to gain stay on bfloat16 products; repeated, "
-                              "each of --model's models in order", metavar="none|fp8", repeat=True)
+                              "(Ada, Hopper and later; bfloat16 only): long batches run faster and every vector "
+                              "moves (docs/performance.md measures both); attention, norms and pooling stay "
+                              "bfloat16, and batches too short to gain stay on bfloat16 products; repeated, each "
+                              "of --model's models in order", metavar="none|fp8", repeat=True)
     tiktoken: bool = _flag(MODEL, True, "tokenize a lone ASCII query with tiktoken where the tokenizer.json is "
                            "byte-level BPE and tiktoken gives its very ids (checked at start)")
     listen: str = _flag(NETWORK, "127.0.0.1:50051", "the gRPC address (a unix path is served by one frontend: "
