@@ -63,12 +63,20 @@ class EngineOptions:
     GELU in the same pass: worker/models/cpu_linear.py) instead of nn.Linear's sgemm, which repacks
     the weight on each call. Off: torch's nn.Linear: to measure what it gives."""
 
+    fp8_min_tokens: int = 0
+    """With --quantization fp8: the batch size (tokens) from which the fp8 products run, in place
+    of the one measured at load (worker/models/fp8.py); 0: measured. To measure fp8 at sizes the
+    measurement would leave on bfloat16, or to pin the choice while comparing runs."""
+
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if field.name == "skinny_configs":
                 if value is not None and not isinstance(value, str):
                     raise ValueError(f"skinny_configs must be a path or None, got {value!r}")
+            elif field.name == "fp8_min_tokens":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(f"fp8_min_tokens must be a token count (0: measured), got {value!r}")
             elif not isinstance(value, bool):
                 raise ValueError(f"engine option {field.name} must be True or False, got {value!r}")
         if self.skinny_configs == "":
@@ -85,7 +93,8 @@ class EngineOptions:
             name, sep, value = item.partition("=")
             if not sep or name not in names:
                 raise ValueError(f"engine options are NAME=VALUE with NAME one of {sorted(names)}, got {item!r}")
-            values[name] = value if name == "skinny_configs" else parse_switch(value)
+            values[name] = value if name == "skinny_configs" else int(value) if name == "fp8_min_tokens" \
+                else parse_switch(value)
         return cls(**values)
 
     def serve_flags(self) -> list[str]:
@@ -94,5 +103,6 @@ class EngineOptions:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if value != field.default:
-                flags += ["--" + field.name.replace("_", "-"), str(int(value)) if isinstance(value, bool) else value]
+                shown = str(int(value)) if isinstance(value, bool) else str(value)
+                flags += ["--" + field.name.replace("_", "-"), shown]
         return flags

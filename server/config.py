@@ -50,10 +50,10 @@ def _flag(group: str, default, text: str, *, shown: str | None = None, words: di
         "metavar": metavar or "|".join(choices) or None, "secret": secret, "repeat": repeat})
 
 
-def _engine_flag(name: str):
+def _engine_flag(name: str, words: dict | None = None):
     """A field for EngineOptions.<name>: a flag and a variable like the others, hidden from --help."""
     return dataclasses.field(default=EngineOptions.__dataclass_fields__[name].default,
-                             metadata={"group": ENGINE, "hidden": True, "words": {}})
+                             metadata={"group": ENGINE, "hidden": True, "words": words or {}})
 
 
 @dataclasses.dataclass(slots=True)
@@ -191,6 +191,7 @@ class ServeConfig:
     flash_attn: bool = _engine_flag("flash_attn")
     fold_norms: bool = _engine_flag("fold_norms")
     cpu_prepack: bool = _engine_flag("cpu_prepack")
+    fp8_min_tokens: int = _engine_flag("fp8_min_tokens", {"auto": 0})
     # Not a flag: --frontends was left at auto and pollen chose the count (check_shm may lower it).
     frontends_automatic: bool = dataclasses.field(default=False, init=False, repr=False)
 

@@ -133,9 +133,56 @@ def test_min_tokens_is_where_fp8_wins_from_there_on():
     assert fp8.min_tokens_from([(16, 1.0, 2.0), (64, 1.0, 0.9), (256, 1.0, 1.1), (1024, 2.0, 1.0),
                                 (4096, 8.0, 4.0)]) == 1024
     assert fp8.min_tokens_from([(16, 1.0, 0.5), (64, 1.0, 0.5)]) == 16
-    assert fp8.min_tokens_from([(16, 1.0, 1.5), (64, 1.0, 1.0)]) == 65  # never: past the last count
-    choice = fp8.Choice(65, ((16, 1.0, 1.5), (64, 1.0, 1.0)))
+    assert fp8.min_tokens_from([(16, 1.0, 1.5), (64, 1.0, 1.0)]) == fp8.NEVER  # not faster at the last
+    choice = fp8.Choice(fp8.NEVER, ((16, 1.0, 1.5), (64, 1.0, 1.0)))
     assert "never" in choice.describe() and "16: 1.50" in choice.describe()
+
+
+def test_the_threshold_moves_to_just_past_a_graph_bucket(tmp_path):
+    """A batch takes the same products eagerly (its own token count) and in its bucket's graph
+    (padded to the bucket): the threshold sits one past a bucket, and a covering graph never
+    crosses it."""
+    make_tiny_qwen3(tmp_path / "m", hidden_size=128, head_dim=32, intermediate_size=256)
+    model = load_model(str(tmp_path / "m"), dtype=torch.bfloat16)
+    fp8.quantize_model(model, min_tokens=1000)
+    fp8.align(model, [16, 32, 512, 960, 1200, 8192])
+    assert model.fp8_choice.min_tokens == model.fp8_min_tokens == 961
+    assert {m.min_tokens for m in model.modules() if isinstance(m, fp8.Fp8Linear)} == {961}
+    assert fp8.same_products(model, 1200, 2000) and fp8.same_products(model, 512, 960)
+    assert not fp8.same_products(model, 960, 1200)
+    assert "from 961 tokens a batch" in model.fp8_choice.describe()
+
+
+def test_where_fp8_never_wins_the_layers_stay_bfloat16(tmp_path):
+    make_tiny_qwen3(tmp_path / "m", hidden_size=128, head_dim=32, intermediate_size=256)
+    model = load_model(str(tmp_path / "m"), dtype=torch.bfloat16)
+    names = [name for name, _ in model.named_parameters()]
+    choice = fp8.quantize_model(model, min_tokens=fp8.NEVER)
+    assert choice.min_tokens == fp8.NEVER and model.fp8_min_tokens is None
+    assert not any(isinstance(m, fp8.Fp8Linear) for m in model.modules())
+    assert [name for name, _ in model.named_parameters()] == names
+    fp8.align(model, [16, 64])  # nothing to align
+    assert model.fp8_choice.min_tokens == fp8.NEVER
+
+
+def test_an_fp8_model_keeps_its_parameter_names(tmp_path):
+    make_tiny(tmp_path / "m")
+    model = load_model(str(tmp_path / "m"), dtype=torch.bfloat16)
+    names = [name for name, _ in model.named_parameters()]
+    fp8.quantize_model(model, measure=False)
+    assert [name for name, _ in model.named_parameters()] == names
+
+
+def test_the_threshold_can_be_set_as_an_engine_option():
+    from pollen.common.engine_options import EngineOptions
+
+    options = EngineOptions.parse("fp8_min_tokens=2048")
+    assert options.fp8_min_tokens == 2048 and options.serve_flags() == ["--fp8-min-tokens", "2048"]
+    with pytest.raises(ValueError, match="fp8_min_tokens"):
+        EngineOptions(fp8_min_tokens=-1)
+    cfg = ServeConfig.from_args(["--fp8-min-tokens", "512"], environ={})
+    assert cfg.engine_options().fp8_min_tokens == 512
+    assert ServeConfig.from_args([], environ={}).engine_options().fp8_min_tokens == 0
 
 
 def test_fp8_is_refused_where_it_cannot_run(tmp_path):

@@ -57,6 +57,7 @@ import torch
 from pollen.common.request import LANES, Lane
 from pollen.worker import cudart
 from pollen.worker.lazy import LazyTensor
+from pollen.worker.models import fp8
 from pollen.worker.models.base import EmbeddingModel
 from pollen.worker.models.pooling import pool_rows
 from pollen.worker.packed import ONE_TEXT_SHARED_MAX, PackedBatch, warm_up_batch
@@ -140,6 +141,7 @@ class CudaEngine:
         self.graphs_on = (cuda_graphs and next(model.parameters()).dtype != torch.float32
                           and not model.host_syncs)
         self.buckets = token_buckets(min(graph_max_tokens or max_batch_tokens, max_batch_tokens))
+        fp8.align(model, self.buckets)  # with fp8 products: the same ones eager and in a bucket's graph
         self.max_positions = model.spec.max_tokens
         # Compact int32 layout of one batch: ids, positions, pool_index [T]; cu [S+1]; first, last,
         # count, normalize [R]. Rows never exceed tokens + 1 and sequences never exceed tokens + 1
@@ -334,7 +336,7 @@ class CudaEngine:
         if shape is not None and graph is None:
             if not self.defer_capture:
                 graph = self.capture(shape, lane_index)
-            elif (cover := self.covering(lane, shape, batch)) is not None:
+            elif (cover := self.covering(lane, shape, batch, self.model)) is not None:
                 lane.padded[shape] = lane.padded.get(shape, 0) + 1  # captured when the lane idles
                 self.counts[1] += 1
                 shape, graph = cover, lane.graphs[cover]
@@ -359,19 +361,21 @@ class CudaEngine:
         return LazyTensor(result, done)
 
     @staticmethod
-    def covering(lane: DeviceLane, shape: tuple[int, int, int], batch: PackedBatch) -> tuple[int, int, int] | None:
+    def covering(lane: DeviceLane, shape: tuple[int, int, int], batch: PackedBatch,
+                 model: EmbeddingModel | None = None) -> tuple[int, int, int] | None:
         """The smallest of the lane's captured graphs that can run `batch` (of bucket `shape`, not
         captured) padded, with at most twice the bucket's tokens; None if there is none. It needs as
         many sequences as the batch plus its padding sequence (and rows), and as long a longest
         sequence; the padding sequence may be longer than that, as in any bucket (its rows are
-        discarded, see fill)."""
+        discarded, see fill). With fp8 products, the graph must take the products the bucket
+        takes (worker/models/fp8.py, same_products)."""
         tokens, _, longest = shape
         seqs = len(batch.cu_seqlens) - 1
         best = None
         for key in lane.graphs:
             t, s, longest_key = key
             if (tokens <= t <= 2 * tokens and longest_key >= longest and s >= max(seqs + (t > batch.tokens), batch.rows)
-                    and (best is None or key < best)):
+                    and (model is None or fp8.same_products(model, tokens, t)) and (best is None or key < best)):
                 best = key
         return best
 

@@ -52,13 +52,13 @@ def load_one(cfg: WorkerConfig, index: int, path: str, device: str, several: boo
     before = torch.cuda.memory_reserved(device) if cuda else 0
     model = load_model(path, device=device, dtype=getattr(torch, cfg.dtype), pooling=cfg.pooling,
                        attention=cfg.attention, options=cfg.engine_options, quantization=cfg.quantization_of(index))
-    if model.fp8_choice is not None:
-        print(f"pollen-worker[{cfg.index}]: model {index} ({os.path.basename(path)}): "
-              f"{model.fp8_choice.describe()}", file=sys.stderr, flush=True)
     engine = make_engine(model, device, threads=cfg.threads, adapt_threads=cfg.adapt_worker_threads,
                          max_batch_tokens=cfg.max_batch_tokens, cuda_graphs=cfg.cuda_graphs,
                          graph_max_tokens=cfg.graph_max_tokens or None, defer_capture=True,
                          bulk_sms=cfg.bulk_sms, interactive_step=int(several and model.spec.task != "embed"))
+    if model.fp8_choice is not None:  # as the engine aligned it to its graph buckets
+        print(f"pollen-worker[{cfg.index}]: model {index} ({os.path.basename(path)}): "
+              f"{model.fp8_choice.describe()}", file=sys.stderr, flush=True)
     # First-call costs, and on CUDA the likely query graphs, before READY rather than on a client.
     # Several models share the warm-up budget.
     engine.warm_up(cfg.warmup_seconds / len(cfg.model.split(",")))

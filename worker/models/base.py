@@ -36,6 +36,9 @@ class EmbeddingModel(torch.nn.Module):
     # "bert.embeddings...". The loader picks the prefix under which the most names exist.
     hf_prefixes: tuple[str, ...] = ("",)
     output_head: torch.nn.Module | None  # set by each model's __init__ (worker/models/heads.make_head) or the loader
+    # fp8 (worker/models/fp8.py): the products whose input the model's own kernels quantize as they
+    # make it (its fused fp8 forward); every other product's input takes a pass of its own.
+    fp8_fused: tuple[str, ...] = ()
     # Whether the forward reads device values on the host (an SDPA loop over cu_seqlens): such a
     # model cannot be captured into a CUDA graph, so the CUDA engine runs it eagerly.
     host_syncs: bool = False

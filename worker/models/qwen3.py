@@ -62,6 +62,7 @@ class Qwen3Layer(nn.Module):
 
 class Qwen3Encoder(EmbeddingModel):
     hf_prefixes = ("", "model.")
+    fp8_fused = ("qkv", "gate_up", "down")  # fp8_hidden_states: the norms and the SiLU-gate quantize them
 
     def __init__(self, spec: ModelSpec, config: dict, ops: Ops):
         super().__init__()
