@@ -63,6 +63,12 @@ class EngineOptions:
     GELU in the same pass: worker/models/cpu_linear.py) instead of nn.Linear's sgemm, which repacks
     the weight on each call. Off: torch's nn.Linear: to measure what it gives."""
 
+    cpu_pieces: bool = True
+    """On the CPU: a batch of many texts is cut at sequence bounds into one piece per worker thread,
+    and the pieces run at once, each on one thread (worker/engine.py, EagerEngine). Off: the whole
+    batch on torch's intra-op pool (or one thread, as worker/thread_choice.py chooses): to measure
+    what the pieces give."""
+
     fp8_min_tokens: int = 0
     """With --quantization fp8: the batch size (tokens) from which the fp8 products run, in place
     of the one measured at load (worker/models/fp8.py); 0: measured. To measure fp8 at sizes the

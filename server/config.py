@@ -191,6 +191,7 @@ class ServeConfig:
     flash_attn: bool = _engine_flag("flash_attn")
     fold_norms: bool = _engine_flag("fold_norms")
     cpu_prepack: bool = _engine_flag("cpu_prepack")
+    cpu_pieces: bool = _engine_flag("cpu_pieces")
     fp8_min_tokens: int = _engine_flag("fp8_min_tokens", {"auto": 0})
     # Not a flag: --frontends was left at auto and pollen chose the count (check_shm may lower it).
     frontends_automatic: bool = dataclasses.field(default=False, init=False, repr=False)
@@ -369,10 +370,12 @@ FRONTEND_ENV = {"TOKENIZERS_PARALLELISM": "false", **GRPC_CORE_ENV}
 # again, batch after batch, a large share of the worker's CPU on docs (docs/performance.md). With
 # both thresholds at WORKER_HEAP_KEEP the heap keeps what the largest batch so far needed and
 # reuses it; that memory is bounded by --max-batch-tokens (the batch's activations), and a block
-# larger than WORKER_HEAP_KEEP is still mapped and unmapped.
+# larger than WORKER_HEAP_KEEP is still mapped and unmapped. One arena (MALLOC_ARENA_MAX): the
+# threads that run a batch's pieces at once (worker/engine.py) would each keep a heap of their own
+# that size; in one they reuse each other's blocks, and the lock is taken a few times per op.
 WORKER_HEAP_KEEP = 1 << 30
 CPU_WORKER_ENV = {"GOMP_SPINCOUNT": "10000", "MALLOC_MMAP_THRESHOLD_": str(WORKER_HEAP_KEEP),
-                  "MALLOC_TRIM_THRESHOLD_": str(WORKER_HEAP_KEEP)}
+                  "MALLOC_TRIM_THRESHOLD_": str(WORKER_HEAP_KEEP), "MALLOC_ARENA_MAX": "1"}
 
 
 def worker_environment(device: str, environ: dict[str, str]) -> dict[str, str]:

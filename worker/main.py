@@ -53,8 +53,8 @@ def load_one(cfg: WorkerConfig, index: int, path: str, device: str, several: boo
     model = load_model(path, device=device, dtype=getattr(torch, cfg.dtype), pooling=cfg.pooling,
                        attention=cfg.attention, options=cfg.engine_options, quantization=cfg.quantization_of(index))
     engine = make_engine(model, device, threads=cfg.threads, adapt_threads=cfg.adapt_worker_threads,
-                         max_batch_tokens=cfg.max_batch_tokens, cuda_graphs=cfg.cuda_graphs,
-                         graph_max_tokens=cfg.graph_max_tokens or None, defer_capture=True,
+                         pieces=cfg.engine_options.cpu_pieces, max_batch_tokens=cfg.max_batch_tokens,
+                         cuda_graphs=cfg.cuda_graphs, graph_max_tokens=cfg.graph_max_tokens or None, defer_capture=True,
                          bulk_sms=cfg.bulk_sms, interactive_step=int(several and model.spec.task != "embed"))
     if model.fp8_choice is not None:  # as the engine aligned it to its graph buckets
         print(f"pollen-worker[{cfg.index}]: model {index} ({os.path.basename(path)}): "

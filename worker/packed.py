@@ -66,6 +66,47 @@ def pack(sequences: list[np.ndarray], row_spans: list[list[tuple[int, int]]] | N
     return PackedBatch(ids, positions, cu, int(lengths.max(initial=0)), pool_index, first, last, count)
 
 
+def split(batch: PackedBatch, parts: int) -> list[PackedBatch]:
+    """The batch cut at sequence bounds into at most `parts` batches of about equal tokens, in
+    order: their rows, one after the other, are the batch's rows (a row never spans two
+    sequences). One batch, unchanged, where it has a single sequence."""
+    cu = batch.cu_seqlens
+    sequences = len(cu) - 1
+    if parts < 2 or sequences < 2:
+        return [batch]
+    inner = cu[1:-1].astype(np.int64)  # the bounds a cut may take, between sequences 1..n-1
+    total = int(cu[-1])
+    cuts = sorted({int(np.abs(inner - total * k / parts).argmin()) + 1 for k in range(1, parts)})
+    bounds = [0, *cuts, sequences]
+    rows = batch.rows
+    pieces = []
+    for s0, s1 in zip(bounds[:-1], bounds[1:]):
+        a, b = int(cu[s0]), int(cu[s1])
+        r0, r1 = (int(np.searchsorted(batch.pool_first, x)) for x in (a, b))
+        index = batch.pool_index[a:b]
+        # Tokens of no row point past the rows (R); in the piece, past its own.
+        index = np.where(index == rows, r1 - r0, index - r0).astype(np.int32)
+        piece_cu = (cu[s0:s1 + 1] - a).astype(np.int32)
+        pieces.append(PackedBatch(batch.ids[a:b], batch.positions[a:b], piece_cu, int(np.diff(piece_cu).max()),
+                                  index, batch.pool_first[r0:r1] - a, batch.pool_last[r0:r1] - a,
+                                  batch.pool_count[r0:r1]))
+    return pieces
+
+
+def padded(batch: PackedBatch, multiple: int) -> PackedBatch:
+    """The batch with a padding sequence appended so that its tokens are a multiple of `multiple`
+    (the batch itself where they are): token 0 at positions 0.., pooled into no row."""
+    extra = -batch.tokens % multiple
+    if not extra:
+        return batch
+    ids = np.concatenate([batch.ids, np.zeros(extra, np.int32)])
+    positions = np.concatenate([batch.positions, np.arange(extra, dtype=np.int32)])
+    cu = np.append(batch.cu_seqlens, batch.cu_seqlens[-1] + extra).astype(np.int32)
+    index = np.concatenate([batch.pool_index, np.full(extra, batch.rows, np.int32)])
+    return PackedBatch(ids, positions, cu, max(batch.max_seqlen, extra), index, batch.pool_first, batch.pool_last,
+                       batch.pool_count)
+
+
 def warm_up_batch() -> PackedBatch:
     """Two tiny texts: what engines run once before the worker says READY."""
     return pack([np.array([1, 2], np.int32), np.array([3, 4], np.int32)])
