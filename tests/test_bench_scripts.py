@@ -125,18 +125,21 @@ def test_the_gpu_scripts_pass_only_flags_the_benchmarks_take(script):
         assert not unknown, f"{script} passes {bench} {sorted(unknown)}"
 
 
+def smoke_run(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """load/<script> with `args` in a child process, offline, its output captured."""
+    return subprocess.run([sys.executable, str(REPO / "load" / script), *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+
+
 @pytest.mark.slow
 def test_bench_models_smoke_run_serves_every_shape_and_writes_its_table(tmp_path):
     """load/bench_models.py --device cpu: tiny versions of every shape built, served by `pollen serve`
     and encoded by sentence-transformers, which counts the same tokens as the server; one row each."""
     out = tmp_path / "models-cpu.md"
-    run = subprocess.run([sys.executable, str(REPO / "load" / "bench_models.py"), "--device", "cpu", "--root",
-                          str(tmp_path / "ckpt"), "--out", str(out)],
-                         capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    run = smoke_run("bench_models.py", "--device", "cpu", "--root", str(tmp_path / "ckpt"), "--out", str(out))
     assert run.returncode == 0, run.stderr[-4000:]
     rows = {r["shape"]: r for r in results_file.read_figures(out)["rows"]}
-    assert list(rows) == list(arch_models.SHAPES)
+    assert list(rows) == list(arch_models.MODELS_SHAPES)
     table = out.read_text()
     for name, row in rows.items():
         assert row["pollen"]["texts"] > 0 and row["pollen"]["errors"] == 0
@@ -153,10 +156,7 @@ def test_bench_sparse_smoke_run_serves_splade_and_bge_m3_and_writes_its_table(tm
     only, beside its weights served as a plain embedder), the references encoding the same texts;
     one row each, every figure measured."""
     out = tmp_path / "sparse-cpu.md"
-    run = subprocess.run([sys.executable, str(REPO / "load" / "bench_sparse.py"), "--device", "cpu", "--root",
-                          str(tmp_path / "ckpt"), "--out", str(out)],
-                         capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    run = smoke_run("bench_sparse.py", "--device", "cpu", "--root", str(tmp_path / "ckpt"), "--out", str(out))
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     rows = {r["row"]: r for r in results_file.read_figures(out)["rows"]}
     assert list(rows) == ["splade-bert-base", "bge-m3 all outputs", "bge-m3 dense only"]
@@ -179,10 +179,7 @@ def test_bench_fp8_smoke_run_measures_fidelity_of_every_shape_and_minilm(tmp_pat
     """load/bench_fp8.py --device cpu: tiny Qwen3 shapes and all-MiniLM-L6-v2's real weights, each in
     bfloat16 and with fp8 products through torch's references; cosines and STS-B Spearman measured."""
     out = tmp_path / "fp8-cpu.md"
-    run = subprocess.run([sys.executable, str(REPO / "load" / "bench_fp8.py"), "--device", "cpu", "--root",
-                          str(tmp_path / "ckpt"), "--out", str(out)],
-                         capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    run = smoke_run("bench_fp8.py", "--device", "cpu", "--root", str(tmp_path / "ckpt"), "--out", str(out))
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     figures = results_file.read_figures(out)
     assert [r["shape"] for r in figures["shapes"]] == ["qwen3-0.6b", "qwen3-4b", "qwen3-8b"]
@@ -202,10 +199,7 @@ def test_bench_cpu_smoke_run_measures_each_contender_quiet_and_busy(tmp_path):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnx")
     out = tmp_path / "cpu.md"
-    run = subprocess.run([sys.executable, str(REPO / "load" / "bench_cpu.py"), "--smoke", "--out", str(out),
-                          "--onnx-dir", str(tmp_path / "onnx")],
-                         capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    run = smoke_run("bench_cpu.py", "--smoke", "--out", str(out), "--onnx-dir", str(tmp_path / "onnx"), timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     figures = results_file.read_figures(out)
     rows = {(r["contender"], r["condition"]): r for r in figures["rows"]}

@@ -24,64 +24,49 @@ BLOCK = 1024
 
 
 @triton.jit
-def _silu_mul_value(gu_ptr, t, cols, mask, inter):
-    g_raw = tl.load(gu_ptr + t * 2 * inter + cols, mask=mask, other=0.0)
-    g = g_raw.to(tl.float32)
-    u = tl.load(gu_ptr + t * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    s = (g * tl.sigmoid(g)).to(g_raw.dtype).to(tl.float32)
-    return (s * u).to(g_raw.dtype).to(tl.float32)
+def _value(x_ptr, row, cols, mask, n_cols, SILU: tl.constexpr):
+    """A block of the row to quantize, float32: x itself, or with SILU silu(gate) * up read from the
+    fused gate/up row of 2 * n_cols (rounded where torch rounds: silu's result, then the product)."""
+    if SILU:
+        g_raw = tl.load(x_ptr + row * 2 * n_cols + cols, mask=mask, other=0.0)
+        g = g_raw.to(tl.float32)
+        u = tl.load(x_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (g * tl.sigmoid(g)).to(g_raw.dtype).to(tl.float32)
+        return (s * u).to(g_raw.dtype).to(tl.float32)
+    return tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _silu_mul_fp8(gu_ptr, q_ptr, scale_ptr, inter, BLOCK: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, inter, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < inter
-        amax = tl.maximum(amax, tl.abs(_silu_mul_value(gu_ptr, t, cols, mask, inter)))
-    scale = tl.maximum(tl.max(amax, axis=0), AMAX_FLOOR) / E4M3_MAX
-    tl.store(scale_ptr + t, scale)
-    for start in range(0, inter, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < inter
-        v = _silu_mul_value(gu_ptr, t, cols, mask, inter)
-        tl.store(q_ptr + t * inter + cols, (v / scale).to(q_ptr.dtype.element_ty), mask=mask)
-
-
-def silu_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, 2I] (gate then up) -> (e4m3 silu(gate) * up [T, I], float32 scales [T, 1])."""
-    gate_up = gate_up.contiguous()
-    tokens, width = gate_up.shape
-    inter = width // 2
-    out = torch.empty(tokens, inter, device=gate_up.device, dtype=E4M3)
-    scales = torch.empty(tokens, 1, device=gate_up.device, dtype=torch.float32)
-    _silu_mul_fp8[(tokens,)](gate_up, out, scales, inter, BLOCK=BLOCK, num_warps=4)
-    return out, scales
-
-
-@triton.jit
-def _quantize_rows(x_ptr, q_ptr, scale_ptr, n_cols, BLOCK: tl.constexpr):
+def _quantize(x_ptr, q_ptr, scale_ptr, n_cols, SILU: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * n_cols + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
+        amax = tl.maximum(amax, tl.abs(_value(x_ptr, row, cols, cols < n_cols, n_cols, SILU)))
     scale = tl.maximum(tl.max(amax, axis=0), AMAX_FLOOR) / E4M3_MAX
     tl.store(scale_ptr + row, scale)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
-        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * n_cols + cols, (x / scale).to(q_ptr.dtype.element_ty), mask=mask)
+        v = _value(x_ptr, row, cols, mask, n_cols, SILU)
+        tl.store(q_ptr + row * n_cols + cols, (v / scale).to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, 2I] (gate then up) -> (e4m3 silu(gate) * up [T, I], float32 scales [T, 1])."""
+    gate_up = gate_up.contiguous()
+    return _quantized(gate_up, gate_up.shape[1] // 2, silu=True)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, K] -> (e4m3 [T, K], float32 scales [T, 1]), each row by its own max|row| / 448."""
     x = x.contiguous()
-    rows, cols = x.shape
+    return _quantized(x, x.shape[1], silu=False)
+
+
+def _quantized(x: torch.Tensor, cols: int, silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = x.shape[0]
     out = torch.empty(rows, cols, device=x.device, dtype=E4M3)
     scales = torch.empty(rows, 1, device=x.device, dtype=torch.float32)
-    _quantize_rows[(rows,)](x, out, scales, cols, BLOCK=BLOCK, num_warps=4)
+    _quantize[(rows,)](x, out, scales, cols, SILU=silu, BLOCK=BLOCK, num_warps=4)
     return out, scales
