@@ -161,7 +161,7 @@ def min_tokens_from(timings: list[tuple[int, float, float]]) -> int:
 def align(model: nn.Module, buckets: list[int]) -> None:
     """Move the model's fp8 threshold to one past the largest of the engine's graph `buckets`
     under it (every batch of a bucket then takes the same products, eager or in the graph)."""
-    choice = model.fp8_choice
+    choice = getattr(model, "fp8_choice", None)
     if choice is None or choice.min_tokens >= NEVER:
         return
     below = [b for b in buckets if b < choice.min_tokens]
