@@ -48,47 +48,37 @@ def _add_rms_norm(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, ids_ptr, q_scale_ptr, n_col
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    y, _, summed = _norm(x, residual, weight, eps, quant=False)
+    y, _, summed = _launch(x.contiguous(), residual, None, weight, eps, quant=False)
     return y, summed
 
 
 def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """(e4m3 rms_norm(x + residual), float32 scales [T, 1], x + residual)."""
-    return _norm(x, residual, weight, eps, quant=True)
-
-
-def _norm(x, residual, weight, eps, quant: bool):
-    x = x.contiguous()
-    rows, cols = x.shape
-    y = torch.empty(rows, cols, device=x.device, dtype=E4M3 if quant else x.dtype)
-    scales = torch.empty(rows, 1, device=x.device, dtype=torch.float32) if quant else y
-    summed = torch.empty_like(x) if residual is not None else x
-    block = triton.next_power_of_2(cols)
-    _add_rms_norm[(rows,)](x, residual if residual is not None else x, weight, y, summed, x, scales, cols, eps,
-                           HAS_RESIDUAL=residual is not None, GATHER=False, QUANT=quant, BLOCK=block,
-                           num_warps=min(max(block // 256, 1), 8))
-    return y, scales if quant else None, summed
+    return _launch(x.contiguous(), residual, None, weight, eps, quant=True)
 
 
 def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float):
     """(rms_norm(table[ids]), table[ids]): the embedding lookup fused into the first layer's norm."""
-    y, _, gathered = _embed_norm(ids, table, weight, eps, quant=False)
+    y, _, gathered = _launch(table, None, ids, weight, eps, quant=False)
     return y, gathered
 
 
 def embed_rms_norm_fp8(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float):
     """(e4m3 rms_norm(table[ids]), float32 scales [T, 1], table[ids])."""
-    return _embed_norm(ids, table, weight, eps, quant=True)
+    return _launch(table, None, ids, weight, eps, quant=True)
 
 
-def _embed_norm(ids, table, weight, eps, quant: bool):
-    cols = table.shape[1]
-    rows = ids.shape[0]
-    y = torch.empty(rows, cols, device=table.device, dtype=E4M3 if quant else table.dtype)
-    scales = torch.empty(rows, 1, device=table.device, dtype=torch.float32) if quant else y
-    gathered = table.new_empty(rows, cols)
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, ids: torch.Tensor | None, weight: torch.Tensor,
+            eps: float, quant: bool):
+    """(normalized rows, their scales if `quant` else None, the summed or gathered rows): x's rows,
+    or with `ids` the rows of the table x that they name."""
+    rows, cols = (ids.shape[0] if ids is not None else x.shape[0]), x.shape[1]
+    y = torch.empty(rows, cols, device=x.device, dtype=E4M3 if quant else x.dtype)
+    scales = torch.empty(rows, 1, device=x.device, dtype=torch.float32) if quant else y
+    summed = x.new_empty(rows, cols) if residual is not None or ids is not None else x
     block = triton.next_power_of_2(cols)
-    _add_rms_norm[(rows,)](table, table, weight, y, gathered, ids, scales, cols, eps,
-                           HAS_RESIDUAL=False, GATHER=True, QUANT=quant, BLOCK=block,
+    _add_rms_norm[(rows,)](x, residual if residual is not None else x, weight, y, summed,
+                           ids if ids is not None else x, scales, cols, eps,
+                           HAS_RESIDUAL=residual is not None, GATHER=ids is not None, QUANT=quant, BLOCK=block,
                            num_warps=min(max(block // 256, 1), 8))
-    return y, scales if quant else None, gathered
+    return y, scales if quant else None, summed
