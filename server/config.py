@@ -204,6 +204,7 @@ class ServeConfig:
         for name in ("revision", "served_model_name", "default_prompt_name"):  # an empty variable means unset
             setattr(self, name, getattr(self, name) or None)
         self.check_models()
+        self.quantization = self.quantization or "none"  # a repeated flag left unset reads as None
         self.check_quantization()
         cuda = self.device == "cuda"
         if cuda:
@@ -263,11 +264,11 @@ class ServeConfig:
 
     def quantizations(self) -> list[str]:
         """--quantization by model, in --model's order (one value is every model's)."""
-        given = (self.quantization or "none").split(",")
+        given = self.quantization.split(",")
         return given * len(self.model_paths()) if len(given) == 1 else given
 
     def check_quantization(self) -> None:
-        given = (self.quantization or "none").split(",")
+        given = self.quantization.split(",")
         if len(given) not in (1, len(self.model_paths())):
             raise ValueError(f"--quantization gives {len(given)} values for {len(self.model_paths())} models: "
                              "give one for all, or one for each")

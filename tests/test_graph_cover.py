@@ -72,3 +72,20 @@ def test_capture_one_takes_eager_buckets_first_then_padded_ones_interactive_lane
         pass
     assert captured == [((8192, 64, 512), 1), ((32, 2, 16), 0), ((8192, 32, 512), 1)]
     assert e.counts.tolist() == [0, 0, 3]  # the graphs held, for /metrics
+
+
+def test_a_covering_graph_never_crosses_the_fp8_threshold():
+    """With fp8 products from 961 tokens on (worker/models/fp8.py), a batch of bucket 960 runs
+    padded in no graph of 961 tokens or more: it would take other products than its own bucket."""
+    from types import SimpleNamespace
+
+    from pollen.worker.models.fp8 import Choice
+
+    b = batch(*[480, 470])
+    shape = engine().bucket(b)
+    assert shape[0] == 960
+    lane = lane_with((1200, 4, 512))
+    assert CudaEngine.covering(lane, shape, b) == (1200, 4, 512)
+    model = SimpleNamespace(fp8_choice=Choice(961, ()))
+    assert CudaEngine.covering(lane, shape, b, model) is None
+    assert CudaEngine.covering(lane, shape, b, SimpleNamespace(fp8_choice=Choice(2000, ()))) == (1200, 4, 512)

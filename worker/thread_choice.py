@@ -9,7 +9,8 @@ one. No setting is right for both, and which one holds changes with the neighbou
 
 So the engine measures, in two classes of batch that it learns apart: small ones (under
 LEARN_TOKENS tokens: queries, whose time is mostly fixed costs, so a batch's seconds are its
-figure) and large ones (docs: seconds per token). In each class, every batch records its figure
+figure) and large ones (seconds per token: one long text; a batch of many texts runs in pieces
+instead, one thread each, worker/engine.py). In each class, every batch records its figure
 under the thread count it ran on (an exponential average for the count in use); batches run on the
 count with the lower figure (a small batch on more threads only where that figure is
 SMALL_MIN_SPEEDUP times lower; two batches in a row over STEP times their count's figure replace

@@ -53,7 +53,8 @@ def load_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float3
     model = model.to(dtype=dtype).to_empty(device=device)
     _load_weights(model, spec.path)
     model.after_load(options)
-    model.fp8_choice = quantize_model(model, min_tokens=options.fp8_min_tokens) if quantization == "fp8" else None
+    if quantization == "fp8":  # sets model.fp8_choice
+        quantize_model(model, min_tokens=options.fp8_min_tokens)
     model.dense_modules = load_dense(spec.dense, device)  # after the check that the map covers the parameters
     if spec.bge_m3:  # its heads are .pt files beside the safetensors ones
         model.output_head = load_bge_m3_head(spec.path, config["hidden_size"], device)
