@@ -70,7 +70,7 @@ class Engine(Protocol):
 # oneDNN makes (JIT code, buffers) and keeps a primitive for every row count a product sees. Batches
 # of texts come in every size, so without a bound on the sizes its cache fills with hundreds of
 # them per weight, each one's making paid on the batch that first has that size, and the worker's
-# memory grows by tens of MiB. A batch of ROUND_FROM tokens or more is therefore padded (a padding
+# memory grows with them. A batch of ROUND_FROM tokens or more is therefore padded (a padding
 # sequence pooled into no row, packed.padded) to a multiple of ROUND_TOKENS: at most a few dozen
 # sizes per weight under the CPU's batch budget, for at most ROUND_TOKENS - 1 tokens of work more.
 # Queries (fewer tokens) keep their exact size: their latency is the point, and their sizes are few.
