@@ -15,10 +15,14 @@ default: its bundled package): STS-B test Spearman x100 in bfloat16 and in fp8, 
 On the CPU the numerics are the same quantization through the torch references
 (worker/models/ops.py), which the CUDA kernels equal (tests/test_cuda_fp8.py).
 
-Speed (cuda): `pollen serve --model DIR --device cuda --warmup-seconds off`, then the same with
---quantization fp8: documents through EmbedStream as text (load/bench_models.py's client, tokens
-answered in --seconds after a warm-up), then one text query at a time (unary Embed, p50 / p99 of
-300 after 30), and the threshold the fp8 server logged (worker/models/fp8.py, measure_min_tokens).
+Speed (cuda): `pollen serve --model DIR --device cuda --warmup-seconds off` and the same with
+--quantization fp8, both up at once on the one GPU: documents through EmbedStream as text
+(load/bench_models.py's client, tokens answered in --seconds after a warm-up) to each in turn,
+two rounds, the mean; then one text query at a time to each in turn, the order flipped every
+query (unary Embed, p50 / p99 of 300 after 30), so host noise falls on both alike; and the
+threshold the fp8 server logged (worker/models/fp8.py, measure_min_tokens).
+Textbook W8A8 (--textbook-texts of the texts): transformers' own model with every product of its
+layers fake-quantized in e4m3, an independent measure of what fp8 products cost on the weights.
 Writes load/results/fp8-<kind>.md (load/results_file.py).
 """
 from __future__ import annotations
@@ -41,6 +45,7 @@ from load.bench_models import SMOKE, WORKLOADS, check_tokens, make_texts, senten
 from load.results_file import add_out_argument, device_kind, write_result  # noqa: E402
 
 SHAPES = ("qwen3-0.6b", "qwen3-4b", "qwen3-8b")
+MODES = ("bf16", "fp8")
 BATCH_TOKENS = 8192  # fidelity batches: texts packed up to this many tokens
 
 
@@ -64,7 +69,13 @@ def rows(path: str, ids: list[np.ndarray], device: str, fp8: bool) -> np.ndarray
     model = load_model(path, device, torch.bfloat16)
     if fp8:
         fp8_products.quantize_model(model, measure=False)
-    engine, out, batch, tokens = EagerEngine(model), [], [], 0
+    if device == "cpu":
+        engine = EagerEngine(model)
+    else:
+        from pollen.worker.cuda_engine import CudaEngine
+
+        engine = CudaEngine(model, device, BATCH_TOKENS, cuda_graphs=False)
+    out, batch, tokens = [], [], 0
     for seq in [*ids, None]:
         if batch and (seq is None or tokens + len(seq) > BATCH_TOKENS):
             out.append(engine.submit(pack(batch)).result().copy())
@@ -83,6 +94,45 @@ def rows(path: str, ids: list[np.ndarray], device: str, fp8: bool) -> np.ndarray
 def cosines(a: np.ndarray, b: np.ndarray) -> dict:
     c = (a * b).sum(1)
     return {"mean": float(c.mean()), "min": float(c.min()), "p1": float(np.percentile(c, 1))}
+
+
+def textbook_rows(path: str, ids: list[np.ndarray], device: str, fp8: bool) -> np.ndarray:
+    """An independent reference for what fp8 products cost in fidelity: transformers' own model in
+    bfloat16, last-token pooled and normalized (Qwen3-Embedding's recipe), with every nn.Linear of
+    its layers (when `fp8`) in textbook W8A8 e4m3: per-token activation and per-output-channel
+    weight scales, float32 products of the dequantized values."""
+    from torch import nn
+    from transformers import AutoModel
+
+    def fake_e4m3(x: torch.Tensor, dim: int) -> torch.Tensor:
+        scale = x.abs().amax(dim=dim, keepdim=True).clamp(min=1e-12) / 448.0
+        return (x / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale
+
+    class FakeFp8Linear(nn.Module):
+        def __init__(self, linear: nn.Linear):
+            super().__init__()
+            self.weight, self.bias = fake_e4m3(linear.weight.float(), 1), linear.bias
+
+        def forward(self, x):
+            y = torch.nn.functional.linear(fake_e4m3(x.float(), -1), self.weight)
+            return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
+
+    model = AutoModel.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    if fp8:
+        for module in list(model.layers.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(module, name, FakeFp8Linear(child))
+    out = []
+    with torch.inference_mode():
+        for seq in ids:  # one text at a time: no padding to mask
+            out.append(model(input_ids=torch.as_tensor(seq, device=device)[None]).last_hidden_state[0, -1].float().cpu())
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    got = torch.stack(out).numpy().astype(np.float64)
+    return got / np.linalg.norm(got, axis=1, keepdims=True)
 
 
 def minilm_fidelity(path: str, stsb: str | None, device: str, pairs_limit: int | None) -> dict:
@@ -104,35 +154,82 @@ def minilm_fidelity(path: str, stsb: str | None, device: str, pairs_limit: int |
     return out
 
 
-def serve_run(path: str, texts: list[str], counts: list[int], queries: list[str], seconds: float,
-              load: StreamLoad, flags: list[str], log: str) -> dict:
-    from load.bench_e2e import query_latency
+def paired_query_latency(targets: dict[str, str], queries: list[str], warm: int = 30) -> dict[str, dict]:
+    """One text query at a time to each server in turn (the order flipped every query), so that
+    both see the same host at the same moments: p50 / p99 ms per server, after `warm` each."""
+    import time
+
+    import grpc
+
+    from pollen.v1 import embedder_pb2 as pb
+    from pollen.v1 import embedder_pb2_grpc as pb_grpc
+
+    channels = {name: grpc.insecure_channel(t) for name, t in targets.items()}
+    stubs = {name: pb_grpc.EmbedderStub(c) for name, c in channels.items()}
+    names, times = list(targets), {name: [] for name in targets}
+    try:
+        for i, text in enumerate(queries):
+            request = pb.EmbedRequest(texts=[text], normalize=True)
+            for name in (names if i % 2 else names[::-1]):
+                t = time.perf_counter()
+                stubs[name].Embed(request)
+                if i >= warm:
+                    times[name].append(time.perf_counter() - t)
+    finally:
+        for channel in channels.values():
+            channel.close()
+    return {name: {"p50_ms": float(np.percentile(ms, 50) * 1e3), "p99_ms": float(np.percentile(ms, 99) * 1e3),
+                   "n": len(ms)} for name, ms in times.items()}
+
+
+def serve_pair(path: str, texts: list[str], counts: list[int], queries: list[str], seconds: float,
+               load: StreamLoad, root: str, rounds: int = 2) -> dict[str, dict]:
+    """`pollen serve` in bfloat16 and with --quantization fp8, both up at once on the one GPU:
+    documents through EmbedStream to each in turn for `rounds` rounds (the mean), then queries to
+    both in turn (paired_query_latency)."""
     from load.bench_mixed import stream_docs
     from tests.conftest import ServerProcess
 
-    server = ServerProcess("--model", path, "--device", "cuda", "--warmup-seconds", "off", *flags,
-                           env={"PYTHONUNBUFFERED": "1"}, log=log).start(timeout=900)
+    name = os.path.basename(path)
+    logs = {mode: os.path.join(root, f"{name}-{mode}.log") for mode in MODES}
+    servers = {}
     try:
-        check_tokens(server.listen, texts, counts)
-        got = stream_docs(server.listen, texts, "interactive", seconds, load=load)
-        got["query"] = query_latency(server.listen, queries, texts=True)
+        for mode in MODES:
+            flags = ["--quantization", "fp8"] if mode == "fp8" else []
+            servers[mode] = ServerProcess("--model", path, "--device", "cuda", "--warmup-seconds", "off", *flags,
+                                          env={"PYTHONUNBUFFERED": "1"}, log=logs[mode]).start(timeout=900)
+            check_tokens(servers[mode].listen, texts, counts)
+        runs = {mode: [] for mode in MODES}
+        for _ in range(rounds):
+            for mode in MODES:
+                runs[mode].append(stream_docs(servers[mode].listen, texts, "interactive", seconds, load=load))
+        latency = paired_query_latency({mode: s.listen for mode, s in servers.items()}, queries)
     finally:
-        server.terminate()
-    if got["errors"] or not got["texts"]:
-        raise RuntimeError(f"{path} {flags}: {got['errors']} errors, {got['texts']} texts answered")
-    with open(log, errors="replace") as f:
-        got["fp8_choice"] = next((line.split(": ", 2)[-1].strip() for line in f if "fp8 products" in line), "")
-    return got
+        for server in servers.values():
+            server.terminate()
+    out = {}
+    for mode, got in runs.items():
+        errors, answered = sum(g["errors"] for g in got), sum(g["texts"] for g in got)
+        if errors or not answered:
+            raise RuntimeError(f"{path} {mode}: {errors} errors, {answered} texts answered")
+        out[mode] = {"tokens_per_s": float(np.mean([g["tokens_per_s"] for g in got])),
+                     "rounds_tokens_per_s": [g["tokens_per_s"] for g in got], "query": latency[mode]}
+        with open(logs[mode], errors="replace") as f:
+            out[mode]["fp8_choice"] = next((line.split(": ", 2)[-1].strip() for line in f if "fp8 products" in line),
+                                           "")
+    return out
 
 
 def markdown(meta: dict, shapes: list[dict], minilm: dict, args, smoke: bool) -> str:
-    lines = ["| shape | texts (mean tokens) | fp8 vs bf16 cosine mean / p1 / min |"
+    lines = ["| shape | texts (mean tokens) | fp8 vs bf16 cosine mean / p1 / min | textbook W8A8 cosine mean / min |"
              + (" bf16 docs tokens/s | fp8 docs tokens/s | fp8 / bf16 | query p50 bf16 / fp8 | fp8 from |"
                 if not args.skip_speed else ""),
-             "| --- | --- | ---: |" + (" ---: | ---: | ---: | ---: | --- |" if not args.skip_speed else "")]
+             "| --- | --- | ---: | ---: |" + (" ---: | ---: | ---: | ---: | --- |" if not args.skip_speed else "")]
     for r in shapes:
         c = r["cosine"]
-        line = f"| {r['shape']} | {r['texts']:,} ({r['mean_tokens']:.0f}) | {c['mean']:.5f} / {c['p1']:.5f} / {c['min']:.5f} |"
+        t = r["textbook"]["cosine"]
+        line = (f"| {r['shape']} | {r['texts']:,} ({r['mean_tokens']:.0f}) | {c['mean']:.5f} / {c['p1']:.5f} / "
+                f"{c['min']:.5f} | {t['mean']:.5f} / {t['min']:.5f} ({r['textbook']['texts']:,} texts) |")
         if "bf16" in r:
             b, f = r["bf16"], r["fp8"]
             line += (f" {b['tokens_per_s']:,.0f} | {f['tokens_per_s']:,.0f} | {f['tokens_per_s'] / b['tokens_per_s']:.2f}x |"
@@ -143,7 +240,9 @@ def markdown(meta: dict, shapes: list[dict], minilm: dict, args, smoke: bool) ->
             + (", tiny), a stand-in BPE" if smoke else "), the real Qwen3 tokenizer")
             + "; fidelity with fp8 products at every batch size against bfloat16 on the "
             "same weights and texts" + (", through torch's reference quantization on the CPU" if args.device == "cpu"
-                                         else "") + ".\n\n" + "\n".join(lines) + "\n")
+                                         else "") + ". Textbook W8A8: the same cosine from transformers' own model "
+            "with every product of its layers fake-quantized (e4m3, per-token and per-channel scales), an "
+            "independent measure of what fp8 products cost on these weights.\n\n" + "\n".join(lines) + "\n")
     if minilm:
         c = minilm["cosine"]
         text += (f"\nall-MiniLM-L6-v2 (real weights), STS-B test ({minilm['pairs']:,} pairs): Spearman x100 "
@@ -167,6 +266,8 @@ def main() -> None:
                    "1,000; 40 on the cpu)")
     p.add_argument("--seconds", type=float, default=10.0, help="measured seconds of each docs run")
     p.add_argument("--skip-speed", action="store_true", help="fidelity only")
+    p.add_argument("--textbook-texts", type=int, default=200, help="texts of the independent reference "
+                   "(transformers' model with textbook fp8 products), per shape")
     p.add_argument("--full-size", action="store_true",
                    help="on the cpu: the shapes at their real sizes and every STS-B pair (slow: minutes a 100 texts)")
     add_out_argument(p, "fp8")
@@ -191,15 +292,17 @@ def main() -> None:
         ids = token_ids(path, fidelity, 512)
         row = {"shape": name, "texts": len(fidelity), "mean_tokens": float(np.mean([len(i) for i in ids]))}
         row["cosine"] = cosines(rows(path, ids, args.device, True), rows(path, ids, args.device, False))
-        print(f"{name}: fp8 vs bf16 cosine {row['cosine']}", flush=True)
+        some = ids[:args.textbook_texts]
+        row["textbook"] = {"texts": len(some), "cosine": cosines(textbook_rows(path, some, args.device, True),
+                                                                 textbook_rows(path, some, args.device, False))}
+        print(f"{name}: fp8 vs bf16 cosine {row['cosine']}; textbook W8A8 in transformers {row['textbook']}",
+              flush=True)
         if not args.skip_speed:
             load = StreamLoad(processes=2, streams=4, window=8, per_message=work.per_message,
                               connection_per_stream=True, warm=work.warm, normalize=True)
             queries = corpus.queries(330)
-            for mode in ("bf16", "fp8"):
-                flags = ["--quantization", "fp8"] if mode == "fp8" else []
-                row[mode] = serve_run(path, texts, counts, queries, args.seconds, load, flags,
-                                      os.path.join(args.root, f"{name}-{mode}.log"))
+            row.update(serve_pair(path, texts, counts, queries, args.seconds, load, args.root))
+            for mode in MODES:
                 print(f"{name} {mode}: {row[mode]['tokens_per_s']:,.0f} tokens/s, query p50 "
                       f"{row[mode]['query']['p50_ms']:.2f} ms {row[mode]['fp8_choice']}", flush=True)
         shapes.append(row)

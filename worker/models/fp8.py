@@ -144,6 +144,8 @@ def measure_min_tokens(linears: list[Fp8Linear], fused: tuple[str, ...] = (), re
                     lin.scaled(*(q or lin.quantize(x)))
 
             timings.append((tokens, _seconds(bf16, repeats), _seconds(fp8, repeats)))
+            del inputs, ready
+    torch.cuda.empty_cache()  # the graphs' pools and inputs, so the worker's memory figure is its own
     return Choice(min_tokens_from(timings), tuple(timings))
 
 
