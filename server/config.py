@@ -130,8 +130,10 @@ class ServeConfig:
     adapt_worker_threads: bool = _flag(PROCESSES, True, "a CPU worker runs each batch on one thread or on "
                                        "--worker-threads, whichever its recent batches measured faster: on cores other "
                                        "processes keep busy, one thread; off, always --worker-threads")
-    tokenizer_threads: int = _flag(PROCESSES, 2, "threads that tokenize requests over 2,048 characters (shorter "
-                                   "ones are tokenized on the event loop)")
+    tokenizer_threads: int = _flag(PROCESSES, 0, "threads per frontend that tokenize requests over 2,048 "
+                                   "characters (shorter ones are tokenized on the event loop); a rerank request's "
+                                   "documents are spread over them", words={"auto": 0},
+                                   shown="auto: 2 on cpu; with cuda half the cores, from 2 to 8")
     worker_spin_us: int = _flag(PROCESSES, -1, "microseconds an idle worker polls its request rings before it "
                                 "sleeps: a query skips a wake-up, a core stays busy", words={"auto": -1, "off": 0},
                                 shown="auto, 5000 with cuda, where each GPU's worker owns its cores, and off on cpu")
@@ -219,6 +221,10 @@ class ServeConfig:
                 setattr(self, name, on_cuda if cuda else 0)
         if self.worker_threads == 0:
             self.worker_threads = max(1, usable_cores() // self.workers)
+        if self.tokenizer_threads == 0:
+            # On a GPU host the tokenizer is what one large request (a rerank of 100 documents)
+            # waits for: more threads cut that wait; idle ones cost nothing.
+            self.tokenizer_threads = min(8, max(2, usable_cores() // 2)) if cuda else 2
         self.frontends_automatic = self.frontends == 0
         if self.frontends == 0:
             self.frontends = default_frontends(self.device, self.workers)

@@ -37,7 +37,7 @@ QWEN3_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requir
 QWEN3_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 INSTRUCTION_MAX_CHARS = 4096
 # A request's documents are tokenized in groups of at least this many characters each.
-GROUP_MIN_CHARS = 16 << 10
+GROUP_MIN_CHARS = 8 << 10
 
 
 @dataclass(frozen=True, slots=True)

@@ -230,3 +230,22 @@ def test_a_lone_request_takes_the_same_batches_with_and_without_the_shortcut(mon
         assert with_it == batches(False, *case), case
         taken += len(with_it) == 1
     assert 50 < taken < 400  # both the shortcut's case and the two passes' were met
+
+
+def test_a_large_interactive_request_beside_another_model_is_batched_in_the_bulk_lane():
+    """worker/loop.py run_lane: with several models on one GPU, an interactive request over the
+    limit goes to its model's bulk lane (low-priority stream), a query stays interactive."""
+    from pollen.worker.loop import SHARED_GPU_INTERACTIVE_TOKENS, run_lane
+
+    interactive, bulk = LANES
+    large = SHARED_GPU_INTERACTIVE_TOKENS
+    assert run_lane(interactive, large + 1, large) == bulk
+    assert run_lane(interactive, large, large) == interactive
+    assert run_lane(bulk, 10, large) == bulk
+    assert run_lane(interactive, 10 * large, 0) == interactive  # one model: no request is large
+    batcher = Batcher(max_batch_tokens=large)
+    big, query = job(1, [large // 2, large // 2 + 1]), job(2, [12])
+    batcher.add(big, run_lane(interactive, big.tokens(0, big.n_seqs), large))
+    batcher.add(query, run_lane(interactive, query.tokens(0, query.n_seqs), large))
+    assert [j.rec.req_id for j, _, _ in batcher.next_batch(interactive)] == [2]
+    assert {j.rec.req_id for j, _, _ in batcher.next_batch(bulk)} == {1}

@@ -76,3 +76,12 @@ def test_auto_batch_tokens_by_device():
     assert cfg.max_batch_tokens == 4096
     with pytest.raises(ValueError, match="--max-batch-tokens 2048 is below the model's limit of 4096"):
         check_limits(ServeConfig(max_batch_tokens=2048), [long])
+
+
+def test_tokenizer_threads_auto_on_cpu_and_as_given():
+    from pollen.server.config import ServeConfig
+
+    assert ServeConfig().tokenizer_threads == 2  # auto on the CPU
+    assert ServeConfig(tokenizer_threads=5).tokenizer_threads == 5
+    with pytest.raises(ValueError, match="--tokenizer-threads must be auto or at least 1"):
+        ServeConfig(tokenizer_threads=-1)

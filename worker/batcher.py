@@ -118,8 +118,9 @@ class Batcher:
     queued_tokens: int = 0
     with_deadline: int = 0  # queued jobs that carry a deadline: expire() scans only when some do
 
-    def add(self, job: Job) -> None:
-        self.lanes[job.rec.options.lane].append(job)
+    def add(self, job: Job, lane: Lane | None = None) -> None:
+        """Queue `job` in its request's lane, or in `lane` (the worker's choice: worker/loop.py run_lane)."""
+        self.lanes[job.rec.options.lane if lane is None else lane].append(job)
         self.queued_tokens += job.tokens(0, job.n_seqs)
         self.with_deadline += job.rec.options.deadline_ns != 0
 

@@ -53,6 +53,16 @@ from pollen.worker.packed import pack
 
 INTERACTIVE, BULK = LANES  # Lane's members, bound once: each Lane.X costs an enum lookup per turn
 CONTROL_EVERY_NS = 5_000_000  # how often a busy loop looks at the control link
+# With several models on one GPU, an interactive request of more tokens than this (a rerank of
+# 100 documents) is batched in its model's bulk lane: its batches then run on the low-priority
+# stream and SM partition, so another model's queries never wait behind them (docs/architecture.md).
+SHARED_GPU_INTERACTIVE_TOKENS = 4096
+
+
+def run_lane(lane: Lane, tokens: int, large: int) -> Lane:
+    """The lane a request of `tokens` is batched in: its own, or BULK for an interactive one over
+    `large` tokens (0: none is large)."""
+    return BULK if lane == INTERACTIVE and large and tokens > large else lane
 
 
 @dataclass(slots=True)
@@ -109,6 +119,7 @@ class Worker:
         # Records held at launch (module docstring): on one model's CUDA engine for interactive
         # batches; on the CPU always (its batches are done once submitted).
         self.hold_records = not self.side_by_side or len(slots) == 1
+        self.large_interactive = SHARED_GPU_INTERACTIVE_TOKENS if self.side_by_side and len(slots) > 1 else 0
         self.turn = 0  # the model whose turn it is on an engine that runs one batch at a time
         self.batches = 0
         self.stopping = False
@@ -321,7 +332,8 @@ class Worker:
         """A request into its model's batcher (a model this worker does not hold: the frontend's bug, answered)."""
         model = job.rec.options.model
         if model < len(self.slots):
-            self.slots[model].batcher.add(job)
+            self.slots[model].batcher.add(job, run_lane(job.rec.options.lane, job.tokens(0, job.n_seqs),
+                                                        self.large_interactive))
         else:
             self.write_error(job, f"the request names model {model}; this worker holds {len(self.slots)}. "
                                   "This is a bug.")

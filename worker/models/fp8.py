@@ -144,8 +144,6 @@ def measure_min_tokens(linears: list[Fp8Linear], fused: tuple[str, ...] = (), re
                     lin.scaled(*(q or lin.quantize(x)))
 
             timings.append((tokens, _seconds(bf16, repeats), _seconds(fp8, repeats)))
-            del inputs, ready
-    torch.cuda.empty_cache()  # the graphs' pools and inputs, so the worker's memory figure is its own
     return Choice(min_tokens_from(timings), tuple(timings))
 
 
@@ -227,6 +225,8 @@ def quantize_model(model: nn.Module, measure: bool = True, min_tokens: int = 0) 
         choice = Choice(min_tokens, ())
     else:
         choice = measure_min_tokens(first, model.fp8_fused) if measure else Choice(0, ())
+        if measure:
+            torch.cuda.empty_cache()  # the measurement's graph pools and inputs: the model's memory figure is its own
     model.fp8_choice = choice
     if choice.min_tokens >= NEVER:
         unquantize_layers(model.layers[0])
