@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from pollen.common.gemma3_config import read_layout as read_gemma3_layout
 from pollen.common.modernbert_config import read_layout as read_modernbert_layout
+from pollen.common.stored_quantization import stored_quantization
 
 # One encoder serves all four; RoBERTa-style models only number positions differently, and
 # DistilBERT has no token types and names its layers its own way.
@@ -177,6 +178,10 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
     model_type = config.get("model_type")
     family, causal, default_pooling = _family(path, config)
     _check_weights(path, config)
+    try:
+        stored_quantization(config)  # a quantized format the loader does not read is refused here
+    except ValueError as exc:
+        raise UnsupportedModel(f"{path}: {exc}") from None
     modules = _read_json(path, "modules.json", list) or []
     _check_modules(path, modules)
     head = _read_head(path, config, family, modules)

@@ -40,9 +40,6 @@ def prepare(cfg: ServeConfig) -> list[ModelSpec]:
             raise UnsupportedModel(f"two models are served as {spec.name!r} ({seen[spec.name]} and {spec.path}); "
                                    "name them apart with --served-model-name")
         seen[spec.name] = spec.path
-        if spec.sparse_terms and cfg.device == "cuda":
-            # Not yet run through the CUDA engine (its graphs and buffers) nor measured on a GPU.
-            raise UnsupportedModel(f"{spec.path}: sparse (SPLADE) models are served on the CPU only (--device cpu)")
     return specs
 
 

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from pollen.client import Client
-from pollen.common.model_spec import UnsupportedModel
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
 from tests.conftest import ServerProcess
@@ -199,16 +198,6 @@ def test_http_sparse_top_k_zero_is_refused(server):
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(request, timeout=30)
     assert err.value.code == 400 and json.loads(err.value.read())["error"]["param"] == "sparse_top_k"
-
-
-def test_a_sparse_model_on_cuda_is_refused_at_start(paths):
-    from pollen.server.config import ServeConfig
-    from pollen.server.served_model import prepare
-
-    cfg = ServeConfig.from_args(["--model", paths["bert"]], environ={})
-    cfg.device = "cuda"  # set after the config's own checks, which look for a GPU this machine lacks
-    with pytest.raises(UnsupportedModel, match="served on the CPU only"):
-        prepare(cfg)
 
 
 def test_tei_embed_sparse_refuses_as_tei(server):

@@ -11,6 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# The scale stored beside an fp8 weight, by name suffix (common/stored_quantization.py).
+SCALE_SUFFIXES = ("_scale", "_scale_inv")
+
 
 @dataclass(frozen=True, slots=True)
 class HeadTensor:
@@ -32,3 +38,20 @@ class HeadTensor:
 def full_name(name: str | HeadTensor, prefix: str) -> str:
     """The name under which `name` is stored in a checkpoint whose base model has `prefix`."""
     return name.full_name(prefix) if isinstance(name, HeadTensor) else prefix + name
+
+
+def dequantize(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An fp8 weight [N, K] times its stored scale, in float32: one scale ([] or [1]), one per
+    output channel ([N, 1] or [N]), or one per block ([ceil(N / b), ceil(K / c)]: 128 x 128 blocks,
+    the size every fp8 block format uses, or blocks that divide the weight evenly)."""
+    values, scale = stored.to(torch.float32), scale.to(torch.float32)
+    if scale.numel() == 1:
+        return values * scale.reshape(())
+    if values.dim() == 2 and scale.numel() == values.shape[0]:
+        return values * scale.reshape(-1, 1)
+    if values.dim() == 2 and scale.dim() == 2:
+        (rows, cols), (s0, s1) = values.shape, scale.shape
+        b, c = (128, 128) if (-(-rows // 128), -(-cols // 128)) == (s0, s1) else (rows // s0, cols // s1)
+        if (-(-rows // b), -(-cols // c)) == (s0, s1):
+            return values * scale.repeat_interleave(b, 0)[:rows].repeat_interleave(c, 1)[:, :cols]
+    raise ValueError(f"a scale of shape {tuple(scale.shape)} does not fit a weight of shape {tuple(values.shape)}")

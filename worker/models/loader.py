@@ -18,7 +18,7 @@ from pollen.worker.models.attention import backend as attention_backend
 from pollen.worker.models.base import EmbeddingModel
 from pollen.worker.models.bert import BertEncoder
 from pollen.worker.models.bge_m3 import load_head as load_bge_m3_head
-from pollen.worker.models.checkpoint import HeadTensor, full_name
+from pollen.worker.models.checkpoint import FP8_DTYPES, SCALE_SUFFIXES, HeadTensor, dequantize, full_name
 from pollen.worker.models.cpu_linear import prepack_linears
 from pollen.worker.models.dense import load_dense
 from pollen.worker.models.fp8 import quantize_model, unsupported_reason
@@ -115,7 +115,27 @@ def _load_weights(model: EmbeddingModel, path: str) -> None:
                 handles[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
             if isinstance(name, HeadTensor) and name.index is not None:
                 return _row(handles[file], stored, name.index, path)
+            t = handles[file].get_tensor(stored)
+            return _dequantized(t, stored, tensor_of) if t.dtype in FP8_DTYPES else t
+
+        def tensor_of(stored: str) -> torch.Tensor | None:
+            """A stored tensor by its full name (an fp8 weight's scale), None where there is none."""
+            file = files.get(stored)
+            if file is None:
+                return None
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
             return handles[file].get_tensor(stored)
+
+        def _dequantized(t: torch.Tensor, stored: str, lookup) -> torch.Tensor:
+            scale = next((found for suffix in SCALE_SUFFIXES if (found := lookup(stored + suffix)) is not None), None)
+            if scale is None:
+                raise UnsupportedModel(f"{path}: tensor {stored} is stored in {str(t.dtype)[6:]} with no "
+                                       f"{stored}_scale (or _scale_inv) beside it")
+            try:
+                return dequantize(t, scale)
+            except ValueError as exc:
+                raise UnsupportedModel(f"{path}: tensor {stored}: {exc}") from None
 
         for ours, names in wanted.items():
             t = torch.cat([tensor(n) for n in names]) if len(names) > 1 else tensor(names[0])
