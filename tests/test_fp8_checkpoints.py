@@ -173,3 +173,27 @@ def test_an_fp8_weight_without_its_scale_is_refused_naming_it(tmp_path):
     with pytest.raises(UnsupportedModel, match=r"layers\.1\.self_attn\.o_proj\.weight is stored in float8_e4m3fn "
                                                "with no layers.1.self_attn.o_proj.weight_scale"):
         load_model(str(path))
+
+
+def test_fp8_products_equal_the_compressed_tensors_w8a8_forward(tmp_path):
+    """An independent check of the fp8 products' numerics: transformers' model from an FP8_DYNAMIC
+    folder, its quantization on, runs compressed-tensors' own W8A8 (e4m3 weights per channel,
+    activations quantized per token as they arrive); pollen's model from the same folder with fp8
+    products at every size (torch's references, float32) gives its rows. The norms stay unfolded
+    so the products' weights are the stored ones."""
+    from transformers import AutoModel
+
+    from pollen.common.engine_options import EngineOptions
+    from pollen.worker.models import fp8
+
+    path = tmp_path / "m"
+    make_tiny_qwen3(path)
+    compressed_tensors_folder(path, "FP8_DYNAMIC")
+    seqs = random_seqs(LENGTHS)
+    with torch.no_grad():
+        want = hf_rows(AutoModel.from_pretrained(str(path), dtype=torch.float32).eval(), seqs, "causal")
+    model = load_model(str(path), options=EngineOptions(fold_norms=False, cpu_prepack=False))
+    apart = torch.nn.functional.cosine_similarity(engine_rows(model, seqs), want, dim=1)
+    assert apart.min() < 0.9999  # without fp8 products the activations are not quantized: the rows differ
+    fp8.quantize_model(model, measure=False)
+    assert_matches(engine_rows(model, seqs), want)
