@@ -178,10 +178,6 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
     model_type = config.get("model_type")
     family, causal, default_pooling = _family(path, config)
     _check_weights(path, config)
-    try:
-        stored_quantization(config)  # a quantized format the loader does not read is refused here
-    except ValueError as exc:
-        raise UnsupportedModel(f"{path}: {exc}") from None
     modules = _read_json(path, "modules.json", list) or []
     _check_modules(path, modules)
     head = _read_head(path, config, family, modules)
@@ -585,9 +581,13 @@ def _weight_files(path: str) -> list[str]:
 
 def _check_weights(path: str, config: dict) -> None:
     """Every weight file's safetensors header parses and matches the file's size (what the loader
-    would fail on later), and the weights hold at least the parameters config.json's sizes imply:
-    the embeddings (vocab_size x hidden_size) and each layer's MLP (2 x hidden_size x
-    intermediate_size)."""
+    would fail on later), the weights hold at least the parameters config.json's sizes imply
+    (the embeddings, vocab_size x hidden_size, and each layer's MLP, 2 x hidden_size x
+    intermediate_size), and a quantized checkpoint is in a format the loader reads."""
+    try:
+        stored_quantization(config)
+    except ValueError as exc:
+        raise UnsupportedModel(f"{path}: {exc}") from None
     files = _weight_files(path)
     if not files:
         if glob.glob(os.path.join(path, "*.bin")) or glob.glob(os.path.join(path, "*.pt")):
