@@ -28,9 +28,10 @@ def stored_quantization(config: dict) -> str:
         return ""
     method = spec.get("quant_method", "")
     if method == "compressed-tensors":
-        formats = {spec.get("format")} | {group.get("format") for group in (spec.get("config_groups") or {}).values()}
+        groups = (spec.get("config_groups") or {}).values()
+        formats = {spec.get("format")} | {group.get("format") for group in groups}
         formats.discard(None)
-        weights = [group.get("weights") or {} for group in (spec.get("config_groups") or {}).values()]
+        weights = [group.get("weights") or {} for group in groups]
         if formats <= {"float-quantized", "dense"} and all(w.get("type") == "float" and w.get("num_bits") == 8
                                                   for w in weights):
             return method

@@ -108,32 +108,26 @@ def _load_weights(model: EmbeddingModel, path: str) -> None:
     with contextlib.ExitStack() as stack, torch.no_grad():
         handles = {}
 
+        def handle(file: str):
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+            return handles[file]
+
         def tensor(name: str | HeadTensor) -> torch.Tensor:
             stored = full_name(name, prefix)
-            file = files[stored]
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
             if isinstance(name, HeadTensor) and name.index is not None:
-                return _row(handles[file], stored, name.index, path)
-            t = handles[file].get_tensor(stored)
-            return _dequantized(t, stored, tensor_of) if t.dtype in FP8_DTYPES else t
+                return _row(handle(files[stored]), stored, name.index, path)
+            t = handle(files[stored]).get_tensor(stored)
+            return dequantized(t, stored) if t.dtype in FP8_DTYPES else t
 
-        def tensor_of(stored: str) -> torch.Tensor | None:
-            """A stored tensor by its full name (an fp8 weight's scale), None where there is none."""
-            file = files.get(stored)
-            if file is None:
-                return None
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
-            return handles[file].get_tensor(stored)
-
-        def _dequantized(t: torch.Tensor, stored: str, lookup) -> torch.Tensor:
-            scale = next((found for suffix in SCALE_SUFFIXES if (found := lookup(stored + suffix)) is not None), None)
-            if scale is None:
+        def dequantized(t: torch.Tensor, stored: str) -> torch.Tensor:
+            """An fp8 weight times the scale stored beside it (common/stored_quantization.py)."""
+            scale_name = next((stored + suffix for suffix in SCALE_SUFFIXES if stored + suffix in files), None)
+            if scale_name is None:
                 raise UnsupportedModel(f"{path}: tensor {stored} is stored in {str(t.dtype)[6:]} with no "
                                        f"{stored}_scale (or _scale_inv) beside it")
             try:
-                return dequantize(t, scale)
+                return dequantize(t, handle(files[scale_name]).get_tensor(scale_name))
             except ValueError as exc:
                 raise UnsupportedModel(f"{path}: tensor {stored}: {exc}") from None
 
