@@ -197,3 +197,16 @@ def test_fp8_products_equal_the_compressed_tensors_w8a8_forward(tmp_path):
     assert apart.min() < 0.9999  # without fp8 products the activations are not quantized: the rows differ
     fp8.quantize_model(model, measure=False)
     assert_matches(engine_rows(model, seqs), want)
+
+
+def test_an_fp8_scale_that_fits_no_layout_is_refused_naming_its_weight(tmp_path):
+    path = tmp_path / "m"
+    make_tiny_qwen3(path)
+    write_fp8_layout(path, "weight_scale", None)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["layers.0.mlp.up_proj.weight_scale"] = torch.ones(5, 3)  # neither per channel nor per block
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with_quantization_config(path, {"quant_method": "fbgemm_fp8"})
+    with pytest.raises(UnsupportedModel, match=r"tensor layers\.0\.mlp\.up_proj\.weight: a scale of shape \(5, 3\) "
+                                               r"does not fit a weight of shape \(96, 64\)"):
+        load_model(str(path))
