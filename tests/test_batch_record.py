@@ -57,6 +57,14 @@ def window_plan(windows_per_text: list[int]) -> records.RowPlan:
                            np.linspace(1, 3, n).astype(np.float32))
 
 
+def token_plan(lengths: list[int]) -> records.RowPlan:
+    """Token vectors: every token of every sequence a row and an output of its own."""
+    seq = np.repeat(np.arange(len(lengths)), lengths).astype(np.uint32)
+    start = np.concatenate([np.arange(n) for n in lengths]).astype(np.uint32)
+    n = len(seq)
+    return records.RowPlan(seq, start, start + 1, np.arange(n, dtype=np.uint32), np.ones(n, np.float32))
+
+
 def pooled_rows(job: Job) -> np.ndarray:
     """The rows a model would pool for this job: fixed by its id; every fifth one zero."""
     rng = np.random.default_rng(job.rec.req_id)
@@ -101,6 +109,7 @@ def every_kind() -> list[Job]:
                          rows=window_plan([1, 3, 2])))
     jobs.append(make_job(req_id + 2, [2] * 30, normalize=True))  # larger than one batch
     jobs.append(make_job(req_id + 3, [3] * 6, normalize=True, rows=window_plan([4, 2])))
+    jobs.append(make_job(req_id + 4, [5, 3], rows=token_plan([5, 3])))
     return jobs
 
 
@@ -126,7 +135,10 @@ def test_every_kind_of_request_equals_finish_on_its_rows():
         for result in results:
             assert result.status == records.OK and (result.queue_us, result.inference_us) == (1, 3)
             answers[result.req_id] = result
-    assert len(spread) >= 2 and {1, 2} <= direct  # both paths and requests spread over batches ran
+    # Both paths and requests spread over batches ran; chunks and token vectors, a row per output,
+    # are answered by their raw rows too (no combine, no copy).
+    chunks, tokens = jobs[-5].rec.req_id, jobs[-1].rec.req_id
+    assert len(spread) >= 2 and {1, 2, chunks, tokens} <= direct
     for job in jobs:
         rec, got = job.rec, answers[job.rec.req_id]
         assert (got.rows, got.dims, got.encoding) == (rec.n_out, rec.options.dims or HIDDEN, rec.options.encoding)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from pollen.common.request import LANES, Lane, RequestOptions
 from pollen.shared_mem import records
@@ -71,7 +72,7 @@ def test_pack_lays_sequences_end_to_end_and_pools_spans():
     import torch
 
     from pollen.worker.models.pooling import pool_rows
-    from pollen.worker.packed import pack
+    from pollen.worker.packed import RowSpans, pack
 
     seqs = [np.array([5, 6, 7], np.int32), np.array([8], np.int32), np.array([1, 2, 3, 4], np.int32)]
     whole = pack(seqs)
@@ -81,7 +82,7 @@ def test_pack_lays_sequences_end_to_end_and_pools_spans():
     assert whole.pool_index.tolist() == [0, 0, 0, 1, 2, 2, 2, 2]
 
     # Two rows out of the last sequence (its tokens 1..2 and 3..3); token 0 of it pools nowhere.
-    spans = pack(seqs, [[(0, 3)], [(0, 1)], [(1, 3), (3, 4)]])
+    spans = pack(seqs, RowSpans.of([[(0, 3)], [(0, 1)], [(1, 3), (3, 4)]]))
     assert spans.pool_index.tolist() == [0, 0, 0, 1, 4, 2, 2, 3]
     assert spans.pool_first.tolist() == [0, 3, 5, 7] and spans.pool_last.tolist() == [2, 3, 6, 7]
     hidden = torch.arange(16, dtype=torch.float32).view(8, 2)
@@ -91,6 +92,32 @@ def test_pack_lays_sequences_end_to_end_and_pools_spans():
     assert mean.tolist() == [[2, 3], [6, 7], [11, 12], [14, 15]]
     assert pool_rows(hidden, *args, "last").tolist() == [[4, 5], [6, 7], [12, 13], [14, 15]]
     assert pool_rows(hidden, *args, "cls").tolist() == [[0, 1], [6, 7], [10, 11], [14, 15]]
+
+
+def test_pack_spans_match_a_span_by_span_layout():
+    """Random disjoint spans (chunks, gaps, a row per token) laid out as a loop over the spans would."""
+    from pollen.worker.packed import RowSpans, pack
+
+    rng = np.random.default_rng(3)
+    seqs, per_sequence = [], []
+    for _ in range(30):
+        n = int(rng.integers(1, 40))
+        seqs.append(rng.integers(1, 1000, n, dtype=np.int32))
+        cuts = np.sort(rng.choice(np.arange(n + 1), size=min(n + 1, int(rng.integers(2, 8))), replace=False))
+        spans = [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:]) if rng.random() < 0.8]
+        per_sequence.append(spans or [(0, n)])
+    per_sequence[0] = [(i, i + 1) for i in range(len(seqs[0]))]  # token vectors: a row per token
+    batch = pack(seqs, RowSpans.of(per_sequence))
+    starts = np.cumsum([0, *(len(s) for s in seqs)])
+    flat = [(int(starts[i]) + a, int(starts[i]) + b) for i, spans in enumerate(per_sequence) for a, b in spans]
+    index = np.full(int(starts[-1]), len(flat))
+    for row, (a, b) in enumerate(flat):
+        index[a:b] = row
+    assert batch.pool_index.tolist() == index.tolist()
+    assert batch.pool_first.tolist() == [a for a, _ in flat] and batch.pool_last.tolist() == [b - 1 for _, b in flat]
+    assert batch.pool_count.tolist() == [b - a for a, b in flat]
+    with pytest.raises(ValueError, match="at least one token"):
+        pack(seqs[:1], RowSpans.of([[(2, 2)]]))
 
 
 def lane_job(req_id: int, lengths: list[int], priority: int = 0, deadline_ns: int = 0) -> Job:
@@ -179,7 +206,10 @@ def test_records_carry_rows_priority_and_deadline():
         np.testing.assert_array_equal(getattr(rec.rows, name), getattr(rows, name))
     assert rec.ids.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]
     job = Job.of(rec)
-    assert job.n_rows == 3 and job.row_spans(0) == [(1, 3), (3, 5)] and job.row_spans(1) == [(0, 4)]
+    spans = job.row_spans(0, 2)
+    assert job.n_rows == 3 and spans.seq.tolist() == [0, 0, 1]
+    assert spans.start.tolist() == [1, 3, 0] and spans.stop.tolist() == [3, 5, 4]
+    assert job.row_spans(1, 2).seq.tolist() == [0]
     assert records.decode_cancel(memoryview(records.encode_cancel(9))) == 9
 
 

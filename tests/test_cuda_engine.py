@@ -18,7 +18,7 @@ from pollen.common.request import Lane  # noqa: E402
 from pollen.worker.engine import EagerEngine  # noqa: E402
 from pollen.worker.models import ops  # noqa: E402
 from pollen.worker.models.loader import load_model  # noqa: E402
-from pollen.worker.packed import pack  # noqa: E402
+from pollen.worker.packed import RowSpans, pack  # noqa: E402
 
 
 def cos(a, b):
@@ -103,7 +103,7 @@ def test_graphs_pool_spans_and_buckets(tmp_path):
     engine.warm_up()
     docs = seqs([50, 7, 30], seed=3)
     spans = [[(0, 10), (10, 50)], [(0, 7)], [(2, 5), (5, 6), (6, 30)]]
-    for batch in (pack(docs, spans), pack(seqs([5] * 17 + [60], seed=4)), pack(seqs([64] * 6, seed=5))):
+    for batch in (pack(docs, RowSpans.of(spans)), pack(seqs([5] * 17 + [60], seed=4)), pack(seqs([64] * 6, seed=5))):
         got = engine.submit(batch).result()
         assert got.shape == (batch.rows, 64)
         assert cos(got, cpu.submit(batch).result()) >= 0.999

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pollen.worker.cuda_engine import CudaEngine, token_buckets
-from pollen.worker.packed import ONE_TEXT_SHARED_MAX, pack
+from pollen.worker.packed import ONE_TEXT_SHARED_MAX, RowSpans, pack
 
 
 def engine_without_cuda(max_tokens: int, max_positions: int) -> CudaEngine:
@@ -21,7 +21,7 @@ def engine_without_cuda(max_tokens: int, max_positions: int) -> CudaEngine:
 
 def general_pack(seq: np.ndarray):
     """The general packing of one text: pack() with an explicit whole-text row span."""
-    return pack([seq], [[(0, len(seq))]])
+    return pack([seq], RowSpans.of([[(0, len(seq))]]))
 
 
 @pytest.mark.parametrize("max_tokens,max_positions", [(16384, 32768), (4096, 40)])
@@ -63,7 +63,7 @@ def test_the_shared_arrays_of_a_length_are_not_written_by_filling():
 def test_a_one_text_batch_with_a_partial_row_span_takes_the_general_layout():
     e = engine_without_cuda(4096, 32768)
     seq = np.arange(1, 21, dtype=np.int32)
-    partial = pack([seq], [[(2, 12)]])  # one row over part of the text: not the shortcut's case
+    partial = pack([seq], RowSpans.of([[(2, 12)]]))  # one row over part of the text: not the shortcut's case
     assert not e.one_text(partial)
     shape = e.bucket(partial)
     a, b = np.zeros(1 << 16, np.int32), np.zeros(1 << 16, np.int32)

@@ -38,10 +38,11 @@ class Entry:
 
 
 def answered_by_raw_rows(job: Job, whole: bool, hidden: int) -> bool:
-    """The common case: all its rows in this batch, one row per output, float32 at full size
-    (so native int8, which needs ENCODING_INT8, never is)."""
+    """The common case: all its rows in this batch, each row its own output (texts, contextual
+    chunks, token vectors), float32 at full size (so native int8, which needs ENCODING_INT8,
+    never is)."""
     options = job.rec.options
-    return whole and job.rec.rows is None and options.encoding == pb.ENCODING_FLOAT32 and options.dims in (0, hidden)
+    return whole and job.rows_are_outputs and options.encoding == pb.ENCODING_FLOAT32 and options.dims in (0, hidden)
 
 
 class BatchAnswer:
@@ -138,7 +139,7 @@ class BatchAnswer:
     def encode(self, job: Job, vectors: np.ndarray, record: memoryview, entry: Entry) -> None:
         """Combine (chunks, CHUNK_MEAN), cut, normalize and encode a request's rows into its answer."""
         rec = job.rec
-        if rec.rows is not None:
+        if not job.rows_are_outputs:
             vectors = combine(vectors, rec.rows.out.astype(np.int64), rec.rows.weight.astype(np.float64), rec.n_out)
         options = rec.options
         finish(vectors, options.dims, options.normalize, options.encoding,

@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pollen.common.request import LANES, Lane
-from pollen.shared_mem.records import RequestRecord
+from pollen.shared_mem.records import RequestRecord, RowPlan
+from pollen.worker.packed import RowSpans
 
 INTERACTIVE, BULK = LANES  # Lane's members, bound once: each Lane.X costs an enum lookup per batch
 QUANTUM_DIVISOR = 4  # a request's first-pass share of a batch: a quarter of its budget
@@ -55,6 +56,7 @@ class Job:
     offsets: np.ndarray      # start of each sequence in rec.ids, plus the end: [n_seqs + 1]
     row_offsets: np.ndarray  # first row of each sequence, plus the end: [n_seqs + 1]
     source: int = 0          # the frontend it came from (the link its answer goes back on)
+    rows_are_outputs: bool = True  # each row its own output, in order, weight 1 (no combine)
     next_seq: int = 0        # first sequence not yet handed to a batch
     # Set by the first of its batches only when it spans several (worker/batch_answer.py, fill):
     first_start_ns: int = field(init=False, repr=False)
@@ -72,7 +74,7 @@ class Job:
             row_offsets = np.arange(n + 1, dtype=np.int64)
         else:
             row_offsets = np.searchsorted(rec.rows.seq, np.arange(n + 1), side="left").astype(np.int64)
-        return cls(rec, offsets, row_offsets, source)
+        return cls(rec, offsets, row_offsets, source, rec.rows is None or _rows_are_outputs(rec.rows))
 
     @property
     def n_seqs(self) -> int:
@@ -94,13 +96,19 @@ class Job:
             rows += self.rec.n_out
         return rows
 
-    def row_spans(self, i: int) -> list[tuple[int, int]]:
-        """The (start, stop) token spans of sequence i that each become one pooled row."""
+    def row_spans(self, a: int, b: int) -> RowSpans:
+        """The token spans of sequences a..b-1 that each become one pooled row, their sequences
+        counted from a."""
         rows = self.rec.rows
         if rows is None:
-            return [(0, int(self.rec.lengths[i]))]
-        a, b = self.row_offsets[i], self.row_offsets[i + 1]
-        return list(zip(rows.start[a:b].tolist(), rows.stop[a:b].tolist()))
+            return RowSpans(np.arange(b - a), np.zeros(b - a, np.int64), self.offsets[a + 1:b + 1] - self.offsets[a:b])
+        r0, r1 = self.row_offsets[a], self.row_offsets[b]
+        return RowSpans(rows.seq[r0:r1].astype(np.int64) - a, rows.start[r0:r1], rows.stop[r0:r1])
+
+
+def _rows_are_outputs(rows: RowPlan) -> bool:
+    """Contextual chunks and token vectors: row i is output i, alone (CHUNK_MEAN windows are not)."""
+    return bool((rows.out == np.arange(len(rows.out))).all() and (rows.weight == 1).all())
 
 
 def least_served(jobs: list[Job]) -> list[Job]:

@@ -49,7 +49,7 @@ from pollen.worker.batcher import Batcher, Job
 from pollen.worker.engine import PendingRows
 from pollen.worker.links import Link, wait_for_work
 from pollen.worker.model_slot import ModelSlot
-from pollen.worker.packed import pack
+from pollen.worker.packed import RowSpans, pack
 
 INTERACTIVE, BULK = LANES  # Lane's members, bound once: each Lane.X costs an enum lookup per turn
 CONTROL_EVERY_NS = 5_000_000  # how often a busy loop looks at the control link
@@ -368,11 +368,12 @@ class Worker:
         sequences = [job.rec.ids[job.offsets[i]:job.offsets[i + 1]] for job, a, b in spans for i in range(a, b)]
         # Rows differ from sequences only for contextual chunks and CHUNK_MEAN windows.
         plain = all(job.rec.rows is None for job, _, _ in spans)
-        row_spans = None if plain else [job.row_spans(i) for job, a, b in spans for i in range(a, b)]
+        rows = None if plain else RowSpans.concat([job.row_spans(a, b) for job, a, b in spans],
+                                                  [b - a for _, a, b in spans])
         outs = [share.plan.raw_rows(share.record.view) for share in shares] if held else None
         normalize = shares[0].plan.normalize if len(shares) == 1 else np.concatenate([s.plan.normalize for s in shares])
         try:
-            pending, error = slot.engine.submit(pack(sequences, row_spans), out=outs, normalize=normalize,
+            pending, error = slot.engine.submit(pack(sequences, rows), out=outs, normalize=normalize,
                                                 lane=lane), None
         except Exception as exc:  # a failed batch fails its requests, not the worker
             pending, error = None, exc

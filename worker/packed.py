@@ -38,10 +38,37 @@ class PackedBatch:
         return len(self.pool_first)
 
 
-def pack(sequences: list[np.ndarray], row_spans: list[list[tuple[int, int]]] | None = None) -> PackedBatch:
-    """sequences: token ids of each text; row_spans[i]: the (start, stop) token spans of sequence i
-    that each become one output row, in order (None: every sequence is one row over all its tokens)."""
-    if len(sequences) == 1 and row_spans is None:
+@dataclass(frozen=True, slots=True)
+class RowSpans:
+    """The token spans that become output rows, row by row: row r pools tokens start[r] to
+    stop[r] - 1 of the batch's sequence seq[r]. seq is non-decreasing; the spans of a sequence
+    are disjoint and in order (contextual chunks, CHUNK_MEAN windows, one token each for token
+    vectors). Arrays, not lists: a batch of token vectors has a row per token."""
+
+    seq: np.ndarray
+    start: np.ndarray
+    stop: np.ndarray
+
+    @classmethod
+    def of(cls, per_sequence: list[list[tuple[int, int]]]) -> RowSpans:
+        """From each sequence's (start, stop) spans (tests and tools)."""
+        flat = [(i, a, b) for i, spans in enumerate(per_sequence) for a, b in spans]
+        seq, start, stop = (np.array(column, dtype=np.int64).reshape(-1) for column in zip(*flat)) if flat else \
+            (np.zeros(0, np.int64),) * 3
+        return cls(seq, start, stop)
+
+    @classmethod
+    def concat(cls, parts: list[RowSpans], sequences: list[int]) -> RowSpans:
+        """The spans of batches laid end to end, parts[i] over sequences[i] sequences."""
+        base = np.cumsum([0, *sequences[:-1]])
+        return cls(np.concatenate([p.seq + b for p, b in zip(parts, base)]),
+                   np.concatenate([p.start for p in parts]), np.concatenate([p.stop for p in parts]))
+
+
+def pack(sequences: list[np.ndarray], rows: RowSpans | None = None) -> PackedBatch:
+    """sequences: token ids of each text; rows: the token spans that each become one output row
+    (None: every sequence is one row over all its tokens)."""
+    if len(sequences) == 1 and rows is None:
         return _pack_one(sequences[0])  # a query: the common latency-bound case, kept cheap
     lengths = np.fromiter((len(s) for s in sequences), dtype=np.int32, count=len(sequences))
     cu = np.zeros(len(sequences) + 1, dtype=np.int32)
@@ -50,20 +77,29 @@ def pack(sequences: list[np.ndarray], row_spans: list[list[tuple[int, int]]] | N
     ids = np.concatenate(sequences).astype(np.int32, copy=False) if sequences else np.empty(0, np.int32)
     # Position inside each sequence: a global arange minus each token's sequence start.
     positions = np.arange(total, dtype=np.int32) - np.repeat(cu[:-1], lengths)
-    if row_spans is None:
+    if rows is None:
         first, last, count = cu[:-1].copy(), cu[1:] - 1, lengths.copy()
         pool_index = np.repeat(np.arange(len(sequences), dtype=np.int32), lengths)
     else:
-        spans = [(int(cu[i]) + a, int(cu[i]) + b) for i, seq_spans in enumerate(row_spans) for a, b in seq_spans]
-        starts = np.fromiter((a for a, _ in spans), dtype=np.int32, count=len(spans))
-        stops = np.fromiter((b for _, b in spans), dtype=np.int32, count=len(spans))
-        if np.any(stops <= starts):
-            raise ValueError("every pooled span needs at least one token")
-        first, last, count = starts, stops - 1, stops - starts
-        pool_index = np.full(total, len(spans), dtype=np.int32)  # tokens in no span pool into a dropped row
-        for row, (a, b) in enumerate(spans):
-            pool_index[a:b] = row
+        first, pool_index = _span_rows(cu, rows, total)
+        count = (cu[rows.seq] + rows.stop - first).astype(np.int32)
+        last = first + count - 1
     return PackedBatch(ids, positions, cu, int(lengths.max(initial=0)), pool_index, first, last, count)
+
+
+def _span_rows(cu: np.ndarray, rows: RowSpans, total: int) -> tuple[np.ndarray, np.ndarray]:
+    """(each row's first token in the batch, each token's row): tokens in no span pool into a
+    dropped row (R). One vectorized pass: a batch of token vectors has a row per token."""
+    starts = (cu[rows.seq] + rows.start).astype(np.int32)
+    counts = (rows.stop.astype(np.int64) - rows.start.astype(np.int64))
+    if np.any(counts <= 0):
+        raise ValueError("every pooled span needs at least one token")
+    n_rows = len(starts)
+    pool_index = np.full(total, n_rows, dtype=np.int32)
+    before = np.cumsum(counts) - counts  # tokens of the rows before each row
+    covered = np.repeat(starts - before, counts) + np.arange(int(counts.sum()))
+    pool_index[covered] = np.repeat(np.arange(n_rows, dtype=np.int32), counts)
+    return starts, pool_index
 
 
 def split(batch: PackedBatch, parts: int) -> list[PackedBatch]:

@@ -22,12 +22,9 @@ from pollen.v1 import embedder_pb2 as pb
 
 
 def combine(pooled: np.ndarray, out_index: np.ndarray, weights: np.ndarray, n_out: int) -> np.ndarray:
-    """Weighted mean of the pooled rows that share an output (CHUNK_MEAN windows of one text).
-    Rows that each make their own output (token vectors: a row per token) come back as they are."""
-    if len(out_index) == n_out and (weights == 1).all() and (out_index == np.arange(n_out)).all():
-        return pooled
+    """Weighted mean of the pooled rows that share an output (CHUNK_MEAN windows of one text)."""
     # One segment sum per output over the rows sorted by output: np.add.at's per-element scatter
-    # is far slower on answers of many rows (a row per token).
+    # is far slower on answers of many rows.
     order = np.argsort(out_index, kind="stable")
     index = out_index[order]
     starts = np.flatnonzero(np.r_[True, index[1:] != index[:-1]])
