@@ -22,7 +22,9 @@ two rounds, the mean; then one text query at a time to each in turn, the order f
 query (unary Embed, p50 / p99 of 300 after 30), so host noise falls on both alike; and the
 threshold the fp8 server logged (worker/models/fp8.py, measure_min_tokens).
 Textbook W8A8 (--textbook-texts of the texts): transformers' own model with every product of its
-layers fake-quantized in e4m3, an independent measure of what fp8 products cost on the weights.
+layers fake-quantized in e4m3, an independent measure of what fp8 products cost on the weights;
+--textbook-scales adds finer scale layouts (128 x 128 blocks, 32-value groups), to tell what the
+scales cost from what e4m3's 3-bit mantissa does.
 Writes load/results/fp8-<kind>.md (load/results_file.py).
 """
 from __future__ import annotations
@@ -96,33 +98,59 @@ def cosines(a: np.ndarray, b: np.ndarray) -> dict:
     return {"mean": float(c.mean()), "min": float(c.min()), "p1": float(np.percentile(c, 1))}
 
 
-def textbook_rows(path: str, ids: list[np.ndarray], device: str, fp8: bool) -> np.ndarray:
+# Textbook scale layouts: (activation group, weight layout). 0: one scale per row (per token, per
+# output channel); a block is 128 x 128 weights (DeepSeek-V3's fp8 recipe, activations in 1 x 128
+# groups); group32 is one scale per 32 values of either operand (the MX formats' block size).
+TEXTBOOK_SCALES = {"channel": (0, "row"), "block128": (128, "block"), "group32": (32, "group")}
+TEXTBOOK_SCALES_TEXT = {"channel": "per token and per output channel (what pollen does)",
+                        "block128": "1 x 128 activation groups and 128 x 128 weight blocks (DeepSeek-V3's recipe)",
+                        "group32": "one scale per 32 values of either operand (the MX formats' block)"}
+
+
+def fake_e4m3(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x through e4m3 and back, one scale per `group` consecutive values of the last dim (0: per row)."""
+    g = group or x.shape[-1]
+    if x.shape[-1] % g:
+        raise SystemExit(f"--textbook-scales: {x.shape[-1]} values a row do not split into groups of {g} "
+                         "(the tiny shapes take channel scales only)")
+    xx = x.reshape(-1, x.shape[-1] // g, g)
+    scale = xx.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 448.0
+    return ((xx / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale).reshape(x.shape)
+
+
+def fake_e4m3_weight(w: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout != "block":
+        return fake_e4m3(w, 32 if layout == "group" else 0)
+    n, k = w.shape
+    blocks = w.reshape(n // 128, 128, k // 128, 128)
+    scale = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-12) / 448.0
+    return ((blocks / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale).reshape(n, k)
+
+
+def textbook_rows(path: str, ids: list[np.ndarray], device: str, scales: str | None) -> np.ndarray:
     """An independent reference for what fp8 products cost in fidelity: transformers' own model in
     bfloat16, last-token pooled and normalized (Qwen3-Embedding's recipe), with every nn.Linear of
-    its layers (when `fp8`) in textbook W8A8 e4m3: per-token activation and per-output-channel
-    weight scales, float32 products of the dequantized values."""
+    its layers (unless `scales` is None) in textbook W8A8 e4m3 with the TEXTBOOK_SCALES layout,
+    float32 products of the dequantized values."""
     from torch import nn
     from transformers import AutoModel
 
-    def fake_e4m3(x: torch.Tensor, dim: int) -> torch.Tensor:
-        scale = x.abs().amax(dim=dim, keepdim=True).clamp(min=1e-12) / 448.0
-        return (x / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale
-
     class FakeFp8Linear(nn.Module):
-        def __init__(self, linear: nn.Linear):
+        def __init__(self, linear: nn.Linear, group: int, layout: str):
             super().__init__()
-            self.weight, self.bias = fake_e4m3(linear.weight.float(), 1), linear.bias
+            self.group, self.bias = group, linear.bias
+            self.weight = fake_e4m3_weight(linear.weight.float(), layout)
 
         def forward(self, x):
-            y = torch.nn.functional.linear(fake_e4m3(x.float(), -1), self.weight)
+            y = torch.nn.functional.linear(fake_e4m3(x.float(), self.group), self.weight)
             return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
 
     model = AutoModel.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
-    if fp8:
+    if scales is not None:
         for module in list(model.layers.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(module, name, FakeFp8Linear(child))
+                    setattr(module, name, FakeFp8Linear(child, *TEXTBOOK_SCALES[scales]))
     out = []
     with torch.inference_mode():
         for seq in ids:  # one text at a time: no padding to mask
@@ -221,15 +249,19 @@ def serve_pair(path: str, texts: list[str], counts: list[int], queries: list[str
 
 
 def markdown(meta: dict, shapes: list[dict], minilm: dict, args, smoke: bool) -> str:
-    lines = ["| shape | texts (mean tokens) | fp8 vs bf16 cosine mean / p1 / min | textbook W8A8 cosine mean / min |"
+    scales = args.textbook_scales.split(",")
+    lines = ["| shape | texts (mean tokens) | fp8 vs bf16 cosine mean / p1 / min |"
+             + "".join(f" textbook W8A8, {name} scales: cosine mean / min |" for name in scales)
              + (" bf16 docs tokens/s | fp8 docs tokens/s | fp8 / bf16 | query p50 bf16 / fp8 | fp8 from |"
                 if not args.skip_speed else ""),
-             "| --- | --- | ---: | ---: |" + (" ---: | ---: | ---: | ---: | --- |" if not args.skip_speed else "")]
+             "| --- | --- | ---: |" + " ---: |" * len(scales)
+             + (" ---: | ---: | ---: | ---: | --- |" if not args.skip_speed else "")]
     for r in shapes:
         c = r["cosine"]
-        t = r["textbook"]["cosine"]
+        t = r["textbook"]
         line = (f"| {r['shape']} | {r['texts']:,} ({r['mean_tokens']:.0f}) | {c['mean']:.5f} / {c['p1']:.5f} / "
-                f"{c['min']:.5f} | {t['mean']:.5f} / {t['min']:.5f} ({r['textbook']['texts']:,} texts) |")
+                f"{c['min']:.5f} |" + "".join(f" {t['cosine'][name]['mean']:.5f} / {t['cosine'][name]['min']:.5f} "
+                                              f"({t['texts']:,} texts) |" for name in scales))
         if "bf16" in r:
             b, f = r["bf16"], r["fp8"]
             line += (f" {b['tokens_per_s']:,.0f} | {f['tokens_per_s']:,.0f} | {f['tokens_per_s'] / b['tokens_per_s']:.2f}x |"
@@ -241,8 +273,9 @@ def markdown(meta: dict, shapes: list[dict], minilm: dict, args, smoke: bool) ->
             + "; fidelity with fp8 products at every batch size against bfloat16 on the "
             "same weights and texts" + (", through torch's reference quantization on the CPU" if args.device == "cpu"
                                          else "") + ". Textbook W8A8: the same cosine from transformers' own model "
-            "with every product of its layers fake-quantized (e4m3, per-token and per-channel scales), an "
-            "independent measure of what fp8 products cost on these weights.\n\n" + "\n".join(lines) + "\n")
+            "with every product of its layers fake-quantized in e4m3, an independent measure of what fp8 products "
+            "cost on these weights; its scales: " + "; ".join(f"{name}, {TEXTBOOK_SCALES_TEXT[name]}" for name in scales)
+            + ".\n\n" + "\n".join(lines) + "\n")
     if minilm:
         c = minilm["cosine"]
         text += (f"\nall-MiniLM-L6-v2 (real weights), STS-B test ({minilm['pairs']:,} pairs): Spearman x100 "
@@ -268,6 +301,8 @@ def main() -> None:
     p.add_argument("--skip-speed", action="store_true", help="fidelity only")
     p.add_argument("--textbook-texts", type=int, default=200, help="texts of the independent reference "
                    "(transformers' model with textbook fp8 products), per shape")
+    p.add_argument("--textbook-scales", default="channel", help="comma-separated scale layouts of the textbook "
+                   f"reference, of {', '.join(TEXTBOOK_SCALES)} (channel: per token and per output channel)")
     p.add_argument("--full-size", action="store_true",
                    help="on the cpu: the shapes at their real sizes and every STS-B pair (slow: minutes a 100 texts)")
     add_out_argument(p, "fp8")
@@ -293,8 +328,10 @@ def main() -> None:
         row = {"shape": name, "texts": len(fidelity), "mean_tokens": float(np.mean([len(i) for i in ids]))}
         row["cosine"] = cosines(rows(path, ids, args.device, True), rows(path, ids, args.device, False))
         some = ids[:args.textbook_texts]
-        row["textbook"] = {"texts": len(some), "cosine": cosines(textbook_rows(path, some, args.device, True),
-                                                                 textbook_rows(path, some, args.device, False))}
+        plain = textbook_rows(path, some, args.device, None)
+        row["textbook"] = {"texts": len(some), "cosine": {
+            scales: cosines(textbook_rows(path, some, args.device, scales), plain)
+            for scales in args.textbook_scales.split(",")}}
         print(f"{name}: fp8 vs bf16 cosine {row['cosine']}; textbook W8A8 in transformers {row['textbook']}",
               flush=True)
         if not args.skip_speed:
