@@ -29,10 +29,12 @@ log = logging.getLogger("pollen")
 SHM_METRICS_PER_PROCESS = 1 << 20
 
 
-def response_ring_for(max_texts: int, hidden: int) -> int:
+def response_ring_for(max_texts: int, hidden: int, text_rows: int = 0) -> int:
     """The smallest response ring whose batch records hold max_texts + 1 rows of `hidden` floats
-    (a contextual-chunk document's answers cannot be split), at least 16 MiB, in whole MiB."""
-    record = records.raw_at(0) + (max_texts + 1) * (4 * hidden + records.ENTRY.itemsize)
+    (a contextual-chunk document's answers cannot be split), and `text_rows` rows (one text's token
+    rows, which cannot be split either), at least 16 MiB, in whole MiB."""
+    rows = max(max_texts + 1, text_rows)
+    record = records.raw_at(0) + rows * (4 * hidden + records.ENTRY.itemsize)
     return max(16 << 20, -(-2 * (record + Ring.RECORD_HEADER) // (1 << 20)) << 20)
 
 
@@ -67,7 +69,10 @@ def check_limits(cfg: ServeConfig, specs: list[ModelSpec]) -> None:
         raise ValueError(f"--max-batch-tokens {cfg.max_batch_tokens} is below the model's limit of "
                          f"{spec.max_tokens} tokens: one long text could never be batched")
     if not cfg.response_ring_bytes:
-        cfg.response_ring_bytes = response_ring_for(cfg.max_texts_per_request, hidden)
+        # BGE-M3's sparse and ColBERT vectors are a row a token, and are what it is served for: its
+        # ring holds one text of its longest that way, and batches of as many token rows.
+        m3_rows = max((s.max_tokens for s in specs if s.bge_m3), default=0)
+        cfg.response_ring_bytes = response_ring_for(cfg.max_texts_per_request, hidden, m3_rows)
     # A batch's answer record must fit the response ring; the worker caps the rows of a batch for
     # it (records.max_batch_rows), and one sequence can cost a request's outputs and a row more
     # (the chunks of a document, or the last text of a request begun in an earlier batch).

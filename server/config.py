@@ -168,7 +168,8 @@ class ServeConfig:
                                     shown="8 MiB")
     response_ring_bytes: int = _flag(LIMITS, 0, "each response ring's size (one per frontend and worker, in shared "
                                      "memory)", words={"auto": 0}, shown="auto, one batch of "
-                                     "--max-texts-per-request answers of the model's width, at least 16 MiB")
+                                     "--max-texts-per-request answers of the model's width, at least 16 MiB; "
+                                     "BGE-M3: one text of its longest as token rows")
     devices: str = _flag(GPU, "", "the GPUs to serve on, numbered as this process sees them (within "
                          "CUDA_VISIBLE_DEVICES)", shown="every visible GPU", metavar="0,1,...")
     cuda_graphs: str = _flag(GPU, "on", "replay whole-model CUDA graphs captured per token bucket",

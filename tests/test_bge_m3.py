@@ -8,6 +8,7 @@ routes; one forward pass for any subset of the outputs; the refusals; a folder w
 cannot read with weights_only refused at start."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -348,6 +349,23 @@ def test_the_token_bound_a_text_is_the_wide_rows(m3_path):
     limits = token_limits(cfg, read_model_spec(m3_path))
     assert limits.per_text == records.max_batch_rows(Ring.max_record_for(1 << 20), 2 * HIDDEN + 1)
     assert limits.per_text < records.max_batch_rows(Ring.max_record_for(1 << 20), HIDDEN)
+
+
+def test_the_automatic_ring_holds_a_text_of_the_model_s_longest_as_token_rows(m3_path):
+    """By default a text of BGE-M3's full length (8,192 tokens at the real width) gets its sparse
+    and ColBERT vectors, a row a token of 2 x hidden + 1 values; a plain model's ring stays 16 MiB."""
+    from pollen.server.app import check_limits
+    from pollen.server.config import ServeConfig
+    from pollen.server.model_table import token_limits
+
+    spec = dataclasses.replace(read_model_spec(m3_path), hidden_size=1024, max_tokens=8192)
+    cfg = ServeConfig()
+    check_limits(cfg, [spec])
+    assert token_limits(cfg, spec).per_text >= 8192
+    assert cfg.response_ring_bytes <= 2 * 8193 * 4 * spec.output_dims + (2 << 20)  # that, and no more
+    plain = ServeConfig()
+    check_limits(plain, [dataclasses.replace(spec, bge_m3=False)])
+    assert plain.response_ring_bytes == 16 << 20
 
 
 def serve(model) -> subprocess.CompletedProcess:
