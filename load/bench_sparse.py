@@ -27,8 +27,9 @@ tokenizer (load/bench_models.py's make_texts), sent as text (the server tokenize
            max-pooled per token id on the GPU (the cls, eos, pad and unk ids dropped), ColBERT the
            normalized colbert_linear(h) of every token after the first; all moved to the CPU.
   dense    bge-m3 dense only: the same server asked OUTPUT_DENSE alone, against the same weights
-           served as a plain XLM-R embedder (the folder without its two .pt heads): tokens/s of
-           each through `pollen serve`, and their ratio.
+           served as a plain XLM-R embedder (the folder without its two .pt heads), both servers
+           up at once and loaded in turn, DENSE_ROUNDS rounds each: tokens/s of each (the mean)
+           through `pollen serve`, and their ratio.
 
 pollen: `pollen serve --model DIR --device cuda --warmup-seconds off`; texts through EmbedStream
 (load/bench_mixed.py's client), normalized, CLIENT_PROCESSES processes x STREAMS streams, each on
@@ -64,6 +65,9 @@ from load.results_file import add_out_argument, device_kind, write_result  # noq
 from pollen.v1 import embedder_pb2 as pb  # noqa: E402
 
 CLIENT_PROCESSES, STREAMS, IN_FLIGHT = 2, 4, 8
+# The dense row compares two servers a few percent apart: both are up at once and take the load in
+# turn, this many rounds each, so that host noise falls on both alike.
+DENSE_ROUNDS = 2
 SPLADE_BATCHES, M3_BATCHES = (32, 128), (32, 128, 256)  # 256: FlagEmbedding's default batch size
 ROWS = ("splade", "bge-m3", "dense")
 TERMS = 200  # terms a text of about 100 tokens keeps
@@ -151,40 +155,58 @@ def server_error(log: str) -> str:
     return errors[-1] if errors else (lines[-1] if lines else "no message")
 
 
-def pollen_runs(path: str, texts: list[str], counts: list[int], device: str, seconds: float,
-                loads: dict[str, StreamLoad], may_refuse: bool = False) -> dict:
-    """One server for `path`, each load in turn through it: {name: figures}, or {"refused": message}
-    when the server exits before serving and `may_refuse`."""
+def pollen_runs(paths: dict[str, str], texts: list[str], counts: list[int], device: str, seconds: float,
+                runs: list[tuple[str, str, StreamLoad]], may_refuse: bool = False) -> dict:
+    """A server for each of `paths` ({server: folder}), all up at once, then each run (server, name,
+    load) in order: {name: figures}, a name run several times (the servers in turn) averaged over
+    its rounds; or {"refused": message} when a server exits before serving and `may_refuse`."""
     from load.bench_concurrency import server_info
     from tests.conftest import ServerProcess
 
-    log = tempfile.NamedTemporaryFile(prefix="pollen-bench-sparse-", suffix=".log", delete=False).name
-    server = ServerProcess("--model", path, "--device", device, "--warmup-seconds", "off",
-                           env={"PYTHONUNBUFFERED": "1"}, log=log)
+    servers, logs = {}, {}
     try:
-        server.start(timeout=900)
-    except RuntimeError:
-        message = server_error(log)
-        if not may_refuse:
-            raise RuntimeError(f"{path}: pollen serve exited before serving: {message}") from None
-        print(f"  refused by the server: {message}", flush=True)
-        return {"refused": message}
-    out = {}
-    try:
-        check_tokens(server.listen, texts, counts)
-        for name, load in loads.items():
-            got = stream_docs(server.listen, texts, "interactive", seconds, load=load)
-            got["server_start_s"] = server.started_in_s
-            got["server"] = server_info(server.listen)
+        for key, path in paths.items():
+            logs[key] = tempfile.NamedTemporaryFile(prefix=f"pollen-bench-sparse-{key}-", suffix=".log",
+                                                    delete=False).name
+            servers[key] = ServerProcess("--model", path, "--device", device, "--warmup-seconds", "off",
+                                         env={"PYTHONUNBUFFERED": "1"}, log=logs[key])
+            try:
+                servers[key].start(timeout=900)
+            except RuntimeError:
+                message = server_error(logs[key])
+                if not may_refuse:
+                    raise RuntimeError(f"{path}: pollen serve exited before serving: {message}") from None
+                print(f"  refused by the server: {message}", flush=True)
+                return {"refused": message}
+            check_tokens(servers[key].listen, texts, counts)
+        rounds: dict[str, list[dict]] = {}
+        for key, name, load in runs:
+            got = stream_docs(servers[key].listen, texts, "interactive", seconds, load=load)
+            got["server_start_s"] = servers[key].started_in_s
+            got["server"] = server_info(servers[key].listen)
             if got["errors"] or not got["texts"]:
-                raise RuntimeError(f"{path}, {name}: {got['errors']} errors, {got['texts']} texts answered "
-                                   f"(the server's log: {log})")
+                raise RuntimeError(f"{paths[key]}, {name}: {got['errors']} errors, {got['texts']} texts answered "
+                                   f"(the server's log: {logs[key]})")
             print(f"  pollen, {name}: {got['tokens_per_s']:,.0f} tokens/s, {got['texts_per_s']:,.0f} texts/s",
                   flush=True)
-            out[name] = got
+            rounds.setdefault(name, []).append(got)
     finally:
-        server.terminate()
-    os.unlink(log)
+        for server in servers.values():
+            server.terminate()
+    for log in logs.values():
+        os.unlink(log)
+    return {name: averaged(got) for name, got in rounds.items()}
+
+
+def averaged(rounds: list[dict]) -> dict:
+    """One load's figures over its rounds: rates averaged, counts summed, each round's rate kept."""
+    out = dict(rounds[-1])
+    for rate in ("tokens_per_s", "texts_per_s"):
+        out[rate] = sum(r[rate] for r in rounds) / len(rounds)
+    for count in ("tokens", "texts", "errors"):
+        out[count] = sum(r[count] for r in rounds)
+    if len(rounds) > 1:
+        out["rounds_tokens_per_s"] = [r["tokens_per_s"] for r in rounds]
     return out
 
 
@@ -454,7 +476,8 @@ def main() -> None:
         path, limit, texts, counts, common = prepared["splade"]
         load = client(workload("splade"), (pb.OUTPUT_SPARSE,))
         print("splade-bert-base: pollen", flush=True)
-        got = pollen_runs(path, texts, counts, args.device, seconds, {"sparse": load}, may_refuse=True)
+        got = pollen_runs({"splade": path}, texts, counts, args.device, seconds, [("splade", "sparse", load)],
+                          may_refuse=True)
         ref = splade_reference(path, texts, args.device, limit)
         rows.append({"row": "splade-bert-base", "model": f"BertForMaskedLM, BERT-base {'(tiny)' if smoke else 'shape'}",
                      "tokenizer": "BERT's uncased WordPiece", "outputs": "sparse", "client": described(load),
@@ -462,18 +485,20 @@ def main() -> None:
                      "against": ref["name"], "reference": ref, **common})
     if "m3" in prepared:
         path, limit, texts, counts, common = prepared["m3"]
-        loads = {}  # one server: all outputs, then dense only
+        loads, runs = {}, []  # all outputs; then dense only and the plain model in turn, both servers up
         if "bge-m3" in names:
             loads["all"] = client(workload("bge-m3"), (pb.OUTPUT_DENSE, pb.OUTPUT_SPARSE, pb.OUTPUT_TOKENS))
+            runs.append(("m3", "all", loads["all"]))
+        paths = {"m3": path}
         if "dense" in names:
             loads["dense"] = client(workload("dense"), (pb.OUTPUT_DENSE,))
-        print(f"bge-m3 ({', '.join(loads)}): pollen", flush=True)
-        got = pollen_runs(path, texts, counts, args.device, seconds, loads)
-        plain = None
-        if "dense" in names:
-            print("xlm-r-large plain: pollen", flush=True)
-            plain = pollen_runs(plain_copy(path), texts, counts, args.device, seconds,
-                                {"plain": client(workload("dense"), ())})["plain"]
+            paths["plain"] = plain_copy(path)
+            runs += [(key, name, load) for _ in range(DENSE_ROUNDS)
+                     for key, name, load in (("m3", "dense", loads["dense"]),
+                                             ("plain", "plain", client(workload("dense"), ())))]
+        print(f"bge-m3 ({', '.join(loads)}) and its plain copy: pollen", flush=True)
+        got = pollen_runs(paths, texts, counts, args.device, seconds, runs)
+        plain = got.get("plain")
         m3 = {"model": f"XLM-R-large{' (tiny)' if smoke else ''} + bge-m3's heads", "tokenizer": m3_label}
         if "bge-m3" in names:
             ref = m3_reference(path, texts, args.device, limit)
