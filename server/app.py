@@ -73,6 +73,8 @@ def check_limits(cfg: ServeConfig, specs: list[ModelSpec]) -> None:
         # ring holds one text of its longest that way, and batches of as many token rows.
         m3_rows = max((s.max_tokens for s in specs if s.bge_m3), default=0)
         cfg.response_ring_bytes = response_ring_for(cfg.max_texts_per_request, hidden, m3_rows)
+        floor = response_ring_for(cfg.max_texts_per_request, hidden)
+        cfg.response_ring_floor = floor if floor < cfg.response_ring_bytes else 0
     # A batch's answer record must fit the response ring; the worker caps the rows of a batch for
     # it (records.max_batch_rows), and one sequence can cost a request's outputs and a row more
     # (the chunks of a document, or the last text of a request begun in an earlier batch).
@@ -121,12 +123,21 @@ def check_shm(cfg: ServeConfig, free: int | None = None) -> None:
     When pollen chose the frontend count itself (--frontends 0), it starts with as many as fit
     with room for one worker restart (at least one), and says so: a GPU server in a default
     Docker /dev/shm then runs, on fewer frontends, rather than not at all. A count the user set is
-    never lowered."""
+    never lowered. Before that, an automatic response ring grown for BGE-M3's token rows falls back
+    to the size it would have for any model (cfg.response_ring_floor), and says so."""
     if free is None:
         fs = os.statvfs(SHM_DIR)
         free = fs.f_bavail * fs.f_frsize
     need = shm_need(cfg)
     mib = 1 << 20
+    if need > free and cfg.response_ring_floor:
+        grown, cfg.response_ring_bytes, cfg.response_ring_floor = cfg.response_ring_bytes, cfg.response_ring_floor, 0
+        log.warning("%s has %.1f MiB free, too little for %d frontend(s) with BGE-M3's automatic %.0f MiB response "
+                    "rings (one text of its longest as token rows): using %.0f MiB rings, so its sparse and ColBERT "
+                    "vectors serve shorter texts (a longer one is refused, naming the bound); give it more shared "
+                    "memory (docker run --shm-size, or a memory emptyDir on /dev/shm in Kubernetes) to lift that",
+                    SHM_DIR, free / mib, cfg.frontends, grown / mib, cfg.response_ring_bytes / mib)
+        need = shm_need(cfg)
     if need > free and cfg.frontends_automatic and cfg.frontends > 1:
         wanted = cfg.frontends
         while cfg.frontends > 1 and shm_need(cfg) + worker_rings_need(cfg) > free:

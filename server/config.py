@@ -198,6 +198,9 @@ class ServeConfig:
     fp8_min_tokens: int = _engine_flag("fp8_min_tokens", {"auto": 0})
     # Not a flag: --frontends was left at auto and pollen chose the count (check_shm may lower it).
     frontends_automatic: bool = dataclasses.field(default=False, init=False, repr=False)
+    # Not a flag: the size an automatic response ring grown for BGE-M3's token rows may fall back
+    # to where /dev/shm cannot hold it (check_limits sets it, check_shm uses it); 0: none.
+    response_ring_floor: int = dataclasses.field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -294,6 +297,8 @@ class ServeConfig:
         """Each text against its choices (None: unset), each count against its least value: 1, or
         the lowest of its words (auto, all, off)."""
         for field in dataclasses.fields(self):
+            if not field.init:  # not a flag: what pollen works out at start
+                continue
             value, meta, flag = getattr(self, field.name), field.metadata, "--" + field.name.replace("_", "-")
             if meta.get("choices") and value is not None and value not in meta["choices"]:
                 raise ValueError(f"{flag} must be {_either(meta['choices'])}, got {value!r}")

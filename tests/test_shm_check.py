@@ -89,6 +89,21 @@ def test_an_automatic_count_that_not_even_one_frontend_fits_is_refused_naming_th
     assert cfg.frontends == 6
 
 
+def test_bge_m3_s_grown_ring_falls_back_before_any_frontend_is_lowered_and_the_log_says_so(caplog):
+    """A laptop's Docker /dev/shm (64 MiB) cannot hold BGE-M3's 129 MiB ring; it still serves, with
+    the ring any model gets, and the log names the trade."""
+    cfg = ServeConfig(response_ring_bytes=129 * MIB)
+    cfg.response_ring_floor = 16 * MIB  # what check_limits sets for BGE-M3's automatic ring
+    with caplog.at_level("WARNING", logger="pollen"):
+        check_shm(cfg, 64 * MIB)
+    assert (cfg.response_ring_bytes, cfg.response_ring_floor, cfg.frontends) == (16 * MIB, 0, 1)
+    assert "BGE-M3's automatic 129 MiB response rings" in caplog.text and "using 16 MiB rings" in caplog.text
+    roomy = ServeConfig(response_ring_bytes=129 * MIB)
+    roomy.response_ring_floor = 16 * MIB
+    check_shm(roomy, shm_need(roomy))
+    assert roomy.response_ring_bytes == 129 * MIB  # where it fits, it stays
+
+
 def test_enough_dev_shm_changes_nothing(monkeypatch):
     cfg = automatic_config(monkeypatch, 6)
     check_shm(cfg, shm_need(cfg))
