@@ -408,13 +408,13 @@ def test_the_engine_rows_on_cuda_equal_the_cpu(m3_path, dtype):
     token row plan: h, the ColBERT projection and the sparse weight of each row as the CPU's."""
     from pollen.worker.engine import make_engine
     from pollen.worker.models.loader import load_model
-    from pollen.worker.packed import pack
+    from pollen.worker.packed import RowSpans, pack
     from tests.st_models import token_ids
 
     seqs = token_ids(m3_path, TEXTS)
     engine = make_engine(load_model(m3_path, device="cuda", dtype=dtype), "cuda", max_batch_tokens=1024)
     engine.warm_up()
-    for spans in (None, [[(i, i + 1) for i in range(len(s))] for s in seqs]):
+    for spans in (None, RowSpans.of([[(i, i + 1) for i in range(len(s))] for s in seqs])):
         cpu = make_engine(load_model(m3_path), "cpu").submit(pack(seqs, spans)).result()
         gpu = np.asarray(engine.submit(pack(seqs, spans)).result())
         assert gpu.shape == cpu.shape == (len(cpu), 2 * HIDDEN + 1)

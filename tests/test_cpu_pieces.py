@@ -12,7 +12,7 @@ import torch
 
 from pollen.worker.engine import EagerEngine
 from pollen.worker.models.loader import load_model
-from pollen.worker.packed import pack, split
+from pollen.worker.packed import RowSpans, pack, split
 from pollen.worker.thread_choice import LEARN_TOKENS
 from tests.test_model_bert import make_tiny
 from tests.test_model_qwen3 import hf_rows, make_tiny_qwen3, random_seqs
@@ -28,7 +28,7 @@ def torch_threads():
 def test_pieces_cut_at_sequence_bounds_and_keep_every_row_in_order():
     seqs = [np.arange(n, dtype=np.int32) + 10 * i for i, n in enumerate([30, 5, 60, 12, 40, 90, 7])]
     spans = [[(0, 10), (10, 30)], [(0, 5)], [(2, 20), (20, 60)], [(0, 12)], [(5, 40)], [(0, 90)], [(0, 7)]]
-    batch = pack(seqs, spans)
+    batch = pack(seqs, RowSpans.of(spans))
     for parts in (2, 3, 7, 20):
         pieces = split(batch, parts)
         assert 2 <= len(pieces) <= min(parts, len(seqs))
@@ -36,7 +36,7 @@ def test_pieces_cut_at_sequence_bounds_and_keep_every_row_in_order():
         at_seq, at_token, firsts = 0, 0, []
         for piece in pieces:
             n = len(piece.cu_seqlens) - 1
-            want = pack(seqs[at_seq:at_seq + n], spans[at_seq:at_seq + n])  # the same texts packed alone
+            want = pack(seqs[at_seq:at_seq + n], RowSpans.of(spans[at_seq:at_seq + n]))  # the same texts packed alone
             for field in ("ids", "positions", "cu_seqlens", "pool_index", "pool_first", "pool_last", "pool_count"):
                 np.testing.assert_array_equal(getattr(piece, field), getattr(want, field), err_msg=field)
             assert piece.max_seqlen == want.max_seqlen
@@ -88,7 +88,7 @@ def test_contextual_chunks_cut_in_pieces_equal_transformers_spans(tmp_path):
     ref = torch.stack([h[a:b].mean(0) for h, seq_spans in zip(hidden, spans) for a, b in seq_spans])
     engine = EagerEngine(load_model(str(tmp_path / "m")), threads=3)
     pieces = counted_pieces(engine)
-    rows = torch.from_numpy(engine.submit(pack([s.numpy().astype(np.int32) for s in seqs], spans)).result())
+    rows = torch.from_numpy(engine.submit(pack([s.numpy().astype(np.int32) for s in seqs], RowSpans.of(spans))).result())
     assert pieces == [3]
     assert torch.nn.functional.cosine_similarity(rows, ref, dim=1).min() >= 0.99999
     assert (rows - ref).abs().max() < 1e-4
@@ -113,7 +113,7 @@ def test_queries_and_one_text_are_never_cut(tmp_path):
 def test_a_batch_is_padded_to_a_multiple_of_32_tokens_and_the_padding_pools_nowhere():
     from pollen.worker.packed import padded
 
-    batch = pack([np.arange(1, n, dtype=np.int32) for n in (40, 30, 9)], [[(0, 20)], [(0, 29)], [(1, 8)]])
+    batch = pack([np.arange(1, n, dtype=np.int32) for n in (40, 30, 9)], RowSpans.of([[(0, 20)], [(0, 29)], [(1, 8)]]))
     out = padded(batch, 32)
     assert out.tokens == 96 and batch.tokens == 76
     np.testing.assert_array_equal(out.cu_seqlens, [*batch.cu_seqlens, 96])

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
 
 from pollen.worker.engine import make_engine  # noqa: E402
 from pollen.worker.models.loader import load_model  # noqa: E402
-from pollen.worker.packed import pack  # noqa: E402
+from pollen.worker.packed import RowSpans, pack  # noqa: E402
 from tests.st_models import copy_bert_tokenizer, randomize, save_bpe_tokenizer, texts, token_ids  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def test_token_rows_on_cuda_equal_hf_last_hidden_state(tmp_path, kind, dtype):
     path = make_folder(tmp_path / kind, kind)
     seqs = token_ids(path, texts([1, 4, 9, 30, 80]))
     want = np.concatenate(hf_hidden(path, seqs))
-    spans = [[(i, i + 1) for i in range(len(s))] for s in seqs]
+    spans = RowSpans.of([[(i, i + 1) for i in range(len(s))] for s in seqs])
     engine = make_engine(load_model(path, device="cuda", dtype=dtype), "cuda", max_batch_tokens=1024)
     engine.warm_up()
     for _ in range(2):  # the second time through the graph captured for this size

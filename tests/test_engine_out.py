@@ -12,7 +12,7 @@ from pollen.v1 import embedder_pb2 as pb
 from pollen.worker.engine import EagerEngine
 from pollen.worker.models.loader import load_model
 from pollen.worker.models.pooling import normalize_rows
-from pollen.worker.packed import pack
+from pollen.worker.packed import RowSpans, pack
 from pollen.worker.postprocess import finish
 
 
@@ -68,7 +68,7 @@ def test_cuda_engine_layout_and_forward_on_the_cpu(model, padded):
     engine.model, engine.pooling, engine.max_positions = model, model.spec.pooling, model.spec.max_tokens
     engine.graphs_on, engine.buckets = True, token_buckets(256)
     docs = seqs([12, 5, 30], seed=2)
-    batch = pack(docs, [[(0, 4), (4, 12)], [(0, 5)], [(1, 9), (9, 30)]])
+    batch = pack(docs, RowSpans.of([[(0, 4), (4, 12)], [(0, 5)], [(1, 9), (9, 30)]]))
     flags = np.array([1, 0, 1, 0, 1], np.int32)
     shape = engine.bucket(batch) if padded else None
     host = torch.zeros(8 * 256 + 16, dtype=torch.int32)
