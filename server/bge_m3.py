@@ -40,7 +40,9 @@ def answer_fields(request: pb.EmbedRequest, spec: ModelSpec, seqs: list, result:
     if wanted.tokens:
         after_first = np.ones(len(rows), dtype=bool)
         after_first[first] = False
-        colbert = shape(rows[after_first, hidden:2 * hidden], request.dimensions, True)
+        # The fancy index copies the cut columns once; they are normalized in that copy, as shape() would.
+        colbert = rows[after_first, hidden:hidden + min(request.dimensions or hidden, hidden)]
+        colbert /= np.linalg.norm(colbert, axis=1, keepdims=True).clip(min=1e-12)
         fields |= {"token_embeddings": colbert.tobytes(), "token_counts": [len(s) - 1 for s in seqs],
                    "dims": colbert.shape[1]}
     if wanted.sparse:
