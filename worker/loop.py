@@ -366,7 +366,7 @@ class Worker:
         for share in shares if held else ():
             share.record = self.reserve(share.link, share.plan)
         sequences = [job.rec.ids[job.offsets[i]:job.offsets[i + 1]] for job, a, b in spans for i in range(a, b)]
-        # Rows differ from sequences only for contextual chunks and CHUNK_MEAN windows.
+        # Rows differ from sequences only for contextual chunks, CHUNK_MEAN windows and token vectors.
         plain = all(job.rec.rows is None for job, _, _ in spans)
         rows = None if plain else RowSpans.concat([job.row_spans(a, b) for job, a, b in spans],
                                                   [b - a for _, a, b in spans])

@@ -52,10 +52,9 @@ class RowSpans:
     @classmethod
     def of(cls, per_sequence: list[list[tuple[int, int]]]) -> RowSpans:
         """From each sequence's (start, stop) spans (tests and tools)."""
-        flat = [(i, a, b) for i, spans in enumerate(per_sequence) for a, b in spans]
-        seq, start, stop = (np.array(column, dtype=np.int64).reshape(-1) for column in zip(*flat)) if flat else \
-            (np.zeros(0, np.int64),) * 3
-        return cls(seq, start, stop)
+        flat = np.array([(i, a, b) for i, spans in enumerate(per_sequence) for a, b in spans],
+                        dtype=np.int64).reshape(-1, 3)
+        return cls(flat[:, 0], flat[:, 1], flat[:, 2])
 
     @classmethod
     def concat(cls, parts: list[RowSpans], sequences: list[int]) -> RowSpans:
