@@ -80,17 +80,16 @@ def pack(sequences: list[np.ndarray], rows: RowSpans | None = None) -> PackedBat
         first, last, count = cu[:-1].copy(), cu[1:] - 1, lengths.copy()
         pool_index = np.repeat(np.arange(len(sequences), dtype=np.int32), lengths)
     else:
-        first, pool_index = _span_rows(cu, rows, total)
-        count = (cu[rows.seq] + rows.stop - first).astype(np.int32)
+        first, count, pool_index = _span_rows(cu, rows, total)
         last = first + count - 1
     return PackedBatch(ids, positions, cu, int(lengths.max(initial=0)), pool_index, first, last, count)
 
 
-def _span_rows(cu: np.ndarray, rows: RowSpans, total: int) -> tuple[np.ndarray, np.ndarray]:
-    """(each row's first token in the batch, each token's row): tokens in no span pool into a
-    dropped row (R). One vectorized pass: a batch of token vectors has a row per token."""
+def _span_rows(cu: np.ndarray, rows: RowSpans, total: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(each row's first token in the batch, its token count, each token's row): tokens in no span
+    pool into a dropped row (R). One vectorized pass: a batch of token vectors has a row per token."""
     starts = (cu[rows.seq] + rows.start).astype(np.int32)
-    counts = (rows.stop.astype(np.int64) - rows.start.astype(np.int64))
+    counts = (rows.stop.astype(np.int64) - rows.start.astype(np.int64)).astype(np.int32)
     if np.any(counts <= 0):
         raise ValueError("every pooled span needs at least one token")
     n_rows = len(starts)
@@ -98,7 +97,7 @@ def _span_rows(cu: np.ndarray, rows: RowSpans, total: int) -> tuple[np.ndarray, 
     before = np.cumsum(counts) - counts  # tokens of the rows before each row
     covered = np.repeat(starts - before, counts) + np.arange(int(counts.sum()))
     pool_index[covered] = np.repeat(np.arange(n_rows, dtype=np.int32), counts)
-    return starts, pool_index
+    return starts, counts, pool_index
 
 
 def split(batch: PackedBatch, parts: int) -> list[PackedBatch]:
