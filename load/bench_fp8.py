@@ -98,33 +98,33 @@ def cosines(a: np.ndarray, b: np.ndarray) -> dict:
     return {"mean": float(c.mean()), "min": float(c.min()), "p1": float(np.percentile(c, 1))}
 
 
-# Textbook scale layouts: (activation group, weight layout). 0: one scale per row (per token, per
-# output channel); a block is 128 x 128 weights (DeepSeek-V3's fp8 recipe, activations in 1 x 128
-# groups); group32 is one scale per 32 values of either operand (the MX formats' block size).
-TEXTBOOK_SCALES = {"channel": (0, "row"), "block128": (128, "block"), "group32": (32, "group")}
+# Textbook scale layouts: (group, block). group: one scale per that many consecutive values of a
+# row of either operand (0: per row, i.e. per token and per output channel); block: the weights
+# in 128 x 128 blocks instead (DeepSeek-V3's fp8 recipe, its activations in 1 x 128 groups).
+TEXTBOOK_SCALES = {"channel": (0, False), "block128": (128, True), "group32": (32, False)}
 TEXTBOOK_SCALES_TEXT = {"channel": "per token and per output channel (what pollen does)",
                         "block128": "1 x 128 activation groups and 128 x 128 weight blocks (DeepSeek-V3's recipe)",
                         "group32": "one scale per 32 values of either operand (the MX formats' block)"}
 
 
-def fake_e4m3(x: torch.Tensor, group: int) -> torch.Tensor:
-    """x through e4m3 and back, one scale per `group` consecutive values of the last dim (0: per row)."""
+def through_e4m3(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """x rounded to e4m3 at the scale amax / 448 (e4m3's largest value) and back to float32."""
+    scale = amax.clamp(min=1e-12) / 448.0
+    return (x / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale
+
+
+def fake_e4m3(x: torch.Tensor, group: int, block: bool = False) -> torch.Tensor:
+    """x through e4m3 and back, one scale per `group` consecutive values of the last dim (0: per
+    row), or, with `block`, per `group` x `group` block of a matrix."""
     g = group or x.shape[-1]
-    if x.shape[-1] % g:
-        raise SystemExit(f"--textbook-scales: {x.shape[-1]} values a row do not split into groups of {g} "
+    if x.shape[-1] % g or (block and x.shape[0] % g):
+        raise SystemExit(f"--textbook-scales: a {tuple(x.shape)} operand does not split into groups of {g} "
                          "(the tiny shapes take channel scales only)")
-    xx = x.reshape(-1, x.shape[-1] // g, g)
-    scale = xx.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 448.0
-    return ((xx / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale).reshape(x.shape)
-
-
-def fake_e4m3_weight(w: torch.Tensor, layout: str) -> torch.Tensor:
-    if layout != "block":
-        return fake_e4m3(w, 32 if layout == "group" else 0)
-    n, k = w.shape
-    blocks = w.reshape(n // 128, 128, k // 128, 128)
-    scale = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-12) / 448.0
-    return ((blocks / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale).reshape(n, k)
+    if block:
+        blocks = x.reshape(x.shape[0] // g, g, x.shape[1] // g, g)
+        return through_e4m3(blocks, blocks.abs().amax(dim=(1, 3), keepdim=True)).reshape(x.shape)
+    groups = x.reshape(-1, x.shape[-1] // g, g)
+    return through_e4m3(groups, groups.abs().amax(dim=-1, keepdim=True)).reshape(x.shape)
 
 
 def textbook_rows(path: str, ids: list[np.ndarray], device: str, scales: str | None) -> np.ndarray:
@@ -136,10 +136,10 @@ def textbook_rows(path: str, ids: list[np.ndarray], device: str, scales: str | N
     from transformers import AutoModel
 
     class FakeFp8Linear(nn.Module):
-        def __init__(self, linear: nn.Linear, group: int, layout: str):
+        def __init__(self, linear: nn.Linear, group: int, block: bool):
             super().__init__()
             self.group, self.bias = group, linear.bias
-            self.weight = fake_e4m3_weight(linear.weight.float(), layout)
+            self.weight = fake_e4m3(linear.weight.float(), group, block)
 
         def forward(self, x):
             y = torch.nn.functional.linear(fake_e4m3(x.float(), self.group), self.weight)
