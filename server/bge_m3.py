@@ -1,6 +1,6 @@
 """BGE-M3's answers (common/model_spec.py, ModelSpec.bge_m3) from one forward pass: the worker's
-raw rows, one per token (server/token_vectors.py's row plan), each [h | colbert_linear(h) |
-relu(sparse_linear(h))] of that token's last hidden state h (worker/models/bge_m3.py). What each
+raw rows, one per token (server/token_vectors.py's row plan), each [h | normalize(colbert_linear(h))
+| relu(sparse_linear(h))] of that token's last hidden state h (worker/models/bge_m3.py). What each
 output takes from them is what FlagEmbedding's BGEM3FlagModel computes:
 
 - dense: the first token's h (the <s> token: CLS pooling), cut to `dimensions` and normalized
@@ -10,8 +10,9 @@ output takes from them is what FlagEmbedding's BGEM3FlagModel computes:
   weights kept; then at most sparse_top_k of them (the largest), in ascending id order. Raw:
   never normalized;
 - ColBERT (outputs OUTPUT_TOKENS): colbert_linear(h) of every token after the first (the last
-  </s> included), n - 1 vectors for n tokens (token_counts say so), cut to `dimensions` and
-  always L2-normalized, as the model's ColBERT vectors are.
+  </s> included), n - 1 vectors for n tokens (token_counts say so), always L2-normalized, as the
+  model's ColBERT vectors are: the worker normalized them; cut to `dimensions`, they are
+  normalized again.
 
 A request for dense vectors alone never comes here: its rows are the texts' pooled ones, whose
 first hidden_size values the worker cuts like any Matryoshka prefix (server/admission.py).
@@ -40,9 +41,10 @@ def answer_fields(request: pb.EmbedRequest, spec: ModelSpec, seqs: list, result:
     if wanted.tokens:
         after_first = np.ones(len(rows), dtype=bool)
         after_first[first] = False
-        # The fancy index copies the cut columns once; they are normalized in that copy, as shape() would.
-        colbert = rows[after_first, hidden:hidden + min(request.dimensions or hidden, hidden)]
-        colbert /= np.linalg.norm(colbert, axis=1, keepdims=True).clip(min=1e-12)
+        width = min(request.dimensions or hidden, hidden)
+        colbert = rows[after_first, hidden:hidden + width]  # the one copy, cut
+        if width < hidden:  # normalized in that copy, as shape() would
+            colbert /= np.linalg.norm(colbert, axis=1, keepdims=True).clip(min=1e-12)
         fields |= {"token_embeddings": colbert.tobytes(), "token_counts": [len(s) - 1 for s in seqs],
                    "dims": colbert.shape[1]}
     if wanted.sparse:

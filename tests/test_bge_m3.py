@@ -219,6 +219,7 @@ def test_dimensions_cut_dense_and_colbert(stub, want):
     assert cosine_rows(vectors(reply), plain).min() >= 0.99999
     for ours, theirs in zip(colbert_rows(reply), want):
         assert cosine_rows(ours, theirs["colbert"][:, :32]).min() >= 0.99999
+        assert np.allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)  # the cut vectors normalized again
 
 
 def test_token_ids_give_the_same_answers(stub, m3_path, want):

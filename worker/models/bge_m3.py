@@ -1,11 +1,13 @@
 """BGE-M3's heads on the rows the engine pools: each row h [hidden] of the XLM-R encoder's last
-hidden states becomes [h | colbert_linear(h) | relu(sparse_linear(h))], 2 x hidden + 1 float32
-values (common/model_spec.py, ModelSpec.bge_m3).
+hidden states becomes [h | normalize(colbert_linear(h)) | relu(sparse_linear(h))], 2 x hidden + 1
+float32 values (common/model_spec.py, ModelSpec.bge_m3).
 
 A dense request's row is the text's <s> token (pooling "cls"): the frontend keeps its first
 `hidden` values. A request for sparse or ColBERT vectors has a row per token (the token row plan,
 server/token_vectors.py), and the frontend makes FlagEmbedding's outputs from them
-(server/bge_m3.py). The rows leave raw: the frontend normalizes what it answers.
+(server/bge_m3.py). The ColBERT vectors leave L2-normalized, as the model always answers them
+(a negligible cost on the device, where in a frontend it is a pass over every token's vector); h
+leaves raw, and the frontend normalizes the dense vector when the request asks.
 
 The heads' weights are FlagEmbedding's state dicts in the folder's root, sparse_linear.pt
 (nn.Linear(hidden, 1)) and colbert_linear.pt (nn.Linear(hidden, hidden)), read with torch.load
@@ -25,7 +27,8 @@ from pollen.common.model_spec import BGE_M3_HEAD_FILES, UnsupportedModel
 
 
 class BgeM3Head(nn.Module):
-    """Rows h [R, hidden] float32 -> [R, 2 x hidden + 1]: h, colbert_linear(h), relu(sparse_linear(h))."""
+    """Rows h [R, hidden] float32 -> [R, 2 x hidden + 1]: h, normalize(colbert_linear(h)),
+    relu(sparse_linear(h))."""
 
     def __init__(self, hidden: int):
         super().__init__()
@@ -34,7 +37,8 @@ class BgeM3Head(nn.Module):
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
         projected = self.project(pooled)
-        return torch.cat([pooled, projected[:, :self.hidden], projected[:, self.hidden:].relu()], dim=1)
+        colbert = nn.functional.normalize(projected[:, :self.hidden], dim=1, eps=1e-12)
+        return torch.cat([pooled, colbert, projected[:, self.hidden:].relu()], dim=1)
 
     def hf_weight_map(self) -> dict:
         return {}  # not in the safetensors files: load_head reads them
