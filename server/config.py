@@ -365,9 +365,17 @@ class ServeConfig:
         return cls(**values)
 
 
-# A frontend's environment, unless the user's sets the same variable: gRPC core's settings, and the
-# tokenizers library on the calling thread, not on a pool of its own that competes with the frontends.
-FRONTEND_ENV = {"TOKENIZERS_PARALLELISM": "false", **GRPC_CORE_ENV}
+# A frontend's environment, unless the user's sets the same variable: gRPC core's settings, the
+# tokenizers library on the calling thread, not on a pool of its own that competes with the frontends,
+# and malloc thresholds. An answer of token vectors is megabytes (a message of 16 texts of BGE-M3's
+# ColBERT vectors: 12 MiB), copied out of the ring, into the protobuf message and into its serialized
+# bytes; glibc maps each such block anew and trims its heap top past twice its automatic threshold,
+# so every copy faulted its pages in again. With both thresholds at FRONTEND_HEAP_KEEP the heap keeps
+# such blocks for reuse, holding at most that much free memory above its top; a larger block is
+# still mapped.
+FRONTEND_HEAP_KEEP = 64 << 20
+FRONTEND_ENV = {"TOKENIZERS_PARALLELISM": "false", "MALLOC_MMAP_THRESHOLD_": str(FRONTEND_HEAP_KEEP),
+                "MALLOC_TRIM_THRESHOLD_": str(FRONTEND_HEAP_KEEP), **GRPC_CORE_ENV}
 # A CPU worker's environment, unless the user's sets the same variable. torch's OpenMP threads spin
 # after each parallel region before they sleep. GNU OpenMP's default spin outlasts the gap between
 # two queries, so a query's helper threads would burn a core through that gap (CPU a neighbour on
