@@ -131,7 +131,7 @@ def test_cuda_engine_matches_sentence_transformers(tmp_path, hidden, heads):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)  # the same batch twice: the same rows (to float32 rounding)
         if graphs:
             assert len(engine.graphs) == 2
-            tokens, _, longest = engine.bucket(batch)  # the short texts' bucket
+            tokens, _, longest, _ = engine.bucket(batch)  # the short texts' bucket
             assert tokens - batch.tokens > longest  # the padding sequence outgrows max_seqlen
 
     plain = load_model(str(path), "cuda", torch.bfloat16, options=EngineOptions(triton=False))

@@ -73,10 +73,9 @@ def test_cuda_engine_layout_and_forward_on_the_cpu(model, padded):
     shape = engine.bucket(batch) if padded else None
     host = torch.zeros(8 * 256 + 16, dtype=torch.int32)
     engine.fill(host, batch, shape, flags)
-    tokens, n_seqs, rows = shape if padded else (batch.tokens, len(batch.cu_seqlens) - 1, batch.rows)
-    if padded:
-        assert tokens > batch.tokens and n_seqs > batch.rows
-        rows = n_seqs
+    tokens, n_seqs, _, rows = shape if padded else (batch.tokens, len(batch.cu_seqlens) - 1, 0, batch.rows)
+    if padded:  # a padding sequence and padding rows
+        assert tokens > batch.tokens and n_seqs > len(batch.cu_seqlens) - 1 and rows > batch.rows
     inputs, _ = CudaEngine.views(host, tokens, n_seqs, rows)
     assert inputs[-1].tolist()[:batch.rows] == flags.tolist() and not inputs[-1][batch.rows:].any()
     with torch.inference_mode():

@@ -26,9 +26,11 @@ interactive request that arrives would wait.
 
 Each lane's graphs are captured into that lane's memory pool (so memory grows with the largest
 bucket used, not with the number of buckets; the lanes run at once, so they cannot share one).
-A bucket is (tokens, sequences, longest sequence), each rounded up: flash attention's grid grows
-with the sequence count and the longest sequence, so both are part of the key. Padding tokens
-form one extra sequence pooled into a discarded row; padding sequences are empty. Capture
+A bucket is (tokens, sequences, longest sequence, rows), each rounded up: flash attention's grid
+grows with the sequence count and the longest sequence, so both are part of the key, and the rows
+the pooling writes (one a text, or a chunk, or a token for token vectors) have their own count, at
+least the sequences'. Padding tokens form one extra sequence pooled into a discarded row; padding
+sequences are empty, and so are padding rows. Capture
 happens in `warm_up` (the likely query buckets, then the likely document buckets, within a time
 budget, before the worker says READY), and for a bucket first met under load either at once
 (`defer_capture=False`: the batch waits for its capture) or later: the batch runs now in the
@@ -63,6 +65,8 @@ from pollen.worker.models.pooling import pool_rows
 from pollen.worker.packed import ONE_TEXT_SHARED_MAX, PackedBatch, warm_up_batch
 from pollen.worker.sm_partition import BulkPartition, bulk_sm_count, green_contexts_supported
 
+# A graph's padded shape: (tokens, sequences, longest sequence, rows).
+Bucket = tuple[int, int, int, int]
 CAPTURE_UNDER_LOAD_HITS = 8  # eager batches of a bucket that earn it a capture under load
 CAPTURE_UNDER_LOAD_EVERY_NS = 1_000_000_000  # at most one capture under load per this long
 
@@ -111,12 +115,12 @@ class DeviceLane:
         self.done = [torch.cuda.Event() for _ in range(self.SLOTS)]
         self.static_in = torch.zeros(cap, dtype=torch.int32, device=device)
         self.slot = 0
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         # Buckets met under load, to capture later, by how many batches ran: eagerly (wanted), or
         # padded into a larger graph (padded).
-        self.wanted: dict[tuple[int, int, int], int] = {}
-        self.padded: dict[tuple[int, int, int], int] = {}
+        self.wanted: dict[Bucket, int] = {}
+        self.padded: dict[Bucket, int] = {}
 
     def next_slot(self) -> int:
         slot = self.slot
@@ -179,8 +183,8 @@ class CudaEngine:
         # and bucket (see fill_one_text). Bounded: ONE_TEXT_SHARED_MAX lengths, each with its own
         # bucket, and a layout for each bucket it runs in (its own, or a larger captured graph that
         # covers it: at most one per graph of the interactive lane).
-        self.one_text_buckets: dict[int, tuple[int, int, int]] = {}
-        self.one_text_layouts: dict[tuple[tuple[int, int, int], int], np.ndarray] = {}
+        self.one_text_buckets: dict[int, Bucket] = {}
+        self.one_text_layouts: dict[tuple[Bucket, int], np.ndarray] = {}
 
     @property
     def graphs(self) -> dict:
@@ -211,7 +215,7 @@ class CudaEngine:
         return out, at
 
     def bucket(self, batch: PackedBatch):
-        """(tokens, sequences, longest) of the graph that runs this batch, or None for eager."""
+        """(tokens, sequences, longest, rows) of the graph that runs this batch, or None for eager."""
         if not self.graphs_on or batch.tokens > self.buckets[-1]:
             return None
         n = batch.tokens
@@ -224,12 +228,17 @@ class CudaEngine:
             return shape
         return self.bucket_of(batch.tokens, len(batch.cu_seqlens) - 1, batch.rows, batch.max_seqlen)
 
-    def bucket_of(self, tokens: int, seqs: int, rows: int, longest: int) -> tuple[int, int, int]:
+    def bucket_of(self, tokens: int, seqs: int, rows: int, longest: int) -> Bucket:
         padded = self.buckets[bisect.bisect_left(self.buckets, tokens)]
         pad = padded > tokens
-        seqs = min(pow2_at_least(max(seqs + pad, rows), 2), padded + 1)
+        seqs = min(pow2_at_least(seqs + pad, 2), padded + 1)
+        # Rows have a bucket of their own (a row holds a token at least), never below the
+        # sequences': token vectors make a row of every token, and as sequence slots those rows
+        # would hand the attention kernel thousands of empty sequences, most of its time for
+        # such a batch.
+        rows = max(seqs, min(pow2_at_least(rows, 2), padded))
         bucket_longest = max(min(pow2_at_least(longest, 16), padded, self.max_positions), longest)
-        return padded, seqs, bucket_longest
+        return padded, seqs, bucket_longest, rows
 
     def fill(self, host: torch.Tensor, batch: PackedBatch, shape, normalize: np.ndarray | None = None) -> int:
         """Write the batch and its per-row normalize flags into a pinned slot in the layout of
@@ -243,8 +252,7 @@ class CudaEngine:
         if shape is None:
             tokens, seqs, rows = batch.tokens, len(batch.cu_seqlens) - 1, batch.rows
         else:
-            tokens, seqs, _ = shape
-            rows = seqs
+            tokens, seqs, _, rows = shape
         (ids, pos, index, cu, first, last, count, norm), used = self.views(arr, tokens, seqs, rows)
         n, b, r = batch.tokens, len(batch.cu_seqlens), batch.rows
         ids[:n], pos[:n], index[:n] = batch.ids, batch.positions, batch.pool_index
@@ -282,7 +290,7 @@ class CudaEngine:
         used = len(layout)
         arr[:used] = layout
         arr[:n] = batch.ids
-        arr[used - shape[1]] = 0 if normalize is None else normalize[0]  # norm [rows]: the last array, row 0
+        arr[used - shape[3]] = 0 if normalize is None else normalize[0]  # norm [rows]: the last array, row 0
         return used
 
     # ---------------------------------------------------------------- running
@@ -302,7 +310,7 @@ class CudaEngine:
         slot = lane.next_slot()
         lane.staged[slot].synchronize()
         used = self.fill(lane.host_in[slot], warm_up_batch(), shape)
-        inputs, _ = self.views(lane.static_in, shape[0], shape[1], shape[1])
+        inputs, _ = self.views(lane.static_in, shape[0], shape[1], shape[3])
         with torch.cuda.stream(lane.stream):
             lane.static_in[:used].copy_(lane.host_in[slot][:used], non_blocking=True)
             lane.staged[slot].record(lane.stream)
@@ -361,25 +369,26 @@ class CudaEngine:
         return LazyTensor(result, done)
 
     @staticmethod
-    def covering(lane: DeviceLane, shape: tuple[int, int, int], batch: PackedBatch,
-                 model: EmbeddingModel | None = None) -> tuple[int, int, int] | None:
+    def covering(lane: DeviceLane, shape: Bucket, batch: PackedBatch,
+                 model: EmbeddingModel | None = None) -> Bucket | None:
         """The smallest of the lane's captured graphs that can run `batch` (of bucket `shape`, not
         captured) padded, with at most twice the bucket's tokens; None if there is none. It needs as
         many sequences as the batch plus its padding sequence (and rows), and as long a longest
         sequence; the padding sequence may be longer than that, as in any bucket (its rows are
         discarded, see fill). With fp8 products, the graph must take the products the bucket
         takes (worker/models/fp8.py, same_products)."""
-        tokens, _, longest = shape
+        tokens, _, longest, _ = shape
         seqs = len(batch.cu_seqlens) - 1
         best = None
         for key in lane.graphs:
-            t, s, longest_key = key
-            if (tokens <= t <= 2 * tokens and longest_key >= longest and s >= max(seqs + (t > batch.tokens), batch.rows)
-                    and (model is None or fp8.same_products(model, tokens, t)) and (best is None or key < best)):
+            t, s, longest_key, r = key
+            if (tokens <= t <= 2 * tokens and longest_key >= longest and s >= seqs + (t > batch.tokens)
+                    and r >= batch.rows and (model is None or fp8.same_products(model, tokens, t))
+                    and (best is None or key < best)):
                 best = key
         return best
 
-    def keep(self, lane_index: Lane, shape: tuple[int, int, int], graph) -> None:
+    def keep(self, lane_index: Lane, shape: Bucket, graph) -> None:
         """A graph captured for `shape` on a lane: its batches stop running eagerly or padded."""
         lane = self.lanes[lane_index]
         self.counts[2] += shape not in lane.graphs
@@ -531,10 +540,10 @@ class CudaEngine:
                 if shape not in self.lanes[lane].graphs:
                     self.capture(shape, lane)
 
-    def query_buckets(self) -> list[tuple[int, int, int]]:
+    def query_buckets(self) -> list[Bucket]:
         """The buckets batches of short texts (queries) meet, in the order a growing load meets
         them: n texts of 8 to 24 tokens (the longest up to 64), for n = 1 up to the budget."""
-        seen: dict[tuple[int, int, int], None] = {}
+        seen: dict[Bucket, None] = {}
         n = 1
         while n * 8 <= self.buckets[-1]:
             for mean in (12, 8, 16, 24):
@@ -547,11 +556,11 @@ class CudaEngine:
             n = n + 1 if n < 16 else n + max(1, n // 8)
         return list(seen)
 
-    def document_buckets(self) -> list[tuple[int, int, int]]:
+    def document_buckets(self) -> list[Bucket]:
         """The buckets full batches of documents meet (bulk work): the largest token bucket, with
         texts of about 128 to 2,048 tokens, the longest up to twice the mean."""
         tokens = self.buckets[-1]
-        seen: dict[tuple[int, int, int], None] = {}
+        seen: dict[Bucket, None] = {}
         for mean in (256, 512, 128, 1024, 2048):
             for longest in (2 * mean, mean, 4 * mean):
                 if mean <= tokens and longest <= self.max_positions:
