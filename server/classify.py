@@ -10,6 +10,8 @@ the softmax over the labels, as sentence-transformers' CrossEncoder applies it
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from pollen.common.errors import invalid
@@ -88,6 +90,7 @@ class Classifier:
 
     async def classify(self, request: pb.ClassifyRequest, deadline_ns: int = 0, span=None) -> pb.ClassifyResponse:
         """The request's texts classified by this model (server/model_table.py chose it)."""
+        started_ns = time.monotonic_ns()
         truncate = self.check(request)
         deadline_ns = RequestOptions.deadline(deadline_ns, request.timeout_ms)
         limit = self.admission.limit(request.max_tokens)
@@ -99,8 +102,10 @@ class Classifier:
         else:
             seqs = await self.admission.run(chars, lambda: tokenizer.encode(texts, truncate, limit,
                                                                             chunk_mean_hint=False))
+        tokenize_us = (time.monotonic_ns() - started_ns) // 1000
         rows, admitted, timing = await head_rows(self.router, self.admission, seqs, request.priority, deadline_ns,
                                                  span)
+        timing.tokenize_us = tokenize_us
         logits = rows.astype(np.float64)
         return pb.ClassifyResponse(
             id=request.id, results=labelled(self.spec.labels, logits if request.raw_scores else softmax(logits)),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -210,10 +211,13 @@ class Ranker:
         deadline_ns = RequestOptions.deadline(deadline_ns, request.timeout_ms)
         limit = self.admission.limit(request.max_tokens)
         truncate = request.truncate if request.HasField("truncate") else pb.TRUNCATE_END
+        started_ns = time.monotonic_ns()
         frame = self.builder.frame(request.query, request.instruction, limit, truncate, request.max_document_tokens)
         seqs = await self.document_pairs(frame, list(request.documents))
+        tokenize_us = (time.monotonic_ns() - started_ns) // 1000
         rows, admitted, timing = await head_rows(self.router, self.admission, seqs, request.priority, deadline_ns,
                                                  span)
+        timing.tokenize_us = tokenize_us
         return pb.RerankResponse(
             id=request.id, results=ranked(request, scores(rows, request.raw_scores)),
             usage=pb.Usage(prompt_tokens=admitted.tokens), model=self.spec.name, timing=timing)

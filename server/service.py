@@ -222,11 +222,13 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         may hold (0: --max-texts-per-request; the OpenAI route's is --max-openai-inputs)."""
         model = self.models.pick(request.model, "embed", "Embed")
         deadline_ns = RequestOptions.deadline(deadline_ns, request.timeout_ms)
+        started_ns = time.monotonic_ns()
         try:
             admitted = await model.admission.admit(request, deadline_ns, max_inputs)
         except asyncio.CancelledError:
             metrics.DROPPED.labels(reason="cancelled").inc()  # the client left while we tokenized
             raise
+        tokenize_us = (time.monotonic_ns() - started_ns) // 1000
         if span is not None:
             span.admitted()
         result = await self.router.answer(admitted)
@@ -243,7 +245,8 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             fields["sparse_tokens"] = sparse_vectors.token_strings(model.admission.tokenizer, fields["sparse_indices"])
         return pb.EmbedResponse(
             id=request.id, usage=pb.Usage(prompt_tokens=admitted.tokens),
-            timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us), model=model.name, **fields)
+            timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us, tokenize_us=tokenize_us),
+            model=model.name, **fields)
 
     def drain(self) -> None:
         """The frontend stops: every stream stops reading (what each has read is still answered),

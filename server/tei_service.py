@@ -83,7 +83,8 @@ def renamed(exc: RequestError, fields: dict[str, str]) -> RequestError:
 
 def metadata(chars: int, tokens: int, started_ns: int, timing: pb.Timing) -> tei.Metadata:
     return tei.Metadata(compute_chars=chars, compute_tokens=tokens, total_time_ns=time.monotonic_ns() - started_ns,
-                        queue_time_ns=timing.queue_us * 1000, inference_time_ns=timing.inference_us * 1000)
+                        tokenization_time_ns=timing.tokenize_us * 1000, queue_time_ns=timing.queue_us * 1000,
+                        inference_time_ns=timing.inference_us * 1000)
 
 
 class TeiService:
@@ -270,6 +271,7 @@ class TeiService:
         n = len(answers)
         return tei.RerankResponse(ranks=ranks, metadata=tei.Metadata(
             compute_chars=chars, compute_tokens=tokens, total_time_ns=time.monotonic_ns() - started,
+            tokenization_time_ns=sum(r.metadata.tokenization_time_ns for _, r in answers) // n,
             queue_time_ns=sum(r.metadata.queue_time_ns for _, r in answers) // n,
             inference_time_ns=sum(r.metadata.inference_time_ns for _, r in answers) // n))
 

@@ -5,6 +5,7 @@ HTTP /v1/classify route, pollen's client, and the refusals."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -83,8 +84,12 @@ def test_pairs_equal_cross_encoder_softmax(server, stub):
 
     model = CrossEncoder(server.path, device="cpu")
     expected = model.predict(list(zip(TEXTS, PAIRS)), apply_softmax=True)
+    started = time.perf_counter()
     reply = stub.Classify(pb.ClassifyRequest(id="p", texts=TEXTS, text_pairs=PAIRS), timeout=30)
+    wall_us = (time.perf_counter() - started) * 1e6
     np.testing.assert_allclose(scores_of(reply), expected, atol=1e-4)
+    # The answer times the frontend's tokenizing beside the worker's figures, within the call.
+    assert 0 < reply.timing.tokenize_us and reply.timing.tokenize_us + reply.timing.inference_us < wall_us
     assert reply.id == "p" and reply.model == "tiny-classify" and reply.usage.prompt_tokens > 4 * len(TEXTS)
     assert np.ptp(expected, axis=1).min() > 0.05  # the labels' order is tested, not a tie
     raw = stub.Classify(pb.ClassifyRequest(texts=TEXTS, text_pairs=PAIRS, raw_scores=True), timeout=30)

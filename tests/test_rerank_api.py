@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 import urllib.error
 import urllib.request
 
@@ -83,6 +84,20 @@ def test_grpc_scores_equal_cross_encoder(reranker, reference):
     np.testing.assert_allclose([r.score for r in raw_reply.results], np.sort(raw)[::-1][:2], atol=1e-4)
     assert reply.usage.prompt_tokens > len(DOCS) * 10 and reply.model == "tiny-rerank"
     assert info.task == "rerank"
+
+
+def test_the_answer_times_the_tokenizing_of_the_query_and_documents(reranker):
+    """timing.tokenize_us: the frontend's checks and tokenizing of the query and every document,
+    a part of the call's own time, beside the worker's inference_us."""
+    with grpc.insecure_channel(reranker.listen) as channel:
+        stub = pb_grpc.EmbedderStub(channel)
+        request = pb.RerankRequest(query=QUERY, documents=DOCS * 20)
+        stub.Rerank(request, timeout=30)
+        started = time.perf_counter()
+        reply = stub.Rerank(request, timeout=30)
+        wall_us = (time.perf_counter() - started) * 1e6
+    assert 0 < reply.timing.tokenize_us and 0 < reply.timing.inference_us
+    assert reply.timing.tokenize_us + reply.timing.inference_us < wall_us
 
 
 def test_cohere_client_v2_rerank_unchanged(reranker, reference):

@@ -109,6 +109,10 @@ def test_embed_equals_pollens_answer(embedder):
                                                                            timeout=30)
     assert abs(np.linalg.norm(raw.embeddings) - 1) > 1e-3  # normalize false: as it comes
     assert raw.metadata.compute_tokens > 0 and raw.metadata.compute_chars == len(TEXTS[0])
+    meta = raw.metadata  # pollen's timing.tokenize_us, queue and inference as TEI names them, within the total
+    assert 0 < meta.tokenization_time_ns and 0 < meta.inference_time_ns
+    assert meta.tokenization_time_ns + meta.queue_time_ns <= meta.total_time_ns
+    assert reply.timing.tokenize_us > 0
 
 
 def test_embed_stream_answers_in_order_and_ends_at_the_first_failure(embedder):

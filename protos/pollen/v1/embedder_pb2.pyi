@@ -118,12 +118,14 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_us", "inference_us")
+    __slots__ = ("queue_us", "inference_us", "tokenize_us")
     QUEUE_US_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_US_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZE_US_FIELD_NUMBER: _ClassVar[int]
     queue_us: int
     inference_us: int
-    def __init__(self, queue_us: _Optional[int] = ..., inference_us: _Optional[int] = ...) -> None: ...
+    tokenize_us: int
+    def __init__(self, queue_us: _Optional[int] = ..., inference_us: _Optional[int] = ..., tokenize_us: _Optional[int] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message")
