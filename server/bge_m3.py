@@ -41,10 +41,8 @@ def answer_fields(request: pb.EmbedRequest, spec: ModelSpec, seqs: list, result:
     if wanted.tokens:
         after_first = np.ones(len(rows), dtype=bool)
         after_first[first] = False
-        width = min(request.dimensions or hidden, hidden)
-        colbert = rows[after_first, hidden:hidden + width]  # the one copy, cut
-        if width < hidden:  # normalized in that copy, as shape() would
-            colbert /= np.linalg.norm(colbert, axis=1, keepdims=True).clip(min=1e-12)
+        # The worker normalized them: only a dimensions cut is normalized again.
+        colbert = shape(rows[after_first, hidden:2 * hidden], request.dimensions, 0 < request.dimensions < hidden)
         fields |= {"token_embeddings": colbert.tobytes(), "token_counts": [len(s) - 1 for s in seqs],
                    "dims": colbert.shape[1]}
     if wanted.sparse:
