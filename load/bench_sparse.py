@@ -493,9 +493,9 @@ def main() -> None:
         if "dense" in names:
             loads["dense"] = client(workload("dense"), (pb.OUTPUT_DENSE,))
             paths["plain"] = plain_copy(path)
+            plain_load = client(workload("dense"), ())
             runs += [(key, name, load) for _ in range(DENSE_ROUNDS)
-                     for key, name, load in (("m3", "dense", loads["dense"]),
-                                             ("plain", "plain", client(workload("dense"), ())))]
+                     for key, name, load in (("m3", "dense", loads["dense"]), ("plain", "plain", plain_load))]
         print(f"bge-m3 ({', '.join(loads)}) and its plain copy: pollen", flush=True)
         got = pollen_runs(paths, texts, counts, args.device, seconds, runs)
         plain = got.get("plain")

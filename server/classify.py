@@ -102,10 +102,8 @@ class Classifier:
         else:
             seqs = await self.admission.run(chars, lambda: tokenizer.encode(texts, truncate, limit,
                                                                             chunk_mean_hint=False))
-        tokenize_us = (time.monotonic_ns() - started_ns) // 1000
         rows, admitted, timing = await head_rows(self.router, self.admission, seqs, request.priority, deadline_ns,
-                                                 span)
-        timing.tokenize_us = tokenize_us
+                                                 span, (time.monotonic_ns() - started_ns) // 1000)
         logits = rows.astype(np.float64)
         return pb.ClassifyResponse(
             id=request.id, results=labelled(self.spec.labels, logits if request.raw_scores else softmax(logits)),

@@ -149,16 +149,18 @@ class PairFrame:
 
 
 async def head_rows(router: Router, admission: Admission, seqs: list[np.ndarray], priority: int,
-                    deadline_ns: int, span=None) -> tuple[np.ndarray, Request, pb.Timing]:
+                    deadline_ns: int, span=None, tokenize_us: int = 0) -> tuple[np.ndarray, Request, pb.Timing]:
     """`seqs` down the embeddings' path as one Task.SCORE request: the head's float32 rows (one per
-    sequence), the request as admitted (its tokens are the usage) and the answer's timing."""
+    sequence), the request as admitted (its tokens are the usage) and the answer's timing, with
+    `tokenize_us`, the caller's time making `seqs`."""
     options = RequestOptions(Task.SCORE, 0, False, pb.ENCODING_FLOAT32, LANES[priority], deadline_ns, admission.model)
     admitted = Request(seqs, options, None, sum(map(len, seqs)))
     if span is not None:  # the request's server/otel.py span, when tracing
         span.admitted()
     result = await router.answer(admitted)
     rows = np.frombuffer(result.body, np.float32).reshape(result.rows, result.dims)
-    return rows, admitted, pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us)
+    return rows, admitted, pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us,
+                                     tokenize_us=tokenize_us)
 
 
 def scores(rows: np.ndarray, raw: bool) -> np.ndarray:
@@ -214,10 +216,8 @@ class Ranker:
         started_ns = time.monotonic_ns()
         frame = self.builder.frame(request.query, request.instruction, limit, truncate, request.max_document_tokens)
         seqs = await self.document_pairs(frame, list(request.documents))
-        tokenize_us = (time.monotonic_ns() - started_ns) // 1000
         rows, admitted, timing = await head_rows(self.router, self.admission, seqs, request.priority, deadline_ns,
-                                                 span)
-        timing.tokenize_us = tokenize_us
+                                                 span, (time.monotonic_ns() - started_ns) // 1000)
         return pb.RerankResponse(
             id=request.id, results=ranked(request, scores(rows, request.raw_scores)),
             usage=pb.Usage(prompt_tokens=admitted.tokens), model=self.spec.name, timing=timing)
