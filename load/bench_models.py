@@ -50,6 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from load.arch_models import MODELS_SHAPES, SHAPES, Tokenizer, make_checkpoint  # noqa: E402
 from load.bench_mixed import StreamLoad, stream_docs  # noqa: E402
+from load.library_defaults import NOTE, library_defaults  # noqa: E402
 from load.results_file import add_out_argument, device_kind, write_result  # noqa: E402
 
 CLIENT_PROCESSES, STREAMS, IN_FLIGHT = 2, 4, 8
@@ -209,7 +210,7 @@ def markdown(meta: dict, rows: list[dict], texts_from: str, seconds: float, devi
             "processes x streams, each stream on its own connection keeping messages of texts in flight. "
             f"ST: sentence-transformers `encode` in {'bf16' if device == 'cuda' else 'fp32'} in the same process "
             "after the server has stopped, every text once, at batch size 32 and 128; the ratio is against the "
-            "better.\n\n" + "\n".join(lines) + "\n")
+            f"better. {NOTE}\n\n" + "\n".join(lines) + "\n")
 
 
 def parse_tokenizers(values: list[str]) -> dict[str, str]:
@@ -290,7 +291,8 @@ def main() -> None:
         print(f"{name}: pollen", flush=True)
         got = pollen_run(path, texts, counts, args.device, seconds, load, args.server_flags)
         print(f"  pollen: {got['tokens_per_s']:,.0f} tokens/s, {got['texts_per_s']:,.0f} texts/s", flush=True)
-        ref = reference_run(path, texts, args.device)
+        with library_defaults():
+            ref = reference_run(path, texts, args.device)
         if ref["tokens"] != sum(counts):
             print(f"  note: sentence-transformers counts {ref['tokens']} tokens, pollen {sum(counts)}", flush=True)
         rows.append({"shape": name, "model": SHAPES[name].model, "tokenizer": label, "device": args.device,

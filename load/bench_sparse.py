@@ -60,6 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from load.bench_mixed import StreamLoad, stream_docs  # noqa: E402
 from load.bench_models import Workload, check_tokens, make_texts, sentences  # noqa: E402
+from load.library_defaults import NOTE, library_defaults  # noqa: E402
 from load.m3_models import make_bge_m3  # noqa: E402
 from load.results_file import add_out_argument, device_kind, write_result  # noqa: E402
 from pollen.v1 import embedder_pb2 as pb  # noqa: E402
@@ -401,7 +402,7 @@ def markdown(meta: dict, rows: list[dict], texts_from: str, seconds: float, devi
             "through EmbedStream; client: processes x streams, each stream on its own connection keeping messages of "
             "texts in flight. References in the same process after the servers have stopped, every text once at each "
             "batch size; the ratio is against the best. The dense-only row's \"against\" is the same XLM-R weights "
-            f"served by pollen as a plain embedder (no heads), on the same texts.{terms_note}\n\n"
+            f"served by pollen as a plain embedder (no heads), on the same texts. {NOTE}{terms_note}\n\n"
             + "\n".join(lines) + "\n")
 
 
@@ -478,7 +479,8 @@ def main() -> None:
         print("splade-bert-base: pollen", flush=True)
         got = pollen_runs({"splade": path}, texts, counts, args.device, seconds, [("splade", "sparse", load)],
                           may_refuse=True)
-        ref = splade_reference(path, texts, args.device, limit)
+        with library_defaults():
+            ref = splade_reference(path, texts, args.device, limit)
         rows.append({"row": "splade-bert-base", "model": f"BertForMaskedLM, BERT-base {'(tiny)' if smoke else 'shape'}",
                      "tokenizer": "BERT's uncased WordPiece", "outputs": "sparse", "client": described(load),
                      "warm_s": load.warm, "pollen": got.get("sparse"), "refused": got.get("refused"),
@@ -501,7 +503,8 @@ def main() -> None:
         plain = got.get("plain")
         m3 = {"model": f"XLM-R-large{' (tiny)' if smoke else ''} + bge-m3's heads", "tokenizer": m3_label}
         if "bge-m3" in names:
-            ref = m3_reference(path, texts, args.device, limit)
+            with library_defaults():
+                ref = m3_reference(path, texts, args.device, limit)
             rows.append({"row": "bge-m3 all outputs", **m3, "outputs": "dense + sparse + tokens",
                          "client": described(loads["all"]), "warm_s": loads["all"].warm, "pollen": got["all"],
                          "against": ref["name"], "reference": ref, **common})
