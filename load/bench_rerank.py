@@ -11,8 +11,8 @@ throughput: REQUESTS gRPC Rerank calls of 1 query x DOCS documents of about 200 
             left padding, at its best batch size).
 one call:   one Rerank of 1 query x 100 documents, sequentially: p50 / p99, and the server's
             tokenizing and inference times (its answer's timing.tokenize_us, the query and the
-            documents tokenized, and timing.inference_us, the first batch's start to the last's end;
-            p50 each), against the CUDA engine's own time for that batch (the same pairs, packed,
+            documents tokenized; timing.queue_us, admission to the last batch's start; and
+            timing.inference_us, the first batch's start to the last's end; p50 each), against the CUDA engine's own time for that batch (the same pairs, packed,
             bf16, graphs as served).
 Writes load/results/rerank-<kind>.md (load/results_file.py).
 """
@@ -79,16 +79,39 @@ def one_call_latency(target: str, query: str, docs: list[str], n: int = 40) -> d
         request = pb.RerankRequest(query=query, documents=docs[:DOCS])
         for _ in range(5):
             stub.Rerank(request, timeout=60)
-        times, inference, tokenize = [], [], []
+        times, inference, tokenize, queue = [], [], [], []
         for _ in range(n):
             t0 = time.perf_counter()
             reply = stub.Rerank(request, timeout=60)
             times.append(time.perf_counter() - t0)
             inference.append(reply.timing.inference_us / 1e3)
             tokenize.append(reply.timing.tokenize_us / 1e3)
+            queue.append(reply.timing.queue_us / 1e3)
     ms = np.array(times) * 1e3
     return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
-            "inference_p50_ms": float(np.median(inference)), "tokenize_p50_ms": float(np.median(tokenize))}
+            "inference_p50_ms": float(np.median(inference)), "tokenize_p50_ms": float(np.median(tokenize)),
+            "queue_p50_ms": float(np.median(queue))}
+
+
+def profile_one_calls(srv: ServerProcess, query: str, docs: list[str], folder: str, seconds: float = 6.0) -> None:
+    """py-spy on every frontend while one client makes one-call Reranks back to back for `seconds`;
+    each frontend's summary goes to folder/frontend-<pid>.md (the one the connection landed on
+    holds the samples)."""
+    from load.pyspy_profile import record_profile, summarize_profile
+
+    os.makedirs(folder, exist_ok=True)
+    frontends = sorted(set(srv.child_pids()) - set(srv.worker_pids()))
+    spies = {pid: record_profile(pid, seconds, os.path.join(folder, f"frontend-{pid}.txt")) for pid in frontends}
+    with grpc.insecure_channel(srv.listen) as channel:
+        stub = pb_grpc.EmbedderStub(channel)
+        request = pb.RerankRequest(query=query, documents=docs[:DOCS])
+        end = time.monotonic() + seconds + 1
+        while time.monotonic() < end:
+            stub.Rerank(request, timeout=60)
+    for pid, spy in spies.items():
+        if spy.wait() == 0:
+            with open(os.path.join(folder, f"frontend-{pid}.md"), "w") as f:
+                f.write(summarize_profile(os.path.join(folder, f"frontend-{pid}.txt")))
 
 
 def engine_batch_ms(path: str, query: str, docs: list[str], n: int = 40) -> float:
@@ -172,6 +195,8 @@ def bench_shape(shape: str, args) -> dict:
     try:
         seconds, tokens = asyncio.run(server_throughput(srv.listen, queries, docs))
         latency = one_call_latency(srv.listen, queries[0], docs)
+        if args.profile:
+            profile_one_calls(srv, queries[0], docs, os.path.join(args.profile, shape))
     finally:
         srv.terminate()
     pairs = [(q, d) for i, q in enumerate(queries) for d in docs[i * DOCS:(i + 1) * DOCS]]
@@ -183,6 +208,7 @@ def bench_shape(shape: str, args) -> dict:
            "reference_pairs_per_s": ref, "reference_batch_size": size, "speedup": n / seconds / ref,
            "one_call_p50_ms": latency["p50_ms"], "one_call_p99_ms": latency["p99_ms"], "engine_ms": engine_ms,
            "server_inference_p50_ms": latency["inference_p50_ms"], "server_tokenize_p50_ms": latency["tokenize_p50_ms"],
+           "server_queue_p50_ms": latency["queue_p50_ms"],
            "one_call_over_engine": latency["p50_ms"] / engine_ms}
     print(row, flush=True)
     return row
@@ -190,13 +216,13 @@ def bench_shape(shape: str, args) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| shape | pollen pairs/s | pollen tokens/s | reference pairs/s (batch) | x | 1x100 p50 / p99 ms | "
-             "server's tokenize / inference ms | engine ms | p50 / engine |",
+             "server's tokenize / queue / inference ms | engine ms | p50 / engine |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['pollen_pairs_per_s']:,.0f} | {r['pollen_tokens_per_s']:,.0f} | "
                      f"{r['reference_pairs_per_s']:,.0f} ({r['reference_batch_size']}) | {r['speedup']:.2f} | "
                      f"{r['one_call_p50_ms']:.1f} / {r['one_call_p99_ms']:.1f} | "
-                     f"{r['server_tokenize_p50_ms']:.1f} / {r['server_inference_p50_ms']:.1f} | "
+                     f"{r['server_tokenize_p50_ms']:.1f} / {r['server_queue_p50_ms']:.1f} / {r['server_inference_p50_ms']:.1f} | "
                      f"{r['engine_ms']:.1f} | "
                      f"{r['one_call_over_engine']:.2f} |")
     return ("Reference: sentence-transformers CrossEncoder in bf16 (Qwen3-Reranker: the model card's "
@@ -211,6 +237,8 @@ def main() -> None:
     p.add_argument("--bert-tokenizer", required=True, help="a BERT tokenizer directory (the MiniLM one)")
     p.add_argument("--qwen3-tokenizer", required=True, help="the real Qwen3 tokenizer.json")
     p.add_argument("--root", default="/tmp/pollen-rerank-ckpt")
+    p.add_argument("--profile", metavar="DIR", help="also record the frontends with py-spy (the `profile` extra) "
+                   "during one-call Reranks, a summary a frontend under DIR/<shape>/")
     add_out_argument(p, "rerank")
     args = p.parse_args()
     rows = [bench_shape(s, args) for s in args.shapes.split(",")]
