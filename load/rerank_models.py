@@ -72,6 +72,30 @@ def make_reranker(shape: str, root: str, bert_tokenizer_dir: str, qwen3_tokenize
     return path
 
 
+def make_trained_minilm_reranker(minilm_dir: str, root: str, seed: int = 0) -> str:
+    """A MiniLM-L6 cross-encoder whose encoder is trained: all-MiniLM-L6-v2's weights (its pooler
+    too) under a random one-label head, as BertForSequenceClassification with its tokenizer, written
+    once under `root`. It has cross-encoder/ms-marco-MiniLM-L6-v2's shape. Random encoders score
+    every pair within a narrow band, where rounding alone reorders neighbours; a trained encoder
+    spreads pairs as a real model does, so bf16 against fp32 ranks are measured on real spread."""
+    import transformers as tf
+
+    path = os.path.join(root, "minilm-l6-trained-encoder")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    torch.manual_seed(seed)
+    model = tf.BertForSequenceClassification.from_pretrained(minilm_dir, num_labels=1, torch_dtype=torch.float32)
+    with torch.no_grad():
+        head = model.classifier
+        head.weight.copy_(torch.randn_like(head.weight) / head.weight.shape[-1] ** 0.5)
+        head.bias.zero_()
+    model.save_pretrained(path)
+    for name in BERT_TOKENIZER_FILES:
+        if os.path.exists(os.path.join(minilm_dir, name)):
+            shutil.copy(os.path.join(minilm_dir, name), os.path.join(path, name))
+    return path
+
+
 def stsb_pairs(path: str, n: int) -> list[tuple[str, str]]:
     """The first n (sentence1, sentence2) rows of the STS-B test CSV."""
     import csv
