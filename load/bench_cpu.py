@@ -28,6 +28,8 @@ Contenders (load/cpu_contenders.py; --contenders picks them, default pollen,engi
              huggingface_hub<2, which this environment's transformers refuses, so install it apart
              (pip install --target DIR fastembed loguru mmh3 py_rust_stemmers pillow "huggingface_hub<2"
              --no-deps) and pass --fastembed-site DIR: only its child process sees DIR.
+st, ort and fastembed run as their users run them: the tokenizers library's thread pool on
+(TOKENIZERS_PARALLELISM unset in their child processes, load/library_defaults.py).
 
 Workloads, fixed seeds: --queries short texts (an STS-B sentence's first clause), one text per call, one
 after the other, latency per call; --docs texts of 1, 2, 4 or 8 STS-B sentences (tokens counted by the
@@ -138,7 +140,7 @@ def make_contender(key: str, args, onnx: dict | None, model_dir: str):
         from pollen.server.config import CPU_WORKER_ENV
 
         return cc.ChildContender(key, "pollen-engine", {"model_dir": model_dir, "batch_tokens": AUTO_BATCH_TOKENS["cpu"]},
-                                 env=CPU_WORKER_ENV)
+                                 env=CPU_WORKER_ENV, library=False)
     if key == "st":
         return cc.ChildContender(key, "st", {"model_dir": model_dir, "batch_size": args.batch_size})
     if key == "ort":

@@ -41,6 +41,8 @@ import traceback
 
 import numpy as np
 
+from load import library_defaults
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 MAX_LENGTH = 256  # all-MiniLM-L6-v2's max_seq_length (sentence_bert_config.json)
@@ -390,14 +392,17 @@ class ChildContender:
     """An engine in a child process of its own; the parent reads the child's CPU time and memory."""
 
     def __init__(self, key: str, engine: str, kwargs: dict, sys_path: list[str] | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, library: bool = True):
         self.key, self.engine, self.kwargs, self.sys_path = key, engine, kwargs, sys_path or []
         self.env = env or {}  # under the parent's environment: a variable the user set wins
+        self.library = library  # a library a user would otherwise run: on its defaults (load/library_defaults.py)
         self.proc: subprocess.Popen | None = None
         self.info: dict = {}
 
     def start(self) -> ChildContender:
         env = {**self.env, **os.environ}
+        if self.library:
+            env.pop(library_defaults.VARIABLE, None)
         if self.sys_path:
             env["PYTHONPATH"] = os.pathsep.join([*self.sys_path, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         self.proc = subprocess.Popen([sys.executable, "-c", "from load.cpu_contenders import child_main; child_main()"],
