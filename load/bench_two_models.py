@@ -13,8 +13,11 @@ For each, one client sends --calls queries one after the other (grpc's blocking 
 Qwen3 tokens each, as load/bench_one_client.py): p50 and p99. In the together server this is
 measured quiet, then under a saturating rerank load: LOAD_CLIENTS processes each keep
 LOAD_IN_FLIGHT Rerank calls of 1 query x 100 documents of about 200 tokens in flight, at the
-interactive priority (the default), then at the bulk priority; the rerank pairs/s they got is
-given beside. Writes load/results/two_models-<kind>.md (load/results_file.py).
+interactive priority (the default) twice, then at the bulk priority; the rerank pairs/s they got
+is given beside, and the CUDA graphs the workers captured during each measurement (/metrics).
+Each query's worker part (its answer's timing: admission to its batch's end) is given beside its
+total, to tell the worker's wait from the frontend's and the transport's.
+Writes load/results/two_models-<kind>.md (load/results_file.py).
 """
 from __future__ import annotations
 
@@ -40,7 +43,8 @@ WARM_CALLS = 200
 
 
 def query_latency(target: str, calls: int) -> dict:
-    """One client's queries, one after the other: p50 and p99 in ms."""
+    """One client's queries, one after the other: p50 and p99 in ms, and of the worker's part of
+    each (its answer's timing: admission to its batch's end, queue_us + inference_us)."""
     import grpc
 
     from pollen.v1 import embedder_pb2 as pb
@@ -51,13 +55,23 @@ def query_latency(target: str, calls: int) -> dict:
         stub = pb_grpc.EmbedderStub(channel)
         for text in texts[:WARM_CALLS]:
             stub.Embed(pb.EmbedRequest(texts=[text], normalize=True), timeout=30)
-        times = []
+        times, worker = [], []
         for text in texts[WARM_CALLS:]:
             t0 = time.perf_counter()
-            stub.Embed(pb.EmbedRequest(texts=[text], normalize=True), timeout=30)
+            reply = stub.Embed(pb.EmbedRequest(texts=[text], normalize=True), timeout=30)
             times.append(time.perf_counter() - t0)
+            worker.append((reply.timing.queue_us + reply.timing.inference_us) / 1e3)
     ms = np.asarray(times) * 1e3
-    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99))}
+    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+            "worker_p50_ms": float(np.percentile(worker, 50)), "worker_p99_ms": float(np.percentile(worker, 99))}
+
+
+def graphs_held(http_target: str) -> int:
+    """The CUDA graphs the server's workers hold (its /metrics): a rise over a measurement means
+    captures ran during it."""
+    from load.server_metrics import settled_samples
+
+    return int(sum(s.value for s in settled_samples(http_target) if s.name == "pollen_worker_graphs"))
 
 
 def rerank_load(target: str, priority: int, stop, pairs) -> None:
@@ -130,20 +144,25 @@ def main() -> None:
     srv = ServerProcess("--model", embedder, "--model", reranker, *common).start(timeout=900)
     try:
         rows.append({"server": "embedder + reranker", "load": "none", **query_latency(srv.listen, args.calls)})
-        for name, priority in (("interactive", pb.PRIORITY_INTERACTIVE), ("bulk", pb.PRIORITY_BULK)):
-            rows.append({"server": "embedder + reranker", "load": f"rerank, {name}",
-                         **under_rerank_load(srv.listen, args.calls, priority)})
+        for name, priority in (("interactive", pb.PRIORITY_INTERACTIVE), ("interactive, again", pb.PRIORITY_INTERACTIVE),
+                               ("bulk", pb.PRIORITY_BULK)):
+            before = graphs_held(srv.http_listen)
+            row = {"server": "embedder + reranker", "load": f"rerank, {name}",
+                   **under_rerank_load(srv.listen, args.calls, priority)}
+            rows.append({**row, "graphs_captured": graphs_held(srv.http_listen) - before})
     finally:
         srv.terminate()
     for row in rows:
         print(row, flush=True)
     alone = rows[0]
-    lines = ["| server | load | query p50 ms | query p99 ms | p50 / alone | p99 / alone | rerank pairs/s |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| server | load | query p50 ms | query p99 ms | p50 / alone | p99 / alone | worker's part p50 / p99 ms | "
+             "graphs captured meanwhile | rerank pairs/s |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         pairs = f"{r['rerank_pairs_per_s']:,.0f}" if "rerank_pairs_per_s" in r else "-"
         lines.append(f"| {r['server']} | {r['load']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
-                     f"{r['p50_ms'] / alone['p50_ms']:.2f} | {r['p99_ms'] / alone['p99_ms']:.2f} | {pairs} |")
+                     f"{r['p50_ms'] / alone['p50_ms']:.2f} | {r['p99_ms'] / alone['p99_ms']:.2f} | "
+                     f"{r['worker_p50_ms']:.2f} / {r['worker_p99_ms']:.2f} | {r.get('graphs_captured', '-')} | {pairs} |")
     text = (f"Embedder {args.embedder} (real Qwen3 tokenizer), reranker {args.reranker}, random weights, bf16. "
             f"One client's {args.calls} queries one after the other; the rerank load: {LOAD_CLIENTS} processes x "
             f"{LOAD_IN_FLIGHT} Rerank calls of 1 x {DOCS} documents (~200 tokens) in flight.\n\n" + "\n".join(lines))
