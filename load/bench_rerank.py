@@ -93,15 +93,18 @@ def one_call_latency(target: str, query: str, docs: list[str], n: int = 40) -> d
             "queue_p50_ms": float(np.median(queue))}
 
 
-def profile_one_calls(srv: ServerProcess, query: str, docs: list[str], folder: str, seconds: float = 6.0) -> None:
+def profile_one_calls(srv: ServerProcess, query: str, docs: list[str], folder: str, seconds: float = 6.0,
+                      native: bool = True) -> None:
     """py-spy on every frontend while one client makes one-call Reranks back to back for `seconds`;
-    each frontend's summary goes to folder/frontend-<pid>.md (the one the connection landed on
-    holds the samples)."""
+    the summary of each frontend that served them (the one the connection landed on) goes to
+    folder/frontend-<pid>.md, with the C frames under the Python ones (`native`: the tokenizers
+    library's Rust, grpc's core)."""
     from load.pyspy_profile import record_profile, summarize_profile
 
     os.makedirs(folder, exist_ok=True)
     frontends = sorted(set(srv.child_pids()) - set(srv.worker_pids()))
-    spies = {pid: record_profile(pid, seconds, os.path.join(folder, f"frontend-{pid}.txt")) for pid in frontends}
+    raw = {pid: os.path.join(folder, f"frontend-{pid}.txt") for pid in frontends}
+    spies = {pid: record_profile(pid, seconds, raw[pid], native=native) for pid in frontends}
     with grpc.insecure_channel(srv.listen) as channel:
         stub = pb_grpc.EmbedderStub(channel)
         request = pb.RerankRequest(query=query, documents=docs[:DOCS])
@@ -109,9 +112,14 @@ def profile_one_calls(srv: ServerProcess, query: str, docs: list[str], folder: s
         while time.monotonic() < end:
             stub.Rerank(request, timeout=60)
     for pid, spy in spies.items():
-        if spy.wait() == 0:
+        if spy.wait() != 0 or not os.path.exists(raw[pid]):
+            continue
+        with open(raw[pid]) as f:
+            served = "server/rerank.py" in f.read()  # the frontend that served the calls
+        if served:
             with open(os.path.join(folder, f"frontend-{pid}.md"), "w") as f:
-                f.write(summarize_profile(os.path.join(folder, f"frontend-{pid}.txt")))
+                f.write(summarize_profile(raw[pid], top=40))
+        os.remove(raw[pid])
 
 
 def engine_batch_ms(path: str, query: str, docs: list[str], n: int = 40) -> float:
