@@ -12,8 +12,9 @@ throughput: REQUESTS gRPC Rerank calls of 1 query x DOCS documents of about 200 
 one call:   one Rerank of 1 query x 100 documents, sequentially: p50 / p99, and the server's
             tokenizing and inference times (its answer's timing.tokenize_us, the query and the
             documents tokenized; timing.queue_us, admission to the last batch's start; and
-            timing.inference_us, the first batch's start to the last's end; p50 each), against the CUDA engine's own time for that batch (the same pairs, packed,
-            bf16, graphs as served).
+            timing.inference_us, the first batch's start to the last's end; p50 each), against the
+            CUDA engine's own time for that batch (the same pairs, packed, bf16, graphs as served).
+            --profile DIR adds a py-spy summary of the frontend that served these calls.
 Writes load/results/rerank-<kind>.md (load/results_file.py).
 """
 from __future__ import annotations
