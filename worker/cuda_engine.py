@@ -30,13 +30,13 @@ A bucket is (tokens, sequences, longest sequence, rows), each rounded up: flash 
 grows with the sequence count and the longest sequence, so both are part of the key, and the rows
 the pooling writes (one a text, or a chunk, or a token for token vectors) have their own count, at
 least the sequences'. Padding tokens form one extra sequence pooled into a discarded row; padding
-sequences are empty, and so are padding rows. Capture
-happens in `warm_up` (the likely query buckets, then the likely document buckets, within a time
-budget, before the worker says READY), and for a bucket first met under load either at once
-(`defer_capture=False`: the batch waits for its capture) or later: the batch runs now in the
-smallest captured graph of the lane that holds it with at most twice its tokens (`covering`:
-padding costs GPU time, less than eager launches cost the worker), or eagerly if there is none,
-and the bucket is captured between batches (`between_batches`):
+sequences are empty, and so are padding rows. Capture happens in `warm_up` (the likely query
+buckets, then the likely document buckets, within a time budget, before the worker says READY),
+and for a bucket first met under load either at once (`defer_capture=False`: the batch waits for
+its capture) or later: the batch runs now in the smallest captured graph of the lane that holds it
+with at most twice its tokens (`covering`: padding costs GPU time, less than eager launches cost
+the worker), or eagerly if there is none, and the bucket is captured between batches
+(`between_batches`):
 - while no interactive work waits or runs, any bucket a batch missed (so a steady bulk stream,
   which never leaves the worker idle, gets its graphs too) and no client waits for a capture;
 - under interactive load, which may never pause, a bucket that ran eagerly
