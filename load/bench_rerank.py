@@ -13,8 +13,10 @@ one call:   one Rerank of 1 query x 100 documents, sequentially: p50 / p99, and 
             tokenizing and inference times (its answer's timing.tokenize_us, the query and the
             documents tokenized; timing.queue_us, admission to the last batch's start; and
             timing.inference_us, the first batch's start to the last's end; p50 each), against the
-            CUDA engine's own time for that batch (the same pairs, packed, bf16, graphs as served).
-            --profile DIR adds a py-spy summary of the frontend that served these calls.
+            CUDA engine's own time for that batch (the same pairs, packed, bf16, graphs as served);
+            and again on a server started with --tokie off, every text through the HF tokenizers
+            library (server/tokie_ids.py). --profile DIR adds a py-spy summary of the frontend that
+            served these calls.
 Writes load/results/rerank-<kind>.md (load/results_file.py).
 """
 from __future__ import annotations
@@ -213,6 +215,11 @@ def bench_shape(shape: str, args) -> dict:
             profile_one_calls(srv, queries[0], docs, os.path.join(args.profile, shape))
     finally:
         srv.terminate()
+    srv = ServerProcess("--model", path, "--device", "cuda", "--warmup-seconds", "10", "--tokie", "off").start(timeout=600)
+    try:
+        without_tokie = one_call_latency(srv.listen, queries[0], docs)
+    finally:
+        srv.terminate()
     pairs = [(q, d) for i, q in enumerate(queries) for d in docs[i * DOCS:(i + 1) * DOCS]]
     with library_defaults():
         ref, size = reference_pairs_per_s(path, shape, pairs)
@@ -223,6 +230,7 @@ def bench_shape(shape: str, args) -> dict:
            "one_call_p50_ms": latency["p50_ms"], "one_call_p99_ms": latency["p99_ms"], "engine_ms": engine_ms,
            "server_inference_p50_ms": latency["inference_p50_ms"], "server_tokenize_p50_ms": latency["tokenize_p50_ms"],
            "server_queue_p50_ms": latency["queue_p50_ms"],
+           "tokie_off_p50_ms": without_tokie["p50_ms"], "tokie_off_tokenize_p50_ms": without_tokie["tokenize_p50_ms"],
            "one_call_over_engine": latency["p50_ms"] / engine_ms}
     print(row, flush=True)
     return row
@@ -230,15 +238,16 @@ def bench_shape(shape: str, args) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| shape | pollen pairs/s | pollen tokens/s | reference pairs/s (batch) | x | 1x100 p50 / p99 ms | "
-             "server's tokenize / queue / inference ms | engine ms | p50 / engine |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "server's tokenize / queue / inference ms | engine ms | p50 / engine | --tokie off: p50 / tokenize ms |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['pollen_pairs_per_s']:,.0f} | {r['pollen_tokens_per_s']:,.0f} | "
                      f"{r['reference_pairs_per_s']:,.0f} ({r['reference_batch_size']}) | {r['speedup']:.2f} | "
                      f"{r['one_call_p50_ms']:.1f} / {r['one_call_p99_ms']:.1f} | "
                      f"{r['server_tokenize_p50_ms']:.1f} / {r['server_queue_p50_ms']:.1f} / {r['server_inference_p50_ms']:.1f} | "
                      f"{r['engine_ms']:.1f} | "
-                     f"{r['one_call_over_engine']:.2f} |")
+                     f"{r['one_call_over_engine']:.2f} | "
+                     f"{r['tokie_off_p50_ms']:.1f} / {r['tokie_off_tokenize_p50_ms']:.1f} |")
     return ("Reference: sentence-transformers CrossEncoder in bf16 (Qwen3-Reranker: the model card's "
             f"transformers recipe in bf16), best of batch sizes {BATCH_SIZES}. pollen: {REQUESTS} gRPC Rerank "
             f"calls of 1 query x {DOCS} documents (texts), {IN_FLIGHT} in flight over {CONNECTIONS} connections, "

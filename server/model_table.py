@@ -77,7 +77,7 @@ class ModelTable:
     def build(cls, cfg: ServeConfig, specs: list[ModelSpec], router: Router, executor: Executor) -> ModelTable:
         models = []
         for index, (path, spec) in enumerate(zip(cfg.model_paths(), specs)):
-            tokenizer = TextTokenizer(path, spec.max_tokens, tiktoken=cfg.tiktoken)
+            tokenizer = TextTokenizer(path, spec.max_tokens, tiktoken=cfg.tiktoken, tokie=cfg.tokie)
             admission = Admission(spec, tokenizer, executor, cfg.max_texts_per_request,
                                   default_truncate=cfg.default_truncate, model=index,
                                   token_limits=token_limits(cfg, spec))

@@ -1,6 +1,8 @@
-"""A frontend tokenizes on its event loop and its --tokenizer-threads, never on the tokenizers
-library's own thread pool (server/config.py FRONTEND_ENV), unless the user's environment
-turns that pool on: counted as the threads a real frontend gains while it serves."""
+"""A frontend tokenizes with the tokenizers library on its event loop and its --tokenizer-threads,
+never on that library's own thread pool (server/config.py FRONTEND_ENV), unless the user's
+environment turns that pool on: counted as the threads a real frontend gains while it serves.
+The servers here run with --tokie off, so that every text goes to the tokenizers library
+(tokie, on by default, encodes a group of texts on a pool of its own: server/tokie_ids.py)."""
 from __future__ import annotations
 
 import os
@@ -18,7 +20,7 @@ def thread_count(pid: int) -> int:
 
 
 def threads_gained_while_serving(parallelism: str | None) -> int:
-    server = ServerProcess("--tokenizer-threads", "1", "--log-level", "WARNING")
+    server = ServerProcess("--tokenizer-threads", "1", "--tokie", "off", "--log-level", "WARNING")
     if parallelism is None:
         server.env.pop("TOKENIZERS_PARALLELISM", None)  # the library's default: its pool on
     else:

@@ -1,0 +1,123 @@
+"""tokie in front of a tokenizer.json, for the characters it was shown to treat alike.
+
+The HF `tokenizers` library spends about 150 ns a character on BERT's normalizer, pre-tokenizer
+and WordPiece (its alignment bookkeeping), so a rerank call's 100 documents took several
+milliseconds of a frontend's threads. tokie reads the same tokenizer.json (WordPiece, BPE,
+Unigram) and encodes about twenty times faster, but does not give the very same ids for every
+character: its Unicode tables differ from the HF library's for some (a Roman numeral's category
+in Qwen3's pre-tokenizer regex, code points one library knows as unassigned). The HF library stays
+the reference, and this file only decides where tokie agrees with it:
+
+- at start, each character of PROBED_RANGES (the scripts, punctuation and symbols of everyday
+  text) is encoded by both in a probe of its own, in several contexts (inside a word, after a
+  space, doubled, by a digit); a character whose probe differs is left out;
+- a text goes to tokie only when every one of its characters passed and it holds none of the
+  file's added tokens (`[MASK]`, `<|im_end|>`), which the HF library splits off before its
+  normalizer; any other text, and every text when tokie cannot load the file, goes to the HF
+  library.
+
+Threads: tokie encodes a call of several texts on a pool of its own (one thread per core, in each
+frontend process that uses it) and a lone text on the calling thread, with the GIL released. It is
+handed a group of texts in one call (server/tokenizer.py GROUP_CHARS), never a text at a time: a
+thread that released the GIL waits to take it back behind an event loop busy with Python, up to
+the interpreter's switch interval (5 ms), once per call.
+
+Special tokens (the post-processor's) are the caller's to add, as for `encode(..., add_special_tokens=False)`.
+"""
+from __future__ import annotations
+
+import logging
+import re
+
+import numpy as np
+
+log = logging.getLogger("pollen.tokenizer")
+
+# Code points checked at start: Latin, Greek, Cyrillic, Hebrew, Arabic, Devanagari, Thai, Latin
+# Extended Additional (Vietnamese), punctuation, currency, letterlike symbols, arrows and math,
+# CJK punctuation, kana, CJK ideographs, Hangul, full-width forms, emoji. Control characters are
+# in the first range. Combining marks are left out: a text that holds one goes to the HF library.
+PROBED_RANGES = ((0x0000, 0x024F), (0x0370, 0x052F), (0x0590, 0x06FF), (0x0900, 0x097F), (0x0E00, 0x0E7F),
+                 (0x1E00, 0x1EFF), (0x2000, 0x22FF), (0x3000, 0x30FF), (0x4E00, 0x9FFF), (0xAC00, 0xD7A3),
+                 (0xFF00, 0xFFEF), (0x1F300, 0x1FAFF))
+# Past this many added tokens the search of every text for them could cost more than tokie saves.
+ADDED_MAX = 256
+
+
+def contexts(c: str) -> str:
+    """One character where pre-tokenizers and normalizers look at its neighbours: inside a word,
+    after a space, doubled (Greek's final sigma), before and after a digit."""
+    return f"a{c}b {c}{c}1{c} "
+
+
+class TokieIds:
+    """tokie's encoder for a tokenizer.json; `ids(texts)` leaves None where the HF library must encode."""
+
+    def __init__(self, encoder, outside: re.Pattern):
+        self.encoder = encoder
+        self.outside = outside  # a character tokie was not shown to agree on, or an added token
+
+    @classmethod
+    def build(cls, path: str, config: dict, reference) -> TokieIds | None:
+        """For the tokenizer.json at `path` (its parsed `config`); `reference` (a tokenizers.Tokenizer
+        of the same file, without truncation) is what tokie must agree with. None when tokie is
+        missing, cannot read the file, or agrees on no character."""
+        added = [t["content"] for t in config.get("added_tokens", ())]
+        if len(added) > ADDED_MAX:
+            return None
+        try:
+            import tokie
+            encoder = tokie.Tokenizer.from_json(path)
+            encoder.no_truncation()
+            encoder.no_padding()
+        except Exception as exc:  # noqa: BLE001 - tokie's loader raises its own error types
+            log.info("tokie cannot read %s (%s): tokenizing with the tokenizers library only", path, exc)
+            return None
+        chars = [chr(c) for lo, hi in PROBED_RANGES for c in range(lo, hi + 1)]
+        probes = [contexts(c) for c in chars]
+        ours = split_flat(*encoder.encode_batch_flat(probes, add_special_tokens=False), len(probes))
+        theirs = reference.encode_batch_fast(probes, add_special_tokens=False)
+        differ = [c for c, a, b in zip(chars, ours, theirs) if a.tolist() != b.ids]
+        agreed = sorted(set(chars) - set(differ))
+        if not agreed:
+            return None
+        if differ:
+            log.info("tokie encodes %d probed characters of %s unlike the tokenizers library (%s): texts holding "
+                     "them are tokenized by the tokenizers library", len(differ), path,
+                     " ".join(f"U+{ord(c):04X}" for c in differ[:12]) + (" ..." if len(differ) > 12 else ""))
+        allowed = "".join(f"{_escape(a)}-{_escape(b)}" for a, b in _runs(sorted(agreed)))
+        alternatives = [f"[^{allowed}]"] + [re.escape(t) for t in sorted(added, key=len, reverse=True)]
+        return cls(encoder, re.compile("|".join(alternatives)))
+
+    def ids(self, texts: list[str]) -> list[np.ndarray | None]:
+        """The ids (int32) of each text tokie may encode, without special tokens; None for the others."""
+        out: list[np.ndarray | None] = [None] * len(texts)
+        mine = [i for i, t in enumerate(texts) if not self.outside.search(t)]
+        if mine:
+            # One call for them all (see the module docstring's Threads).
+            encoded = self.encoder.encode_batch_flat([texts[i] for i in mine], add_special_tokens=False)
+            for i, ids in zip(mine, split_flat(*encoded, len(mine))):
+                out[i] = ids
+        return out
+
+
+def split_flat(flat: np.ndarray, bounds: np.ndarray, n: int) -> list[np.ndarray]:
+    """encode_batch_flat's ids of `n` texts, one int32 array each. Its second array holds the texts'
+    lengths (tokie 0.1), or their n + 1 offsets."""
+    ends = bounds[1:] if len(bounds) == n + 1 else np.cumsum(bounds)
+    return np.split(flat.astype(np.int32), ends[:-1].astype(np.int64)) if n else []
+
+
+def _runs(chars: list[str]) -> list[tuple[str, str]]:
+    """Sorted characters as (first, last) runs of consecutive code points."""
+    runs: list[list[str]] = []
+    for c in chars:
+        if runs and ord(c) == ord(runs[-1][1]) + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return [(a, b) for a, b in runs]
+
+
+def _escape(c: str) -> str:
+    return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}"

@@ -1,0 +1,170 @@
+"""tokie in front of the tokenizer.json (server/tokie_ids.py) gives the HF tokenizers library's very ids.
+
+The tokenizers here: all-MiniLM-L6-v2's real BERT WordPiece file, and files the HF library trains
+itself on multilingual text (a byte-level BPE on Qwen3's regex, a SentencePiece-style Unigram with
+NFKC and Metaspace as XLM-R's, a cased WordPiece); with POLLEN_QWEN3_TOKENIZER=path (the device runs
+it) the real Qwen3 file too. The HF library is the reference throughout.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from load import corpus as load_corpus
+from pollen.common.model_spec import default_model_path
+from pollen.server.tokenizer import TextTokenizer
+from pollen.server.tokie_ids import PROBED_RANGES, split_flat
+from pollen.v1 import embedder_pb2 as pb
+from tests.test_ascii_bpe import QWEN3
+from tests.test_ascii_bpe import train as train_bpe
+
+LIMIT = 512
+TRICKY = ["Hello,   world!\t\tTabs\nnewlines\r\n", "café déjà vu naïve façade", "東京の天気は晴れ", "北京大学 中文",
+          "서울 지하철", "Москва река", "Ελληνικά ΣΟΦΙΑ", "مرحبا بالعالم", "שלום עולם", "हिन्दी भाषा", "ภาษาไทย",
+          "🙂🚀👍 emoji", "zero\u200bwidth\u200djoin", "ctrl\x00\x01\x07\x1b chars", "a" * 250, "x" * 120 + " y",
+          "https://example.com/a/b?c=d&e=f#g", "def f(x):\n    return x**2  # code", "1234567890 3.14159 $100 50%",
+          "  leading and trailing  ", "ALL CAPS", "don't won't y'all", "“curly quotes” ‘single’ — dash …",
+          "\u00a0nbsp\u2003emspace\u3000ideographic", "ß ẞ İ ı ǅ", "ｆｕｌｌｗｉｄｔｈ ＡＢＣ １２３", "①②③ ⅫⅣ ⅻ",
+          "cafe\u0301 combining", "tab\tsep\tvalues", "...!!!???", "-" * 80, "é" * 120, "Việt Nam Tiếng Việt"]
+
+
+def multilingual(n: int = 400, seed: int = 5) -> list[str]:
+    """Passages and queries in several scripts (load/corpus.py), the tricky strings, and random
+    strings of characters from the probed ranges and beyond them."""
+    rng = random.Random(seed)
+    spans = [(0x20, 0x7E), (0xA0, 0x2FF), (0x370, 0x52F), (0x2000, 0x2BFF), (0x3000, 0x9FFF), (0xAC00, 0xD7A3),
+             (0x1F300, 0x1FAFF), (0x0, 0x1F)]
+    soup = ["".join(chr(rng.randint(*rng.choice(spans))) for _ in range(rng.randint(1, 60))) for _ in range(n)]
+    return load_corpus.documents(n) + load_corpus.queries(n) + TRICKY + soup
+
+
+def train_unigram() -> Tokenizer:
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizers.NFKC()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(load_corpus.documents(600, seed=1) + TRICKY, trainers.UnigramTrainer(
+        vocab_size=1500, special_tokens=["<s>", "</s>", "<unk>"], unk_token="<unk>", show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", tok.token_to_id("<s>")), ("</s>", tok.token_to_id("</s>"))])
+    return tok
+
+
+def train_wordpiece() -> Tokenizer:
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=False)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.train_from_iterator(multilingual(600, seed=2), trainers.WordPieceTrainer(
+        vocab_size=900, special_tokens=["[UNK]", "[CLS]", "[SEP]", "[MASK]"], show_progress=False))
+    tok.post_processor = processors.BertProcessing(("[SEP]", tok.token_to_id("[SEP]")),
+                                                   ("[CLS]", tok.token_to_id("[CLS]")))
+    return tok
+
+
+KINDS = ["minilm-wordpiece", "bpe-qwen3-regex", "unigram-metaspace", "wordpiece-cased", "qwen3-real"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def tokenizer_dir(request, tmp_path_factory) -> str:
+    if request.param == "minilm-wordpiece":
+        return default_model_path()
+    if request.param == "qwen3-real":
+        if not os.environ.get("POLLEN_QWEN3_TOKENIZER"):
+            pytest.skip("needs POLLEN_QWEN3_TOKENIZER (the real Qwen3 tokenizer.json; the device runs it)")
+        path = tmp_path_factory.mktemp("qwen3")
+        (path / "tokenizer.json").write_bytes(open(os.environ["POLLEN_QWEN3_TOKENIZER"], "rb").read())
+        return str(path)
+    tok = {"bpe-qwen3-regex": lambda: train_bpe(QWEN3), "unigram-metaspace": train_unigram,
+           "wordpiece-cased": train_wordpiece}[request.param]()
+    path = tmp_path_factory.mktemp(request.param)
+    tok.save(str(path / "tokenizer.json"))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def both(tokenizer_dir) -> tuple[TextTokenizer, Tokenizer]:
+    """(pollen's tokenizer with tokie on, the HF library's tokenizer of the same file)"""
+    reference = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
+    reference.no_truncation()
+    reference.no_padding()
+    return TextTokenizer(tokenizer_dir, LIMIT), reference
+
+
+def test_tokie_reads_each_file(both):
+    tokenizer, _ = both
+    assert tokenizer.tokie is not None
+
+
+def test_every_text_gets_the_tokenizers_librarys_ids(both):
+    tokenizer, reference = both
+    texts = multilingual()
+    got = tokenizer.ids(texts)
+    want = [e.ids for e in reference.encode_batch(texts, add_special_tokens=False)]
+    for text, g, w in zip(texts, got, want):
+        assert g.tolist() == w, text
+    covered = sum(tokenizer.tokie.outside.search(t) is None for t in texts)
+    assert covered > len(texts) // 2  # most went to tokie: the comparison above is of its ids
+
+
+def test_truncated_texts_get_the_tokenizers_librarys_ids(both):
+    """Texts cut to a limit (only a prefix or suffix of a long text is tokenized) hold the first or
+    last ids of the HF library's whole encoding, between the file's special tokens."""
+    tokenizer, reference = both
+    texts = load_corpus.documents(100) + TRICKY
+    for limit in (LIMIT, 24):
+        room = limit - tokenizer.special
+        for truncate, cut in ((pb.TRUNCATE_END, slice(None, room)), (pb.TRUNCATE_START, slice(-room, None))):
+            for text, ids in zip(texts, tokenizer.encode(texts, truncate, limit)):
+                whole = reference.encode(text, add_special_tokens=False).ids
+                want = reference.post_process(reference.encode(text, add_special_tokens=False)).ids
+                head, tail = want[:len(tokenizer.prefix)], want[len(want) - len(tokenizer.suffix):]
+                assert ids.tolist() == head + whole[cut] + tail, text
+
+
+def test_each_character_let_to_tokie_gets_the_tokenizers_librarys_ids_in_other_contexts(both):
+    """Every probed character the gate lets through, in contexts the start's probes do not use
+    (starting a text, ending a capitalised word, tripled, after punctuation), is encoded by tokie
+    as by the HF library; a sentence holding a character it holds back gets the HF library's ids."""
+    tokenizer, reference = both
+    gate = tokenizer.tokie.outside
+    chars = [chr(c) for lo, hi in PROBED_RANGES for c in range(lo, hi + 1)]
+    let = [c for c in chars if not gate.search(c)]
+    probes = [f"{c}x Word{c} {c}{c}{c}.{c}" for c in let]
+    ours = split_flat(*tokenizer.tokie.encoder.encode_batch_flat(probes, add_special_tokens=False), len(probes))
+    theirs = reference.encode_batch(probes, add_special_tokens=False)
+    differ = [f"U+{ord(c):04X}" for c, a, b in zip(let, ours, theirs) if a.tolist() != b.ids]
+    assert not differ
+    held = [c for c in chars if gate.search(c)][:50]
+    texts = [f"a plain sentence with {c} in it" for c in held]
+    for text, ids in zip(texts, tokenizer.ids(texts)):
+        assert ids.tolist() == reference.encode(text, add_special_tokens=False).ids
+
+
+def test_a_text_holding_an_added_token_goes_to_the_tokenizers_library(tmp_path):
+    """The HF library matches added tokens in the raw text before its normalizer: such a text
+    never goes to tokie."""
+    tokenizer = TextTokenizer(default_model_path(), LIMIT)
+    reference = Tokenizer.from_file(os.path.join(default_model_path(), "tokenizer.json"))
+    reference.no_padding()
+    reference.no_truncation()
+    text = "the [MASK] sat on the [SEP] mat"
+    assert tokenizer.tokie.outside.search(text)
+    [ids] = tokenizer.ids([text])
+    assert ids.tolist() == reference.encode(text, add_special_tokens=False).ids
+    assert reference.token_to_id("[MASK]") in ids.tolist()
+
+
+def test_a_file_tokie_cannot_read_is_tokenized_by_the_tokenizers_library_alone(tmp_path):
+    tok = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = TextTokenizer(str(tmp_path), LIMIT)
+    assert tokenizer.tokie is None
+    assert [ids.tolist() for ids in tokenizer.ids(["hello world", "hello there"])] == [[0, 1], [0, 2]]
+
+
+def test_tokie_off_leaves_every_text_to_the_tokenizers_library():
+    assert TextTokenizer(default_model_path(), LIMIT, tokie=False).tokie is None
