@@ -152,8 +152,9 @@ def engine_batch_ms(path: str, query: str, docs: list[str], n: int = 40) -> floa
     return float(np.median(times) * 1e3)
 
 
-def reference_pairs_per_s(path: str, shape: str, pairs: list[tuple[str, str]]) -> tuple[float, int]:
-    """The best pairs/s over BATCH_SIZES, and that batch size."""
+def reference_pairs_per_s(path: str, shape: str, pairs: list[tuple[str, str]],
+                          batch_sizes: tuple[int, ...] = BATCH_SIZES) -> tuple[float, int]:
+    """The best pairs/s over `batch_sizes`, and that batch size."""
     if RERANK_SHAPES[shape]["kind"] == "qwen3":
         score = qwen3_recipe(path)
     else:
@@ -164,7 +165,7 @@ def reference_pairs_per_s(path: str, shape: str, pairs: list[tuple[str, str]]) -
         def score(batch, size):
             return model.predict(batch, batch_size=size, show_progress_bar=False)
     best = (0.0, 0)
-    for size in BATCH_SIZES:
+    for size in batch_sizes:
         try:
             score(pairs[:size], size)  # warm
             torch.cuda.synchronize()
@@ -222,7 +223,7 @@ def bench_shape(shape: str, args) -> dict:
         srv.terminate()
     pairs = [(q, d) for i, q in enumerate(queries) for d in docs[i * DOCS:(i + 1) * DOCS]]
     with library_defaults():
-        ref, size = reference_pairs_per_s(path, shape, pairs)
+        ref, size = reference_pairs_per_s(path, shape, pairs, args.batch_sizes)
     engine_ms = engine_batch_ms(path, queries[0], docs)
     n = len(pairs)
     row = {"shape": shape, "pairs": n, "pollen_pairs_per_s": n / seconds, "pollen_tokens_per_s": tokens / seconds,
@@ -236,7 +237,7 @@ def bench_shape(shape: str, args) -> dict:
     return row
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], batch_sizes: tuple[int, ...] = BATCH_SIZES) -> str:
     lines = ["| shape | pollen pairs/s | pollen tokens/s | reference pairs/s (batch) | x | 1x100 p50 / p99 ms | "
              "server's tokenize / queue / inference ms | engine ms | p50 / engine | --tokie off: p50 / tokenize ms |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -249,7 +250,7 @@ def markdown(rows: list[dict]) -> str:
                      f"{r['one_call_over_engine']:.2f} | "
                      f"{r['tokie_off_p50_ms']:.1f} / {r['tokie_off_tokenize_p50_ms']:.1f} |")
     return ("Reference: sentence-transformers CrossEncoder in bf16 (Qwen3-Reranker: the model card's "
-            f"transformers recipe in bf16), best of batch sizes {BATCH_SIZES}. pollen: {REQUESTS} gRPC Rerank "
+            f"transformers recipe in bf16), best of batch sizes {batch_sizes}. pollen: {REQUESTS} gRPC Rerank "
             f"calls of 1 query x {DOCS} documents (texts), {IN_FLIGHT} in flight over {CONNECTIONS} connections, "
             f"client and server on one machine. {NOTE}\n\n" + "\n".join(lines))
 
@@ -262,10 +263,12 @@ def main() -> None:
     p.add_argument("--root", default="/tmp/pollen-rerank-ckpt")
     p.add_argument("--profile", metavar="DIR", help="also record the frontends with py-spy (the `profile` extra) "
                    "during one-call Reranks, a summary a frontend under DIR/<shape>/")
+    p.add_argument("--batch-sizes", type=lambda v: tuple(map(int, v.split(","))), default=BATCH_SIZES,
+                   help="the reference's batch sizes, comma-separated (default: %(default)s)")
     add_out_argument(p, "rerank")
     args = p.parse_args()
     rows = [bench_shape(s, args) for s in args.shapes.split(",")]
-    text = markdown(rows)
+    text = markdown(rows, args.batch_sizes)
     print(text)
     write_result("rerank", device_kind(), "Reranking through `pollen serve --device cuda`", text,
                  {"rows": rows, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}, args.out)
