@@ -2,13 +2,14 @@
 same run, on the same pairs (random weights in the real shapes: load/rerank_models.py):
 
     python load/bench_rerank.py --bert-tokenizer DIR --qwen3-tokenizer tokenizer.json [--shapes a,b]
+           [--batch-sizes 256,512]
 
 throughput: REQUESTS gRPC Rerank calls of 1 query x DOCS documents of about 200 tokens, texts
             (the server tokenizes), IN_FLIGHT at once over CONNECTIONS connections: pairs/s and
             tokens/s; against
             sentence-transformers' CrossEncoder in bf16 at its best batch size (for Qwen3-Reranker,
             which CrossEncoder does not load, the model card's transformers recipe, batched with
-            left padding, at its best batch size).
+            left padding, at its best batch size; --batch-sizes narrows the sizes tried).
 one call:   one Rerank of 1 query x 100 documents, sequentially: p50 / p99, and the server's
             tokenizing and inference times (its answer's timing.tokenize_us, the query and the
             documents tokenized; timing.queue_us, admission to the last batch's start; and
