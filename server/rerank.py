@@ -199,13 +199,10 @@ class Ranker:
         --tokenizer-threads groups at once (it releases the GIL while it encodes)."""
         tokie = self.admission.tokenizer.tokie
         held = tokie.held(documents) if tokie is not None else set(range(len(documents)))
-        rest = sorted(held)
-        groups = [[i for i in range(len(documents)) if i not in held]]
-        chars = sum(len(documents[i]) for i in rest)
-        count = max(1, min(self.threads, chars // GROUP_MIN_CHARS))
-        size = -(-len(rest) // count) if rest else 1
-        groups += [rest[i:i + size] for i in range(0, len(rest), size)]
-        groups = [g for g in groups if g]
+        mine, rest = [i for i in range(len(documents)) if i not in held], sorted(held)
+        count = max(1, min(self.threads, sum(len(documents[i]) for i in rest) // GROUP_MIN_CHARS))
+        size = max(1, -(-len(rest) // count))
+        groups = [g for g in (mine, *(rest[i:i + size] for i in range(0, len(rest), size))) if g]
         parts = await asyncio.gather(*(
             self.admission.run(sum(len(documents[i]) for i in g), frame.pairs, self.admission.tokenizer,
                                [documents[i] for i in g], g) for g in groups))

@@ -224,12 +224,13 @@ def test_qwen3_reranker_served_equals_the_model_card_recipe(tmp_path):
         assert srv.terminate() == 0
 
 
-def test_a_cross_encoder_of_trained_weights_scores_as_cross_encoder(tmp_path):
+@pytest.mark.parametrize("tokie", ["on", "off"])
+def test_a_cross_encoder_of_trained_weights_scores_as_cross_encoder(tmp_path, tokie):
     """all-MiniLM-L6-v2's trained encoder under a random head (load/rerank_models.py
     make_trained_minilm_reranker), served: its scores spread as a real model's do, and equal
     CrossEncoder's in fp32 on the CPU. Every other document holds a character tokie leaves to the
     tokenizers library (DEL: server/tokie_ids.py), so the two groups are tokenized apart and must
-    come back in their places."""
+    come back in their places; with --tokie off, every document goes to the tokenizers library."""
     from sentence_transformers import CrossEncoder
 
     from load.rerank_models import make_trained_minilm_reranker
@@ -242,7 +243,7 @@ def test_a_cross_encoder_of_trained_weights_scores_as_cross_encoder(tmp_path):
     path = make_trained_minilm_reranker(minilm, str(tmp_path))
     docs = [d + " \x7f" if i % 2 else d for i, d in enumerate(DOCS)]
     scored = CrossEncoder(path, device="cpu").predict([(QUERY, d) for d in docs])
-    srv = ServerProcess("--model", path).start()
+    srv = ServerProcess("--model", path, "--tokie", tokie).start()
     try:
         with grpc.insecure_channel(srv.listen) as channel:
             reply = pb_grpc.EmbedderStub(channel).Rerank(pb.RerankRequest(query=QUERY, documents=docs), timeout=30)
