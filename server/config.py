@@ -135,7 +135,8 @@ class ServeConfig:
                                        "processes keep busy, one thread; off, always --worker-threads")
     tokenizer_threads: int = _flag(PROCESSES, 0, "threads per frontend that tokenize requests over 2,048 "
                                    "characters (shorter ones are tokenized on the event loop); a rerank request's "
-                                   "documents are spread over them", words={"auto": 0},
+                                   "documents that tokie leaves to the tokenizers library are spread over them",
+                                   words={"auto": 0},
                                    shown="auto: 2 on cpu; with cuda half the cores, from 2 to 8")
     worker_spin_us: int = _flag(PROCESSES, -1, "microseconds an idle worker polls its request rings before it "
                                 "sleeps: a query skips a wake-up, a core stays busy", words={"auto": -1, "off": 0},
