@@ -1,18 +1,17 @@
 """tokie in front of a tokenizer.json, for the characters it was shown to treat alike.
 
-The HF `tokenizers` library spends about 170 ns a character on BERT's normalizer, pre-tokenizer
-and WordPiece (its alignment bookkeeping), so a rerank call's 100 documents took several
-milliseconds of a frontend's threads. tokie reads the same tokenizer.json (WordPiece, BPE,
-Unigram) and encodes about twenty times faster, but does not give the very same ids for every
+The HF `tokenizers` library keeps alignment bookkeeping through its normalizer, pre-tokenizer and
+model for every character, so long texts (a rerank call's documents) cost a frontend's threads
+more than anything else it does for them. tokie reads the same tokenizer.json (WordPiece, BPE,
+Unigram) and encodes many times faster (docs/performance.md), but does not give the very same ids for every
 character: its Unicode tables differ from the HF library's for some (a Roman numeral's category
 in Qwen3's pre-tokenizer regex, code points one library knows as unassigned). The HF library stays
 the reference, and this file only decides where tokie agrees with it:
 
 - at start, each character of PROBED_RANGES (the scripts, punctuation and symbols of everyday
   text) is encoded by both in a probe of its own, in several contexts (inside a word, after a
-  space, doubled, by a digit); a character whose probe differs is left out. The check takes
-  about 0.4 s of each frontend's start on BERT's file and 1 s on Qwen3's (most of it the HF
-  library encoding the probes);
+  space, doubled, by a digit); a character whose probe differs is left out. The check is part
+  of each frontend's start, most of it the HF library encoding the probes;
 - a text goes to tokie only when every one of its characters passed and it holds none of the
   file's added tokens (`[MASK]`, `<|im_end|>`), which the HF library splits off before its
   normalizer; any other text, and every text when tokie cannot load the file, goes to the HF
@@ -62,7 +61,7 @@ class TokieIds:
         self.agreed[[ord(c) for c in agreed]] = True
         held_ascii = [chr(c) for c in range(128) if not self.agreed[c]]
         # The ASCII characters held back, searched for in an ASCII group without the table.
-        self.held_ascii = re.compile("[" + "".join(map(_escape, held_ascii)) + "]") if held_ascii else None
+        self.held_ascii = re.compile("[" + re.escape("".join(held_ascii)) + "]") if held_ascii else None
         self.added = re.compile("|".join(map(re.escape, sorted(added, key=len, reverse=True)))) if added else None
 
     @classmethod
@@ -134,6 +133,3 @@ def split_flat(flat: np.ndarray, bounds: np.ndarray, n: int) -> list[np.ndarray]
     ends = bounds[1:] if len(bounds) == n + 1 else np.cumsum(bounds)
     return np.split(flat.astype(np.int32), ends[:-1].astype(np.int64)) if n else []
 
-
-def _escape(c: str) -> str:
-    return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}"
