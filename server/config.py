@@ -85,7 +85,7 @@ class ServeConfig:
                               "of --model's models in order", metavar="none|fp8", repeat=True)
     tiktoken: bool = _flag(MODEL, True, "tokenize a lone ASCII query with tiktoken where the tokenizer.json is "
                            "byte-level BPE and tiktoken gives its very ids (checked at start)")
-    tokie: bool = _flag(MODEL, True, "tokenize texts with tokie, about twenty times faster than the tokenizers "
+    tokie: bool = _flag(MODEL, True, "tokenize texts with tokie, many times faster than the tokenizers "
                         "library, where it gives the tokenizer.json's very ids: a text goes to it only when each "
                         "of its characters was encoded alike by both at start (docs/architecture.md)")
     listen: str = _flag(NETWORK, "127.0.0.1:50051", "the gRPC address (a unix path is served by one frontend: "

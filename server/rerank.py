@@ -194,8 +194,7 @@ class Ranker:
     async def document_pairs(self, frame: PairFrame, documents: list[str]) -> list[np.ndarray]:
         """The documents' pairs. Those tokie encodes (server/tokie_ids.py) are tokenized in one group:
         tokie spreads the call over a pool of its own, and groups on several threads would only
-        contend for the GIL (100 documents of about 200 tokens on a 16-core host: 2.2 ms in one
-        group, 3.3 ms in eight). The others, for the tokenizers library, in up to
+        contend for the GIL. The others, for the tokenizers library, in up to
         --tokenizer-threads groups at once (it releases the GIL while it encodes)."""
         tokie = self.admission.tokenizer.tokie
         held = tokie.held(documents) if tokie is not None else set(range(len(documents)))
