@@ -1,0 +1,126 @@
+"""Tokenizing a rerank call's documents: the tokenizers library against tokie, and tokie's fan-out.
+
+    python load/bench_tokenize.py --bert-tokenizer DIR --qwen3-tokenizer tokenizer.json
+           [--fan-outs 1,2,4,8,0] [--callers 1,4,8]
+
+The texts are load/bench_rerank.py's: 100 documents of about 200 tokens (about 110,000
+characters), the documents of one Rerank call. Each row times one call that tokenizes all of them,
+the way a frontend does (server/tokenizer.py `first_ids`: the tokie check of server/tokie_ids.py,
+then one tokie call, or the tokenizers library for every text with --tokie off):
+
+  tokenizers library   TextTokenizer(tokie=False).first_ids, on the calling thread (a frontend sets
+                       TOKENIZERS_PARALLELISM=false: server/config.py FRONTEND_ENV)
+  tokie                TextTokenizer(tokie=True).first_ids
+
+tokie runs a call of many texts on as many threads as the calling thread may use cores (its CPU
+affinity), spawned for the call. `fan-out` is that many cores (0: every core the process may use),
+set on each calling thread. `callers` threads make such calls at once, each on its own window of
+cores (as frontends do under a rerank load): p50 and p99 of one call, and the characters
+tokenized per second by all of them together.
+Writes load/results/tokenize-<kind>.md (load/results_file.py; <kind> is the host's GPU, if any).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from load.bench_rerank import DOCS, workload  # noqa: E402
+from load.results_file import add_out_argument, device_kind, write_result  # noqa: E402
+
+SECONDS = 3.0
+ROOM = 509  # the tokens a 512-token pair leaves a document beside a short query (three special tokens)
+
+
+def timed_calls(tokenizer, docs: list[str], fan_out: int, callers: int, seconds: float = SECONDS) -> dict:
+    """`callers` threads tokenize `docs` again and again for `seconds`, each on `fan_out` cores
+    of its own window (0: every core): per-call p50 and p99 in ms, characters per second in all."""
+    cores = sorted(os.sched_getaffinity(0))
+    times: list[list[float]] = [[] for _ in range(callers)]
+    start = threading.Barrier(callers + 1)
+    stop = threading.Event()
+
+    def caller(j: int) -> None:
+        if fan_out:
+            os.sched_setaffinity(0, [cores[(j * fan_out + k) % len(cores)] for k in range(fan_out)])
+        for _ in range(3):
+            tokenizer.first_ids(docs, ROOM + 1, "documents")
+        start.wait()
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            tokenizer.first_ids(docs, ROOM + 1, "documents")
+            times[j].append(time.perf_counter() - t0)
+
+    threads = [threading.Thread(target=caller, args=(j,)) for j in range(callers)]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    ms = np.concatenate([np.asarray(t) for t in times]) * 1e3
+    chars = sum(map(len, docs)) * len(ms)
+    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)), "calls": len(ms),
+            "mchars_per_s": chars / elapsed / 1e6}
+
+
+def main() -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # as in a frontend
+    from pollen.server.tokenizer import TextTokenizer
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--bert-tokenizer", required=True, help="a BERT tokenizer directory (the MiniLM one)")
+    p.add_argument("--qwen3-tokenizer", required=True, help="the real Qwen3 tokenizer.json")
+    p.add_argument("--fan-outs", default="1,2,4,8,0", help="cores each tokie call may use (0: all)")
+    p.add_argument("--callers", default="1,4,8", help="threads tokenizing at once")
+    p.add_argument("--seconds", type=float, default=SECONDS)
+    add_out_argument(p, "tokenize")
+    args = p.parse_args()
+    _, docs = workload()
+    docs = docs[:DOCS]
+    fan_outs = [int(x) for x in args.fan_outs.split(",")]
+    callers = [int(x) for x in args.callers.split(",")]
+    cores = len(os.sched_getaffinity(0))
+    rows = []
+    qwen3_dir = tempfile.mkdtemp(prefix="pollen-qwen3-tokenizer-")
+    shutil.copy(args.qwen3_tokenizer, os.path.join(qwen3_dir, "tokenizer.json"))
+    for name, path in (("BERT WordPiece (all-MiniLM-L6-v2)", args.bert_tokenizer),
+                       ("Qwen3 byte-level BPE", qwen3_dir)):
+        for tokie in (False, True):
+            tokenizer = TextTokenizer(path, 1 << 20, tokie=tokie)
+            for n in callers:
+                for fan_out in (fan_outs if tokie else [0]):
+                    row = {"tokenizer": name, "library": "tokie" if tokie else "tokenizers",
+                           "fan_out": (fan_out or cores) if tokie else 1, "callers": n,
+                           **timed_calls(tokenizer, docs, fan_out, n, args.seconds)}
+                    print(row, flush=True)
+                    rows.append(row)
+    lines = ["| tokenizer | library | cores a call may use | callers at once | call p50 ms | call p99 ms | "
+             "M chars/s in all |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        fan = r["fan_out"] if r["library"] == "tokie" else 1
+        lines.append(f"| {r['tokenizer']} | {r['library']} | {fan} | {r['callers']} | {r['p50_ms']:.2f} | "
+                     f"{r['p99_ms']:.2f} | {r['mchars_per_s']:.1f} |")
+    text = (f"One call tokenizes the {DOCS} documents of a Rerank call ({sum(map(len, docs)):,} characters, "
+            f"about 200 tokens each) as a frontend does (server/tokenizer.py first_ids); {cores} cores. "
+            f"Each caller thread may use `cores a call may use` cores (its CPU affinity, a window of its own), "
+            f"which is as many threads as tokie spawns for the call.\n\n" + "\n".join(lines))
+    print(text)
+    write_result("tokenize", device_kind(), "Tokenizing a rerank call's documents", text,
+                 {"rows": rows, "cores": cores}, args.out)
+
+
+if __name__ == "__main__":
+    main()
