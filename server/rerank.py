@@ -129,24 +129,43 @@ class PairFrame:
     truncate: int
     qwen3: bool          # the document's text follows a space (Qwen3-Reranker's prompt)
 
-    def pairs(self, tokenizer: TextTokenizer, documents: list[str], index: list[int] | None = None) -> list[np.ndarray]:
-        """The pairs of `documents`, the request's documents[index[i]] (index: all of them, in order)."""
+    def texts(self, documents: list[str]) -> list[str]:
+        """The documents as the tokenizer gets them."""
+        return [" " + d if d else d for d in documents] if self.qwen3 else documents
+
+    def pairs(self, tokenizer: TextTokenizer, documents: list[str], index: list[int] | None = None,
+              covered: bool = False) -> list[np.ndarray]:
+        """The pairs of `documents`, the request's documents[index[i]] (index: all of them, in
+        order). `covered`: tokie's check found none of `texts(documents)` held back."""
         index = index or list(range(len(documents)))
-        texts = [" " + d if d else d for d in documents] if self.qwen3 else documents
         try:
-            docs = tokenizer.first_ids(texts, self.room + 1, "documents")
+            flat, counts = tokenizer.first_ids_flat(self.texts(documents), self.room + 1, "documents", covered)
         except RequestError as exc:  # name the document by its index in the request
             raise invalid(re.sub(r"documents\[(\d+)\]", lambda m: f"documents[{index[int(m.group(1))]}]",
                                  exc.message)) from None
-        out = []
-        for i, ids in zip(index, docs):
-            if len(ids) > self.room:
-                if self.truncate == pb.TRUNCATE_NONE:
-                    raise invalid(f"documents[{i}] has more than the {self.room} tokens the query leaves it under "
-                                  f"the limit of {self.limit} a pair; shorten it or set truncate to TRUNCATE_END")
-                ids = ids[:self.room]
-            out.append(np.concatenate([self.before, self.between, ids + self.offset, self.after]).astype(np.int32))
-        return out
+        over = np.flatnonzero(counts > self.room)
+        if len(over) and self.truncate == pb.TRUNCATE_NONE:
+            raise invalid(f"documents[{index[over[0]]}] has more than the {self.room} tokens the query leaves it "
+                          f"under the limit of {self.limit} a pair; shorten it or set truncate to TRUNCATE_END")
+        return self.assemble(flat, counts)
+
+    def assemble(self, flat: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
+        """Each document's pair, its ids the next `counts[i]` of `flat` cut to the room: put together
+        in one array by index arithmetic (a concatenation a pair costs several times that), and
+        handed out as views of it."""
+        head = np.concatenate([self.before, self.between]).astype(np.int32)
+        tail = self.after.astype(np.int32)
+        keep = np.minimum(counts, self.room)
+        sizes = len(head) + keep + len(tail)
+        ends = np.cumsum(sizes)
+        starts = ends - sizes
+        out = np.empty(int(ends[-1]) if len(ends) else 0, np.int32)
+        out[(starts[:, None] + np.arange(len(head))).ravel()] = np.tile(head, len(counts))
+        out[(ends[:, None] - len(tail) + np.arange(len(tail))).ravel()] = np.tile(tail, len(counts))
+        step = np.arange(int(keep.sum())) - np.repeat(np.cumsum(keep) - keep, keep)  # 0.. within each document
+        first = np.repeat(np.cumsum(counts) - counts, keep)  # each kept id's document's first in `flat`
+        out[np.repeat(starts + len(head), keep) + step] = flat[first + step] + self.offset
+        return [out[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
 
 
 async def head_rows(router: Router, admission: Admission, seqs: list[np.ndarray], priority: int,
@@ -197,16 +216,16 @@ class Ranker:
         contend for the GIL. The others, for the tokenizers library, in up to
         --tokenizer-threads groups at once (it releases the GIL while it encodes)."""
         tokie = self.admission.tokenizer.tokie
-        held = tokie.held(documents) if tokie is not None else set(range(len(documents)))
+        held = tokie.held(frame.texts(documents)) if tokie is not None else set(range(len(documents)))
         mine, rest = [i for i in range(len(documents)) if i not in held], sorted(held)
         count = max(1, min(self.threads, sum(len(documents[i]) for i in rest) // GROUP_MIN_CHARS))
         size = max(1, -(-len(rest) // count))
-        groups = [g for g in (mine, *(rest[i:i + size] for i in range(0, len(rest), size))) if g]
+        groups = [(g, g is mine) for g in (mine, *(rest[i:i + size] for i in range(0, len(rest), size))) if g]
         parts = await asyncio.gather(*(
             self.admission.run(sum(len(documents[i]) for i in g), frame.pairs, self.admission.tokenizer,
-                               [documents[i] for i in g], g) for g in groups))
+                               [documents[i] for i in g], g, covered) for g, covered in groups))
         out: list[np.ndarray] = [None] * len(documents)  # type: ignore[list-item]
-        for g, part in zip(groups, parts):
+        for (g, _), part in zip(groups, parts):
             for i, seq in zip(g, part):
                 out[i] = seq
         return out

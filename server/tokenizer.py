@@ -172,6 +172,24 @@ class TextTokenizer:
         self._check_texts(texts, field)
         return [ids[:room] for ids, _ in self._heads("", texts, room)]
 
+    def first_ids_flat(self, texts: list[str], room: int, field: str = "texts",
+                       covered: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """first_ids as one int32 array of them all and each text's count, for a rerank request's
+        documents, whose pairs are put together at once (server/rerank.py). `covered`: tokie's
+        check found none of the texts held back (server/tokie_ids.py `held`), so they go to tokie
+        in one call, unchecked and ungrouped. A count may exceed `room`."""
+        self._check_texts(texts, field)
+        if covered and self.tokie is not None and texts:
+            chars = (room + 1) * self.chars_per_token
+            cuts = [self.cut_after(text, chars) for text in texts]
+            flat, counts = self.tokie.flat_ids([t[:c] for t, c in zip(texts, cuts)])
+            # A cut text whose piece came out at `room` tokens or fewer needs a longer piece (_heads).
+            if all(c == len(t) or n > room for t, c, n in zip(texts, cuts, counts.tolist())):
+                return flat, counts
+        parts = [ids[:room] for ids, _ in self._heads("", texts, room)]
+        counts = np.fromiter(map(len, parts), np.int64, len(parts))
+        return (np.concatenate(parts) if parts else np.empty(0, np.int32)), counts
+
     def encode_windows(self, texts: list[str], limit: int, prompt: str = "") -> list[list[np.ndarray]]:
         """CHUNK_MEAN: each text as one sequence when it fits, else as overlapping windows.
 

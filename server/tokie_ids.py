@@ -122,16 +122,26 @@ class TokieIds:
         held = self.held(texts)
         mine = [i for i in range(len(texts)) if i not in held]
         if mine:
-            # One call for them all (see the module docstring's Threads).
-            encoded = self.encoder.encode_batch_flat([texts[i] for i in mine], add_special_tokens=False)
-            for i, ids in zip(mine, split_flat(*encoded, len(mine))):
+            flat, counts = self.flat_ids([texts[i] for i in mine])
+            for i, ids in zip(mine, np.split(flat, np.cumsum(counts)[:-1])):
                 out[i] = ids
         return out
 
+    def flat_ids(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """The ids (int32) of texts that `held` found none in, one after the other, and each
+        text's count (int64), from one call (see the module docstring's Threads)."""
+        flat, bounds = self.encoder.encode_batch_flat(texts, add_special_tokens=False)
+        return flat.astype(np.int32, copy=False), counts_of(bounds, len(texts))
+
+
+def counts_of(bounds: np.ndarray, n: int) -> np.ndarray:
+    """Each of `n` texts' count of ids from encode_batch_flat's second array, which holds the
+    texts' lengths (tokie 0.1) or their n + 1 offsets."""
+    bounds = np.asarray(bounds, np.int64)
+    return np.diff(bounds) if len(bounds) == n + 1 else bounds
+
 
 def split_flat(flat: np.ndarray, bounds: np.ndarray, n: int) -> list[np.ndarray]:
-    """encode_batch_flat's ids of `n` texts, one int32 array each. Its second array holds the texts'
-    lengths (tokie 0.1), or their n + 1 offsets."""
-    ends = bounds[1:] if len(bounds) == n + 1 else np.cumsum(bounds)
-    return np.split(flat.astype(np.int32), ends[:-1].astype(np.int64)) if n else []
+    """encode_batch_flat's ids of `n` texts, one int32 array each."""
+    return np.split(flat.astype(np.int32), np.cumsum(counts_of(bounds, n))[:-1]) if n else []
 

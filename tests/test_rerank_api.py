@@ -137,6 +137,7 @@ def test_long_documents_are_cut_never_the_query(reranker):
     # a document tokie does not encode (DEL: server/tokie_ids.py) is tokenized apart: the index stays the request's
     ({"query": QUERY, "documents": ["fine \x7f", "fine", ""]}, "documents[2]"),
     ({"query": QUERY, "documents": ["fine", "\x7f " + "honey " * 500], "truncate": "none"}, "documents[1]"),
+    ({"query": QUERY, "documents": ["fine \x7f", "fine", "honey " * 500], "truncate": "none"}, "documents[2]"),
     ({"query": QUERY, "documents": ["d"] * 1001}, "documents"),
     ({"query": QUERY, "documents": DOCS, "top_n": 0}, "top_n"),
     ({"query": "bee " * 200, "documents": DOCS}, "query"),

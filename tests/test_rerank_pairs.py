@@ -1,0 +1,72 @@
+"""A rerank pair's token ids (server/rerank.py) against the HF tokenizer's own encoding of the
+pair (transformers' fast tokenizer of the real all-MiniLM-L6-v2 files, `truncation="only_second"`:
+the document is cut, never the query), with tokie on and off.
+
+The documents include ones tokie is given whole in one call (server/tokenizer.py
+first_ids_flat), ones it holds back (DEL), ones cut to the room, and ones of words too long for
+the vocabulary (one [UNK] each, far more characters a token than the first piece tokenized
+assumes, so they take the longer pieces)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pollen.server.rerank import PairBuilder
+from pollen.server.tokenizer import TextTokenizer
+from pollen.v1 import embedder_pb2 as pb
+from tests.st_models import copy_bert_tokenizer
+
+QUERY = "how do bees make honey"
+TYPE_OFFSET = 30522  # a type-1 token travels as its id plus the vocabulary size (worker/models/bert.py)
+DOCS = ["Bees collect nectar and store it in the hive, where it thickens into honey.",
+        "honey " * 500,
+        ("a" * 120 + " ") * 30,
+        ("a" * 120 + " ") * 10 + "Honey bees live in colonies with one queen. " * 20,
+        ("b" * 110 + " ") * 300,
+        "Nectar is evaporated by fanning wings \x7f until it becomes honey. " * 40,
+        "東京の蜂蜜は美味しい。" * 100,
+        "x"]
+
+
+class Spec:
+    reranker_template = False
+    type_offset = TYPE_OFFSET
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("minilm-tokenizer")
+    copy_bert_tokenizer(path)
+    return str(path)
+
+
+def expected(folder: str, limit: int) -> list[np.ndarray]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    out = []
+    for doc in DOCS:
+        enc = tok(QUERY, doc, truncation="only_second", max_length=limit)
+        out.append(np.asarray(enc["input_ids"]) + TYPE_OFFSET * np.asarray(enc["token_type_ids"]))
+    return out
+
+
+@pytest.mark.parametrize("tokie", [True, False])
+@pytest.mark.parametrize("limit", [128, 512])
+def test_pairs_are_the_hf_tokenizers_pair_encoding(folder, tokie, limit):
+    tokenizer = TextTokenizer(folder, 512, tokie=tokie)
+    frame = PairBuilder(Spec, tokenizer).frame(QUERY, "", limit, pb.TRUNCATE_END)
+    held = tokenizer.tokie.held(DOCS) if tokie else set(range(len(DOCS)))
+    assert (5 in held) == tokie or not tokie  # DEL is held back from tokie
+    covered = [i for i in range(len(DOCS)) if i not in held]
+    ours = dict(zip(covered, frame.pairs(tokenizer, [DOCS[i] for i in covered], covered, covered=True)))
+    ours.update(zip(sorted(held), frame.pairs(tokenizer, [DOCS[i] for i in sorted(held)], sorted(held))))
+    for i, want in enumerate(expected(folder, limit)):
+        assert ours[i].tolist() == want.tolist(), f"documents[{i}]"
+
+
+def test_a_document_over_the_room_is_refused_by_its_index(folder):
+    tokenizer = TextTokenizer(folder, 512, tokie=True)
+    frame = PairBuilder(Spec, tokenizer).frame(QUERY, "", 128, pb.TRUNCATE_NONE)
+    with pytest.raises(Exception, match=r"documents\[7\] has more than the 120 tokens"):
+        frame.pairs(tokenizer, ["x", "honey " * 500], [3, 7], covered=True)
