@@ -211,24 +211,38 @@ class Ranker:
         self.builder = PairBuilder(spec, admission.tokenizer) if self.task == "rerank" else None
 
     async def document_pairs(self, frame: PairFrame, documents: list[str]) -> list[np.ndarray]:
-        """The documents' pairs. Those tokie encodes (server/tokie_ids.py) are tokenized in one group:
-        tokie spreads the call over a pool of its own, and groups on several threads would only
-        contend for the GIL. The others, for the tokenizers library, in up to
-        --tokenizer-threads groups at once (it releases the GIL while it encodes)."""
-        tokie = self.admission.tokenizer.tokie
-        held = tokie.held(frame.texts(documents)) if tokie is not None else set(range(len(documents)))
-        mine, rest = [i for i in range(len(documents)) if i not in held], sorted(held)
+        """The documents' pairs: first those tokie encodes (`tokie_pairs`), then the others, for
+        the tokenizers library, in up to --tokenizer-threads groups at once (it releases the GIL
+        while it encodes)."""
+        out: list[np.ndarray] = [None] * len(documents)  # type: ignore[list-item]
+        mine, part = await self.admission.run(sum(map(len, documents)), self.tokie_pairs, frame, documents)
+        for i, seq in zip(mine, part):
+            out[i] = seq
+        rest = [i for i, seq in enumerate(out) if seq is None]
         count = max(1, min(self.threads, sum(len(documents[i]) for i in rest) // GROUP_MIN_CHARS))
         size = max(1, -(-len(rest) // count))
-        groups = [(g, g is mine) for g in (mine, *(rest[i:i + size] for i in range(0, len(rest), size))) if g]
+        groups = [rest[i:i + size] for i in range(0, len(rest), size)]
         parts = await asyncio.gather(*(
             self.admission.run(sum(len(documents[i]) for i in g), frame.pairs, self.admission.tokenizer,
-                               [documents[i] for i in g], g, covered) for g, covered in groups))
-        out: list[np.ndarray] = [None] * len(documents)  # type: ignore[list-item]
-        for (g, _), part in zip(groups, parts):
+                               [documents[i] for i in g], g) for g in groups))
+        for g, part in zip(groups, parts):
             for i, seq in zip(g, part):
                 out[i] = seq
         return out
+
+    def tokie_pairs(self, frame: PairFrame, documents: list[str]) -> tuple[list[int], list[np.ndarray]]:
+        """The indices of the documents tokie may encode (server/tokie_ids.py) and their pairs:
+        the check and one tokie call for them all, on one tokenizer thread (tokie spreads the
+        call over threads of its own; more groups would only contend for the GIL), which keeps
+        the check's work off the event loop too."""
+        tokie = self.admission.tokenizer.tokie
+        if tokie is None:
+            return [], []
+        held = tokie.held(frame.texts(documents))
+        mine = [i for i in range(len(documents)) if i not in held]
+        if not mine:
+            return [], []
+        return mine, frame.pairs(self.admission.tokenizer, [documents[i] for i in mine], mine, covered=True)
 
     async def rerank(self, request: pb.RerankRequest, deadline_ns: int = 0, span=None) -> pb.RerankResponse:
         """The request's documents ranked by this model (server/model_table.py chose it)."""
