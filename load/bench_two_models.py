@@ -10,8 +10,10 @@ load/gpu_models.py and load/rerank_models.py; the real tokenizers):
   together  `pollen serve --model E --model R`
 
 For each, one client sends --calls queries one after the other (grpc's blocking stub, 12-13
-Qwen3 tokens each, as load/bench_one_client.py): p50 and p99. In the together server this is
-measured quiet, then under a saturating rerank load: LOAD_CLIENTS processes each keep
+Qwen3 tokens each, as load/bench_one_client.py): p50 and p99. The pair is started --rounds times,
+alone then together, and each together server is compared with the alone one started just before
+it (a server's figures move from one start to the next by about as much as the reranker costs).
+In the last together server the queries are then measured under a saturating rerank load: LOAD_CLIENTS processes each keep
 LOAD_IN_FLIGHT Rerank calls of 1 query x 100 documents of about 200 tokens in flight, at the
 interactive priority (the default) twice, then at the bulk priority; the rerank pairs/s they got
 is given beside, and the CUDA graphs the workers captured during each measurement (/metrics).
@@ -130,45 +132,56 @@ def main() -> None:
     p.add_argument("--bert-tokenizer", required=True, help="a BERT tokenizer directory (the MiniLM one)")
     p.add_argument("--root", default="/tmp/pollen-ckpt")
     p.add_argument("--calls", type=int, default=1000)
+    p.add_argument("--rounds", type=int, default=2, help="alone and together servers started in turn, each "
+                   "measured quiet (the rerank loads run in the last together server)")
     add_out_argument(p, "two_models")
     args = p.parse_args()
     embedder = with_tokenizer(make_checkpoint(args.embedder, args.root), args.qwen3_tokenizer)
     reranker = make_reranker(args.reranker, args.root, args.bert_tokenizer, args.qwen3_tokenizer)
     rows = []
     common = ("--device", "cuda", "--warmup-seconds", "20")
-    srv = ServerProcess("--model", embedder, *common).start(timeout=900)
-    try:
-        rows.append({"server": "embedder alone", "load": "none", **query_latency(srv.listen, args.calls)})
-    finally:
-        srv.terminate()
-    srv = ServerProcess("--model", embedder, "--model", reranker, *common).start(timeout=900)
-    try:
-        rows.append({"server": "embedder + reranker", "load": "none", **query_latency(srv.listen, args.calls)})
-        for name, priority in (("interactive", pb.PRIORITY_INTERACTIVE), ("interactive, again", pb.PRIORITY_INTERACTIVE),
-                               ("bulk", pb.PRIORITY_BULK)):
-            before = graphs_held(srv.http_listen)
-            row = {"server": "embedder + reranker", "load": f"rerank, {name}",
-                   **under_rerank_load(srv.listen, args.calls, priority)}
-            rows.append({**row, "graphs_captured": graphs_held(srv.http_listen) - before})
-    finally:
-        srv.terminate()
+    for r in range(1, args.rounds + 1):
+        srv = ServerProcess("--model", embedder, *common).start(timeout=900)
+        try:
+            rows.append({"round": r, "server": "embedder alone", "load": "none", **query_latency(srv.listen, args.calls)})
+        finally:
+            srv.terminate()
+        srv = ServerProcess("--model", embedder, "--model", reranker, *common).start(timeout=900)
+        try:
+            rows.append({"round": r, "server": "embedder + reranker", "load": "none",
+                         **query_latency(srv.listen, args.calls)})
+            loads = (("interactive", pb.PRIORITY_INTERACTIVE), ("interactive, again", pb.PRIORITY_INTERACTIVE),
+                     ("bulk", pb.PRIORITY_BULK))
+            for name, priority in loads if r == args.rounds else ():
+                before = graphs_held(srv.http_listen)
+                row = {"round": r, "server": "embedder + reranker", "load": f"rerank, {name}",
+                       **under_rerank_load(srv.listen, args.calls, priority)}
+                rows.append({**row, "graphs_captured": graphs_held(srv.http_listen) - before})
+        finally:
+            srv.terminate()
     for row in rows:
         print(row, flush=True)
-    alone = rows[0]
-    lines = ["| server | load | query p50 ms | query p99 ms | p50 / alone | p99 / alone | worker's part p50 / p99 ms | "
-             "graphs captured meanwhile | rerank pairs/s |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    alone = {r["round"]: r for r in rows if r["server"] == "embedder alone"}
+    lines = ["| round | server | load | query p50 ms | query p99 ms | p50 / alone | p99 / alone | "
+             "worker's part p50 / p99 ms | graphs captured meanwhile | rerank pairs/s |",
+             "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
+        base = alone[r["round"]]
+        r["p50_over_alone"], r["p99_over_alone"] = r["p50_ms"] / base["p50_ms"], r["p99_ms"] / base["p99_ms"]
         pairs = f"{r['rerank_pairs_per_s']:,.0f}" if "rerank_pairs_per_s" in r else "-"
-        lines.append(f"| {r['server']} | {r['load']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
-                     f"{r['p50_ms'] / alone['p50_ms']:.2f} | {r['p99_ms'] / alone['p99_ms']:.2f} | "
+        lines.append(f"| {r['round']} | {r['server']} | {r['load']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+                     f"{r['p50_over_alone']:.2f} | {r['p99_over_alone']:.2f} | "
                      f"{r['worker_p50_ms']:.2f} / {r['worker_p99_ms']:.2f} | {r.get('graphs_captured', '-')} | {pairs} |")
+    quiet = [r["p50_over_alone"] for r in rows if r["server"] != "embedder alone" and r["load"] == "none"]
     text = (f"Embedder {args.embedder} (real Qwen3 tokenizer), reranker {args.reranker}, random weights, bf16. "
             f"One client's {args.calls} queries one after the other; the rerank load: {LOAD_CLIENTS} processes x "
-            f"{LOAD_IN_FLIGHT} Rerank calls of 1 x {DOCS} documents (~200 tokens) in flight.\n\n" + "\n".join(lines))
+            f"{LOAD_IN_FLIGHT} Rerank calls of 1 x {DOCS} documents (~200 tokens) in flight. Each row is compared "
+            f"with the alone server of its round; the quiet p50 / alone over the {args.rounds} rounds: "
+            f"{', '.join(f'{q:.2f}' for q in quiet)} (median {float(np.median(quiet)):.2f}).\n\n" + "\n".join(lines))
     print(text)
     write_result("two_models", device_kind(), "An embedder and a reranker in one server", text,
-                 {"rows": rows, "embedder": args.embedder, "reranker": args.reranker}, args.out)
+                 {"rows": rows, "embedder": args.embedder, "reranker": args.reranker,
+                  "quiet_p50_over_alone_median": float(np.median(quiet))}, args.out)
 
 
 if __name__ == "__main__":

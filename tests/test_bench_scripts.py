@@ -225,3 +225,29 @@ def test_bench_cpu_smoke_run_measures_each_contender_quiet_and_busy(tmp_path):
     assert figures["onnx_export"]["reused"] is False  # a fresh folder: exported by this run
     text = out.read_text()
     assert "| pollen | busy |" in text and "| ONNX Runtime | quiet |" in text and "while True: pass" in text
+
+
+@pytest.mark.slow
+def test_bench_tokenize_smoke_run_times_both_libraries_and_writes_its_table(tmp_path):
+    """load/bench_tokenize.py on this machine's cores: a row for the tokenizers library and for tokie
+    at each fan-out, for both tokenizers; tokie's calls tokenize more characters a second."""
+    from tests.st_models import copy_bert_tokenizer
+
+    qwen3 = os.environ.get("POLLEN_QWEN3_TOKENIZER")
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    copy_bert_tokenizer(bert)
+    if not qwen3:  # any tokenizer.json stands in: the script reads the file's own kind
+        qwen3 = str(bert / "tokenizer.json")
+    out = tmp_path / "tokenize-cpu.md"
+    run = smoke_run("bench_tokenize.py", "--bert-tokenizer", str(bert), "--qwen3-tokenizer", qwen3,
+                    "--fan-outs", "1,0", "--callers", "1,2", "--seconds", "0.3", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = results_file.read_figures(out)["rows"]
+    assert len(rows) == 2 * (2 + 2 * 2)  # two tokenizers: the library at two caller counts, tokie at 2 x 2
+    for name in {r["tokenizer"] for r in rows}:
+        ours = [r for r in rows if r["tokenizer"] == name]
+        hf = max(r["mchars_per_s"] for r in ours if r["library"] == "tokenizers")
+        assert min(r["mchars_per_s"] for r in ours if r["library"] == "tokie") > hf
+        assert all(r["calls"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0 for r in ours)
+    assert "| tokie |" in out.read_text()
