@@ -5,12 +5,13 @@
 
 The texts are load/bench_rerank.py's: 100 documents of about 200 tokens (about 110,000
 characters), the documents of one Rerank call. Each row times one call that tokenizes all of them,
-the way a frontend does (server/tokenizer.py `first_ids`: the tokie check of server/tokie_ids.py,
-then one tokie call, or the tokenizers library for every text with --tokie off):
+the way a frontend does (server/rerank.py `tokie_pairs`: the tokie check of server/tokie_ids.py,
+then one tokie call, server/tokenizer.py `first_ids_flat`; or the tokenizers library for every
+text with --tokie off):
 
-  tokenizers library   TextTokenizer(tokie=False).first_ids, on the calling thread (a frontend sets
-                       TOKENIZERS_PARALLELISM=false: server/config.py FRONTEND_ENV)
-  tokie                TextTokenizer(tokie=True).first_ids
+  tokenizers library   TextTokenizer(tokie=False).first_ids_flat, on the calling thread (a frontend
+                       sets TOKENIZERS_PARALLELISM=false: server/config.py FRONTEND_ENV)
+  tokie                TokieIds.held, then TextTokenizer(tokie=True).first_ids_flat(covered=True)
 
 tokie runs a call of many texts on as many threads as the calling thread may use cores (its CPU
 affinity), spawned for the call. `fan-out` is that many cores (0: every core the process may use),
@@ -40,6 +41,12 @@ SECONDS = 3.0
 ROOM = 509  # the tokens a 512-token pair leaves a document beside a short query (three special tokens)
 
 
+def tokenize(tokenizer, docs: list[str]) -> None:
+    """One call's work, as a frontend's tokenizer thread does it for a Rerank call's documents."""
+    covered = tokenizer.tokie is not None and not tokenizer.tokie.held(docs)
+    tokenizer.first_ids_flat(docs, ROOM + 1, "documents", covered)
+
+
 def timed_calls(tokenizer, docs: list[str], fan_out: int, callers: int, seconds: float = SECONDS) -> dict:
     """`callers` threads tokenize `docs` again and again for `seconds`, each on `fan_out` cores
     of its own window (0: every core): per-call p50 and p99 in ms, characters per second in all."""
@@ -52,11 +59,11 @@ def timed_calls(tokenizer, docs: list[str], fan_out: int, callers: int, seconds:
         if fan_out:
             os.sched_setaffinity(0, [cores[(j * fan_out + k) % len(cores)] for k in range(fan_out)])
         for _ in range(3):
-            tokenizer.first_ids(docs, ROOM + 1, "documents")
+            tokenize(tokenizer, docs)
         start.wait()
         while not stop.is_set():
             t0 = time.perf_counter()
-            tokenizer.first_ids(docs, ROOM + 1, "documents")
+            tokenize(tokenizer, docs)
             times[j].append(time.perf_counter() - t0)
 
     threads = [threading.Thread(target=caller, args=(j,)) for j in range(callers)]
@@ -114,7 +121,7 @@ def main() -> None:
         lines.append(f"| {r['tokenizer']} | {r['library']} | {fan} | {r['callers']} | {r['p50_ms']:.2f} | "
                      f"{r['p99_ms']:.2f} | {r['mchars_per_s']:.1f} |")
     text = (f"One call tokenizes the {DOCS} documents of a Rerank call ({sum(map(len, docs)):,} characters, "
-            f"about 200 tokens each) as a frontend does (server/tokenizer.py first_ids); {cores} cores. "
+            f"about 200 tokens each) as a frontend does (server/rerank.py tokie_pairs); {cores} cores. "
             f"Each caller thread may use `cores a call may use` cores (its CPU affinity, a window of its own), "
             f"which is as many threads as tokie spawns for the call.\n\n" + "\n".join(lines))
     print(text)
