@@ -17,11 +17,12 @@ the reference, and this file only decides where tokie agrees with it:
   normalizer; any other text, and every text when tokie cannot load the file, goes to the HF
   library.
 
-Threads: tokie encodes a call of several texts on a pool of its own (one thread per core, in each
-frontend process that uses it) and a lone text on the calling thread, with the GIL released. It is
-handed a group of texts in one call (server/tokenizer.py GROUP_CHARS), never a text at a time: a
-thread that released the GIL waits to take it back behind an event loop busy with Python, up to
-the interpreter's switch interval (5 ms), once per call.
+Threads: tokie encodes a call of many texts on threads it spawns for the call, one for each core
+the calling thread may use (its CPU affinity), and a few texts on the calling thread, with the GIL
+released. It is handed a group of texts in one call (server/tokenizer.py GROUP_CHARS; a rerank
+request's documents all at once, `flat_ids`), never a text at a time: a thread that released the
+GIL waits to take it back behind an event loop busy with Python, up to the interpreter's switch
+interval (5 ms), once per call.
 
 Special tokens (the post-processor's) are the caller's to add, as for `encode(..., add_special_tokens=False)`.
 """
