@@ -402,7 +402,7 @@ def test_a_folder_with_bad_heads_is_refused_at_start_in_one_line(m3_path, tmp_pa
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (load/run_gpu.sh runs them on a GPU host)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-eager", "bf16-graphs"])
 def test_the_engine_rows_on_cuda_equal_the_cpu(m3_path, dtype):
     """The head on the CUDA engine (bfloat16: inside its captured graphs), on pooled rows and on the

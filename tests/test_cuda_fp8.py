@@ -17,7 +17,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                                 reason="needs a CUDA GPU with fp8 products (run on the device)")]
+                                 reason="needs a CUDA GPU with fp8 products (load/run_gpu.sh runs them on a GPU host)")]
 
 from pollen.common.engine_options import EngineOptions  # noqa: E402
 from pollen.v1 import embedder_pb2 as pb  # noqa: E402

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")]
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (load/run_gpu.sh runs them on a GPU host)")]
 
 from pollen.common.engine_options import EngineOptions  # noqa: E402
 from pollen.worker.models import ops  # noqa: E402

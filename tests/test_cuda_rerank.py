@@ -17,7 +17,7 @@ import torch
 
 NEEDS = ("POLLEN_STSB", "POLLEN_BERT_TOKENIZER_DIR", "POLLEN_QWEN3_TOKENIZER")
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)"),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (load/run_gpu.sh runs them on a GPU host)"),
               pytest.mark.skipif(not all(os.environ.get(n) for n in NEEDS), reason=f"needs {', '.join(NEEDS)}")]
 
 from load.bench_engine import ours_rows  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")]
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (load/run_gpu.sh runs them on a GPU host)")]
 
 from pollen.worker.engine import make_engine  # noqa: E402
 from pollen.worker.models.loader import load_model  # noqa: E402

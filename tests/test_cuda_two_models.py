@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)"),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (load/run_gpu.sh runs them on a GPU host)"),
               pytest.mark.skipif(not os.environ.get("POLLEN_BERT_TOKENIZER_DIR"),
                                  reason="needs POLLEN_BERT_TOKENIZER_DIR (MiniLM's tokenizer files)")]
 

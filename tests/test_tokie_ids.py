@@ -2,8 +2,8 @@
 
 The tokenizers here: all-MiniLM-L6-v2's real BERT WordPiece file, and files the HF library trains
 itself on multilingual text (a byte-level BPE on Qwen3's regex, a SentencePiece-style Unigram with
-NFKC and Metaspace as XLM-R's, a cased WordPiece); with POLLEN_QWEN3_TOKENIZER=path (the device runs
-it) the real Qwen3 file too. The HF library is the reference throughout.
+NFKC and Metaspace as XLM-R's, a cased WordPiece); with POLLEN_QWEN3_TOKENIZER=path (load/run_gpu.sh
+needs it) the real Qwen3 file too. The HF library is the reference throughout.
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def tokenizer_dir(request, tmp_path_factory) -> str:
         return default_model_path()
     if request.param == "qwen3-real":
         if not os.environ.get("POLLEN_QWEN3_TOKENIZER"):
-            pytest.skip("needs POLLEN_QWEN3_TOKENIZER (the real Qwen3 tokenizer.json; the device runs it)")
+            pytest.skip("needs POLLEN_QWEN3_TOKENIZER (the real Qwen3 tokenizer.json, as load/run_gpu.sh sets it)")
         path = tmp_path_factory.mktemp("qwen3")
         (path / "tokenizer.json").write_bytes(open(os.environ["POLLEN_QWEN3_TOKENIZER"], "rb").read())
         return str(path)
