@@ -3,7 +3,7 @@
 The tokenizers here are byte-level BPEs trained by the HF library itself, with each regex tiktoken
 is trusted with (Qwen3's, GPT-2's, Llama 3's), an NFC normalizer and an end-of-text token the
 post-processor appends (as Qwen3-Embedding's does); the HF tokenizer is the reference. With the
-real Qwen3 tokenizer.json (POLLEN_QWEN3_TOKENIZER=path, as load/run_gpu.sh sets it), many more random
+real Qwen3 tokenizer.json (POLLEN_QWEN3_TOKENIZER=path, which load/run_gpu.sh needs), many more random
 ASCII texts are compared. End to end, `pollen serve` on a tiny Qwen3 checkpoint with such a
 tokenizer answers what HF transformers computes from the HF tokenizer's ids.
 """
@@ -151,7 +151,7 @@ def test_merges_that_disagree_with_the_ranks_are_caught_at_load(caplog):
 
 
 @pytest.mark.skipif(not os.environ.get("POLLEN_QWEN3_TOKENIZER"), reason="needs POLLEN_QWEN3_TOKENIZER (the "
-                    "real Qwen3 tokenizer.json, as load/run_gpu.sh sets it)")
+                    "real Qwen3 tokenizer.json, which load/run_gpu.sh needs)")
 def test_the_real_qwen3_tokenizer_on_many_ascii_texts(tmp_path):
     from load.bench_concurrency import query_texts
 

@@ -73,7 +73,7 @@ def tokenizer_dir(request, tmp_path_factory) -> str:
         return default_model_path()
     if request.param == "qwen3-real":
         if not os.environ.get("POLLEN_QWEN3_TOKENIZER"):
-            pytest.skip("needs POLLEN_QWEN3_TOKENIZER (the real Qwen3 tokenizer.json, as load/run_gpu.sh sets it)")
+            pytest.skip("needs POLLEN_QWEN3_TOKENIZER (the real Qwen3 tokenizer.json, which load/run_gpu.sh needs)")
         path = tmp_path_factory.mktemp("qwen3")
         (path / "tokenizer.json").write_bytes(open(os.environ["POLLEN_QWEN3_TOKENIZER"], "rb").read())
         return str(path)
