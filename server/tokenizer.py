@@ -12,7 +12,10 @@ encodes, so the frontend never hands it more than the model can see:
   until the piece holds more tokens than the room (or is the whole text);
 - CHUNK_MEAN needs every token of a text: it is tokenized in pieces of about `PIECE_CHARS`;
 - strings go to the library in groups of at most `GROUP_CHARS` characters, and the ids come back
-  as int32 arrays (4 bytes a token) before the next group starts;
+  as int32 arrays (4 bytes a token) before the next group starts. A rerank request's documents
+  that tokie takes go to it in one call (`first_ids_flat`): tokie keeps no alignment state per
+  character, only the ids and their bookkeeping, so that call holds a small multiple of the
+  request's own size, which --max-request-bytes bounds;
 - the prompt is prepended to each text's piece (sentence-transformers tokenizes prompt and text
   together, and a prompt's last word can merge with a text's first), so it is bounded: at most
   `PROMPT_MAX_CHARS` characters and fewer tokens than the room.
