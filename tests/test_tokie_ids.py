@@ -177,3 +177,35 @@ def test_the_texts_held_back_are_found_in_a_group():
     assert tie.held(["plain", "has \x7f here", "plain", "x[MASK]y", "ok"]) == {1, 3}
     assert tie.held(["café", "東京 \x7f", "plain", "\U000e0001 tag", "[SEP]", "\ud800 lone"]) == {1, 3, 4, 5}
     assert tie.held(["no", "thing", "held"]) == set()
+
+
+MEMORY_PROBE = """
+import sys, tokie
+def status(key):  # kB
+    return int(open("/proc/self/status").read().split(key + ":")[1].split()[0])
+encoder = tokie.Tokenizer.from_json(sys.argv[1])
+words = ["bees", "make", "honey", "from", "nectar,", "which", "they", "store", "in", "the", "hive."]
+texts = [" ".join(words[(i + k) % len(words)] for k in range(200)) for i in range(20000)]
+chars = sum(map(len, texts))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM) starts again from now
+before = status("VmRSS")
+flat, counts = encoder.encode_batch_flat(texts, add_special_tokens=False)
+print(chars, len(flat), (status("VmHWM") - before) * 1024)
+"""
+
+
+def test_one_tokie_call_holds_a_small_multiple_of_its_text():
+    """A rerank request's documents that tokie takes go to it in one call (server/tokenizer.py
+    first_ids_flat), bounded by the request's size: the call's peak memory, on some 20 M
+    characters, stays within a few bytes a character (the HF library's encodings of the same
+    texts hold several times that)."""
+    import subprocess
+    import sys
+
+    path = os.path.join(default_model_path(), "tokenizer.json")
+    run = subprocess.run([sys.executable, "-c", MEMORY_PROBE, path], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    chars, tokens, rise = map(int, run.stdout.split())
+    assert tokens > chars // 8
+    assert rise < 6 * chars, f"{rise / chars:.1f} bytes a character"
