@@ -1,9 +1,9 @@
 """An embedder and a reranker in one server: what the reranker costs the embedder's queries.
 
     python load/bench_two_models.py --qwen3-tokenizer tokenizer.json --bert-tokenizer DIR
-           [--embedder qwen3-0.6b] [--reranker bge-reranker-v2-m3] [--calls 1000]
+           [--embedder qwen3-0.6b] [--reranker bge-reranker-v2-m3] [--calls 1000] [--rounds 2]
 
-Three servers, started one after the other on the same GPU (random weights in the real shapes,
+Two servers, started one after the other on the same GPU (random weights in the real shapes,
 load/gpu_models.py and load/rerank_models.py; the real tokenizers):
 
   alone     `pollen serve --model E`
@@ -13,8 +13,8 @@ For each, one client sends --calls queries one after the other (grpc's blocking 
 Qwen3 tokens each, as load/bench_one_client.py): p50 and p99. The pair is started --rounds times,
 alone then together, and each together server is compared with the alone one started just before
 it (a server's figures move from one start to the next by about as much as the reranker costs).
-In the last together server the queries are then measured under a saturating rerank load: LOAD_CLIENTS processes each keep
-LOAD_IN_FLIGHT Rerank calls of 1 query x 100 documents of about 200 tokens in flight, at the
+In the last together server the queries are then measured under a saturating rerank load:
+LOAD_CLIENTS processes each keep LOAD_IN_FLIGHT Rerank calls of 1 query x 100 documents of about 200 tokens in flight, at the
 interactive priority (the default) twice, then at the bulk priority; the rerank pairs/s they got
 is given beside, and the CUDA graphs the workers captured during each measurement (/metrics).
 Each query's worker part (its answer's timing: admission to its batch's end) is given beside its
