@@ -1,6 +1,8 @@
 """A rerank pair's token ids (server/rerank.py) against the HF tokenizer's own encoding of the
 pair (transformers' fast tokenizer of the real all-MiniLM-L6-v2 files, `truncation="only_second"`:
-the document is cut, never the query), with tokie on and off.
+the document is cut, never the query), and Qwen3-Reranker's against its model card's recipe (a
+Qwen3-regex byte-level BPE trained here, and the real Qwen3 file where POLLEN_QWEN3_TOKENIZER
+names it), with tokie on and off.
 
 The documents include ones tokie is given whole in one call (server/tokenizer.py
 first_ids_flat), ones it holds back (DEL), ones cut to the room, and ones of words too long for
@@ -70,3 +72,50 @@ def test_a_document_over_the_room_is_refused_by_its_index(folder):
     frame = PairBuilder(Spec, tokenizer).frame(QUERY, "", 128, pb.TRUNCATE_NONE)
     with pytest.raises(Exception, match=r"documents\[7\] has more than the 120 tokens"):
         frame.pairs(tokenizer, ["x", "honey " * 500], [3, 7], covered=True)
+
+
+class Qwen3Spec:
+    reranker_template = True
+    type_offset = 0
+
+
+@pytest.fixture(scope="module", params=["trained", "qwen3-real"])
+def qwen3_folder(request, tmp_path_factory):
+    """A byte-level BPE on Qwen3's pre-tokenizer regex (trained here), or the real Qwen3 file."""
+    import os
+    import shutil
+
+    from tests.test_ascii_bpe import QWEN3, train
+
+    path = tmp_path_factory.mktemp(f"qwen3-{request.param}")
+    if request.param == "trained":
+        train(QWEN3).save(str(path / "tokenizer.json"))
+    elif os.environ.get("POLLEN_QWEN3_TOKENIZER"):
+        shutil.copy(os.environ["POLLEN_QWEN3_TOKENIZER"], path / "tokenizer.json")
+    else:
+        pytest.skip("needs POLLEN_QWEN3_TOKENIZER (the real Qwen3 tokenizer.json, which load/run_gpu.sh needs)")
+    return str(path)
+
+
+@pytest.mark.parametrize("tokie", [True, False])
+def test_qwen3_reranker_pairs_are_the_model_cards_prompt(qwen3_folder, tokie):
+    """Qwen3-Reranker's pairs against its model card's recipe: the prefix's ids, the formatted
+    `<Instruct>: ...\\n<Query>: ...\\n<Document>: doc` cut to what the limit leaves, the suffix's."""
+    from tokenizers import Tokenizer
+
+    from pollen.server.rerank import QWEN3_DEFAULT_INSTRUCTION, QWEN3_PREFIX, QWEN3_SUFFIX
+
+    tok = Tokenizer.from_file(f"{qwen3_folder}/tokenizer.json")
+    prefix, suffix = (tok.encode(t, add_special_tokens=False).ids for t in (QWEN3_PREFIX, QWEN3_SUFFIX))
+    limit = len(prefix) + len(suffix) + 200  # the trained file spells the chat tokens out byte by byte
+    tokenizer = TextTokenizer(qwen3_folder, 4096, tokie=tokie)
+    frame = PairBuilder(Qwen3Spec, tokenizer).frame(QUERY, "", limit, pb.TRUNCATE_END)
+    held = tokenizer.tokie.held(frame.texts(DOCS)) if tokie else set(range(len(DOCS)))
+    covered = [i for i in range(len(DOCS)) if i not in held]
+    ours = dict(zip(covered, frame.pairs(tokenizer, [DOCS[i] for i in covered], covered, covered=True)))
+    ours.update(zip(sorted(held), frame.pairs(tokenizer, [DOCS[i] for i in sorted(held)], sorted(held))))
+    for i, doc in enumerate(DOCS):
+        body = tok.encode(f"<Instruct>: {QWEN3_DEFAULT_INSTRUCTION}\n<Query>: {QUERY}\n<Document>: {doc}",
+                          add_special_tokens=False).ids
+        want = prefix + body[:limit - len(prefix) - len(suffix)] + suffix
+        assert ours[i].tolist() == want, f"documents[{i}]"
