@@ -181,15 +181,15 @@ class TextTokenizer:
         documents, whose pairs are put together at once (server/rerank.py). `covered`: tokie's
         check found none of the texts held back (server/tokie_ids.py `held`), so they go to tokie
         in one call, unchecked and ungrouped. A count may exceed `room`."""
-        self._check_texts(texts, field)
         if covered and self.tokie is not None and texts:
+            self._check_texts(texts, field)
             chars = (room + 1) * self.chars_per_token
             cuts = [self.cut_after(text, chars) for text in texts]
             flat, counts = self.tokie.flat_ids([t[:c] for t, c in zip(texts, cuts)])
             # A cut text whose piece came out at `room` tokens or fewer needs a longer piece (_heads).
             if all(c == len(t) or n > room for t, c, n in zip(texts, cuts, counts.tolist())):
                 return flat, counts
-        parts = [ids[:room] for ids, _ in self._heads("", texts, room)]
+        parts = self.first_ids(texts, room, field)
         counts = np.fromiter(map(len, parts), np.int64, len(parts))
         return (np.concatenate(parts) if parts else np.empty(0, np.int32)), counts
 

@@ -83,7 +83,7 @@ class TokieIds:
             return None
         chars = [chr(c) for lo, hi in PROBED_RANGES for c in range(lo, hi + 1)]
         probes = [contexts(c) for c in chars]
-        ours = split_flat(*encoder.encode_batch_flat(probes, add_special_tokens=False), len(probes))
+        ours = split_flat(*encode_flat(encoder, probes))
         theirs = reference.encode_batch_fast(probes, add_special_tokens=False)
         differ = [c for c, a, b in zip(chars, ours, theirs) if a.tolist() != b.ids]
         agreed = sorted(set(chars) - set(differ))
@@ -123,26 +123,26 @@ class TokieIds:
         held = self.held(texts)
         mine = [i for i in range(len(texts)) if i not in held]
         if mine:
-            flat, counts = self.flat_ids([texts[i] for i in mine])
-            for i, ids in zip(mine, np.split(flat, np.cumsum(counts)[:-1])):
+            for i, ids in zip(mine, split_flat(*self.flat_ids([texts[i] for i in mine]))):
                 out[i] = ids
         return out
 
     def flat_ids(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """The ids (int32) of texts that `held` found none in, one after the other, and each
-        text's count (int64), from one call (see the module docstring's Threads)."""
-        flat, bounds = self.encoder.encode_batch_flat(texts, add_special_tokens=False)
-        return flat.astype(np.int32, copy=False), counts_of(bounds, len(texts))
+        """The ids of texts that `held` found none in, from one call (see the module docstring's
+        Threads): `encode_flat`'s."""
+        return encode_flat(self.encoder, texts)
 
 
-def counts_of(bounds: np.ndarray, n: int) -> np.ndarray:
-    """Each of `n` texts' count of ids from encode_batch_flat's second array, which holds the
-    texts' lengths (tokie 0.1) or their n + 1 offsets."""
+def encode_flat(encoder, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The texts' ids (int32, without special tokens) one after the other, and each text's count
+    (int64), from one encode_batch_flat call. Its second array holds the texts' lengths (tokie
+    0.1) or their n + 1 offsets."""
+    flat, bounds = encoder.encode_batch_flat(texts, add_special_tokens=False)
     bounds = np.asarray(bounds, np.int64)
-    return np.diff(bounds) if len(bounds) == n + 1 else bounds
+    counts = np.diff(bounds) if len(bounds) == len(texts) + 1 else bounds
+    return flat.astype(np.int32, copy=False), counts
 
 
-def split_flat(flat: np.ndarray, bounds: np.ndarray, n: int) -> list[np.ndarray]:
-    """encode_batch_flat's ids of `n` texts, one int32 array each."""
-    return np.split(flat.astype(np.int32), np.cumsum(counts_of(bounds, n))[:-1]) if n else []
-
+def split_flat(flat: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
+    """`encode_flat`'s ids, one array (a view) a text."""
+    return np.split(flat, np.cumsum(counts)[:-1]) if len(counts) else []

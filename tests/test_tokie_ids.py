@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from load import corpus as load_corpus
 from pollen.common.model_spec import default_model_path
 from pollen.server.tokenizer import TextTokenizer
-from pollen.server.tokie_ids import PROBED_RANGES, split_flat
+from pollen.server.tokie_ids import PROBED_RANGES, encode_flat, split_flat
 from pollen.v1 import embedder_pb2 as pb
 from tests.test_ascii_bpe import QWEN3
 from tests.test_ascii_bpe import train as train_bpe
@@ -132,7 +132,7 @@ def test_each_character_let_to_tokie_gets_the_tokenizers_librarys_ids_in_other_c
     chars = [chr(c) for lo, hi in PROBED_RANGES for c in range(lo, hi + 1)]
     let = [c for c in chars if tokenizer.tokie.covers(c)]
     probes = [f"{c}x Word{c} {c}{c}{c}.{c}" for c in let]
-    ours = split_flat(*tokenizer.tokie.encoder.encode_batch_flat(probes, add_special_tokens=False), len(probes))
+    ours = split_flat(*encode_flat(tokenizer.tokie.encoder, probes))
     theirs = reference.encode_batch(probes, add_special_tokens=False)
     differ = [f"U+{ord(c):04X}" for c, a, b in zip(let, ours, theirs) if a.tolist() != b.ids]
     assert not differ
