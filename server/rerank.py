@@ -215,9 +215,10 @@ class Ranker:
         the tokenizers library, in up to --tokenizer-threads groups at once (it releases the GIL
         while it encodes)."""
         out: list[np.ndarray] = [None] * len(documents)  # type: ignore[list-item]
-        mine, part = await self.admission.run(sum(map(len, documents)), self.tokie_pairs, frame, documents)
-        for i, seq in zip(mine, part):
-            out[i] = seq
+        if self.admission.tokenizer.tokie is not None:
+            mine, part = await self.admission.run(sum(map(len, documents)), self.tokie_pairs, frame, documents)
+            for i, seq in zip(mine, part):
+                out[i] = seq
         rest = [i for i, seq in enumerate(out) if seq is None]
         count = max(1, min(self.threads, sum(len(documents[i]) for i in rest) // GROUP_MIN_CHARS))
         size = max(1, -(-len(rest) // count))
@@ -235,10 +236,7 @@ class Ranker:
         the check and one tokie call for them all, on one tokenizer thread (tokie spreads the
         call over threads of its own; more groups would only contend for the GIL), which keeps
         the check's work off the event loop too."""
-        tokie = self.admission.tokenizer.tokie
-        if tokie is None:
-            return [], []
-        held = tokie.held(frame.texts(documents))
+        held = self.admission.tokenizer.tokie.held(frame.texts(documents))
         mine = [i for i in range(len(documents)) if i not in held]
         if not mine:
             return [], []
