@@ -14,9 +14,9 @@ Qwen3 tokens each, as load/bench_one_client.py): p50 and p99. The pair is starte
 alone then together, and each together server is compared with the alone one started just before
 it (a server's figures move from one start to the next by about as much as the reranker costs).
 In the last together server the queries are then measured under a saturating rerank load:
-LOAD_CLIENTS processes each keep LOAD_IN_FLIGHT Rerank calls of 1 query x 100 documents of about 200 tokens in flight, at the
-interactive priority (the default) twice, then at the bulk priority; the rerank pairs/s they got
-is given beside, and the CUDA graphs the workers captured during each measurement (/metrics).
+LOAD_CLIENTS processes each keep LOAD_IN_FLIGHT Rerank calls of 1 query x 100 documents of about
+200 tokens in flight, at the interactive priority (the default) twice, then at the bulk priority;
+the rerank pairs/s they got is given beside, and the CUDA graphs the workers captured during each measurement (/metrics).
 Each query's worker part (its answer's timing: admission to its batch's end) is given beside its
 total, to tell the worker's wait from the frontend's and the transport's.
 Writes load/results/two_models-<kind>.md (load/results_file.py).
