@@ -81,8 +81,7 @@ class ModelTable:
             admission = Admission(spec, tokenizer, executor, cfg.max_texts_per_request,
                                   default_truncate=cfg.default_truncate, model=index,
                                   token_limits=token_limits(cfg, spec))
-            ranker = Ranker(spec, admission, router, cfg.max_documents_per_request, cfg.tokenizer_threads,
-                            pipelined=len(specs) == 1)
+            ranker = Ranker(spec, admission, router, cfg.max_documents_per_request, cfg.tokenizer_threads)
             models.append(ServedModel(index, spec, admission, ranker, Classifier(spec, admission, router),
                                       cfg.quantizations()[index]))
         return cls(models)

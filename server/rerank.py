@@ -13,15 +13,6 @@ The pair forms:
 The query is tokenized once per request and never cut; each document gets the room the query
 and the special tokens leave under the limit, and is tokenized only about that far
 (server/tokenizer.py first_ids).
-
-Pipelining: on a server of one model, with tokie, a call's documents are tokenized in chunks, the
-first of about FIRST_CHUNK_CHARS characters and each next twice the one before, and each chunk's
-pairs go to the worker as a request of their own once made: the GPU runs the first chunk while
-the frontend tokenizes the next. The chunks' answers are joined in order (server/request.py
-`join`), and a failure of any chunk, or a refusal found in a later one, cancels those sent.
-Beside other models a call travels whole, so the worker sees its size and batches a large one in
-the bulk lane (worker/loop.py SHARED_GPU_INTERACTIVE_TOKENS); with the tokenizers library alone,
-whose groups already run at once on --tokenizer-threads, it travels whole too.
 """
 from __future__ import annotations
 
@@ -36,10 +27,9 @@ from pollen.common.errors import RequestError, invalid
 from pollen.common.model_spec import ModelSpec
 from pollen.common.request import LANES, RequestOptions, Task
 from pollen.server.admission import Admission
-from pollen.server.request import Request, join
+from pollen.server.request import Request
 from pollen.server.router import Router
 from pollen.server.tokenizer import TextTokenizer
-from pollen.shared_mem import records
 from pollen.v1 import embedder_pb2 as pb
 
 QWEN3_DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
@@ -49,9 +39,6 @@ QWEN3_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 INSTRUCTION_MAX_CHARS = 4096
 # A request's documents are tokenized in groups of at least this many characters each.
 GROUP_MIN_CHARS = 8 << 10
-# A pipelined call's first chunk of documents (module docstring): about 3,000 tokens of English,
-# under a millisecond of a small cross-encoder's GPU time and of tokie's.
-FIRST_CHUNK_CHARS = 16 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,41 +168,19 @@ class PairFrame:
         return [out[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
 
 
-def chunk_bounds(documents: list[str], first: int = FIRST_CHUNK_CHARS) -> list[tuple[int, int]]:
-    """The (start, end) ranges of a pipelined call's chunks (module docstring): each ends with the
-    document that brings it to `first` characters, then to twice the chunk before's; the last
-    holds what is left."""
-    out, start, chars, size = [], 0, 0, first
-    for i, document in enumerate(documents):
-        chars += len(document)
-        if chars >= size:
-            out.append((start, i + 1))
-            start, chars, size = i + 1, 0, 2 * size
-    if start < len(documents):
-        out.append((start, len(documents)))
-    return out
-
-
-def score_options(admission: Admission, priority: int, deadline_ns: int) -> RequestOptions:
-    return RequestOptions(Task.SCORE, 0, False, pb.ENCODING_FLOAT32, LANES[priority], deadline_ns, admission.model)
-
-
-def head_rows_of(result: records.ResultRecord) -> np.ndarray:
-    """The head's float32 rows of an answer, one per sequence."""
-    return np.frombuffer(result.body, np.float32).reshape(result.rows, result.dims)
-
-
 async def head_rows(router: Router, admission: Admission, seqs: list[np.ndarray], priority: int,
                     deadline_ns: int, span=None, tokenize_us: int = 0) -> tuple[np.ndarray, Request, pb.Timing]:
     """`seqs` down the embeddings' path as one Task.SCORE request: the head's float32 rows (one per
     sequence), the request as admitted (its tokens are the usage) and the answer's timing, with
     `tokenize_us`, the caller's time making `seqs`."""
-    admitted = Request(seqs, score_options(admission, priority, deadline_ns), None, sum(map(len, seqs)))
+    options = RequestOptions(Task.SCORE, 0, False, pb.ENCODING_FLOAT32, LANES[priority], deadline_ns, admission.model)
+    admitted = Request(seqs, options, None, sum(map(len, seqs)))
     if span is not None:  # the request's server/otel.py span, when tracing
         span.admitted()
     result = await router.answer(admitted)
-    return head_rows_of(result), admitted, pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us,
-                                                     tokenize_us=tokenize_us)
+    rows = np.frombuffer(result.body, np.float32).reshape(result.rows, result.dims)
+    return rows, admitted, pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us,
+                                     tokenize_us=tokenize_us)
 
 
 def scores(rows: np.ndarray, raw: bool) -> np.ndarray:
@@ -238,22 +203,20 @@ class Ranker:
     """Rerank requests from either door: checked, made pairs, routed, scored."""
 
     def __init__(self, spec: ModelSpec, admission: Admission, router: Router, max_documents: int,
-                 threads: int = 1, pipelined: bool = False):
+                 threads: int = 1):
         self.spec, self.admission, self.router = spec, admission, router
         self.threads = threads
-        # Chunks sent as they are tokenized (module docstring): the server holds this model alone.
-        self.pipelined = pipelined and admission.tokenizer.tokie is not None
         self.max_documents = max_documents
         self.task = spec.task
         self.builder = PairBuilder(spec, admission.tokenizer) if self.task == "rerank" else None
 
-    async def document_pairs(self, frame: PairFrame, documents: list[str], base: int = 0) -> list[np.ndarray]:
+    async def document_pairs(self, frame: PairFrame, documents: list[str]) -> list[np.ndarray]:
         """The documents' pairs: first those tokie encodes (`tokie_pairs`), then the others, for
         the tokenizers library, in up to --tokenizer-threads groups at once (it releases the GIL
-        while it encodes). `documents` are the request's from index `base` on."""
+        while it encodes)."""
         out: list[np.ndarray] = [None] * len(documents)  # type: ignore[list-item]
         if self.admission.tokenizer.tokie is not None:
-            mine, part = await self.admission.run(sum(map(len, documents)), self.tokie_pairs, frame, documents, base)
+            mine, part = await self.admission.run(sum(map(len, documents)), self.tokie_pairs, frame, documents)
             for i, seq in zip(mine, part):
                 out[i] = seq
         rest = [i for i, seq in enumerate(out) if seq is None]
@@ -262,13 +225,13 @@ class Ranker:
         groups = [rest[i:i + size] for i in range(0, len(rest), size)]
         parts = await asyncio.gather(*(
             self.admission.run(sum(len(documents[i]) for i in g), frame.pairs, self.admission.tokenizer,
-                               [documents[i] for i in g], [base + i for i in g]) for g in groups))
+                               [documents[i] for i in g], g) for g in groups))
         for g, part in zip(groups, parts):
             for i, seq in zip(g, part):
                 out[i] = seq
         return out
 
-    def tokie_pairs(self, frame: PairFrame, documents: list[str], base: int = 0) -> tuple[list[int], list[np.ndarray]]:
+    def tokie_pairs(self, frame: PairFrame, documents: list[str]) -> tuple[list[int], list[np.ndarray]]:
         """The indices of the documents tokie may encode (server/tokie_ids.py) and their pairs:
         the check and one tokie call for them all, on one tokenizer thread (tokie spreads the
         call over threads of its own; more groups would only contend for the GIL), which keeps
@@ -277,8 +240,7 @@ class Ranker:
         mine = [i for i in range(len(documents)) if i not in held]
         if not mine:
             return [], []
-        return mine, frame.pairs(self.admission.tokenizer, [documents[i] for i in mine], [base + i for i in mine],
-                                 covered=True)
+        return mine, frame.pairs(self.admission.tokenizer, [documents[i] for i in mine], mine, covered=True)
 
     async def rerank(self, request: pb.RerankRequest, deadline_ns: int = 0, span=None) -> pb.RerankResponse:
         """The request's documents ranked by this model (server/model_table.py chose it)."""
@@ -295,32 +257,9 @@ class Ranker:
         truncate = request.truncate if request.HasField("truncate") else pb.TRUNCATE_END
         started_ns = time.monotonic_ns()
         frame = self.builder.frame(request.query, request.instruction, limit, truncate, request.max_document_tokens)
-        documents = list(request.documents)
-        self.admission.tokenizer.check_texts(documents, "documents")  # before any chunk is sent
-        options = score_options(self.admission, request.priority, deadline_ns)
-        sent: list[asyncio.Future] = []
-        tokens = 0
-        try:
-            for start, end in chunk_bounds(documents) if self.pipelined else [(0, len(documents))]:
-                seqs = await self.document_pairs(frame, documents[start:end], start)
-                if span is not None and not sent:  # the request's server/otel.py span, when tracing
-                    span.admitted()
-                chunk = Request(seqs, options, None, sum(map(len, seqs)))
-                tokens += chunk.tokens
-                sent.append(asyncio.ensure_future(self.router.answer(chunk)))
-                sent[-1].add_done_callback(_retrieved)
-            tokenize_us = (time.monotonic_ns() - started_ns) // 1000
-            result = join(await asyncio.gather(*sent))
-        finally:
-            for answer in sent:  # a failed chunk, a refusal in a later one, or the client gone
-                answer.cancel()
-        timing = pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us, tokenize_us=tokenize_us)
+        seqs = await self.document_pairs(frame, list(request.documents))
+        rows, admitted, timing = await head_rows(self.router, self.admission, seqs, request.priority, deadline_ns,
+                                                 span, (time.monotonic_ns() - started_ns) // 1000)
         return pb.RerankResponse(
-            id=request.id, results=ranked(request, scores(head_rows_of(result), request.raw_scores)),
-            usage=pb.Usage(prompt_tokens=tokens), model=self.spec.name, timing=timing)
-
-
-def _retrieved(answer: asyncio.Future) -> None:
-    """Reads a chunk's failure, which only its first reader (gather) would otherwise see."""
-    if not answer.cancelled():
-        answer.exception()
+            id=request.id, results=ranked(request, scores(rows, request.raw_scores)),
+            usage=pb.Usage(prompt_tokens=admitted.tokens), model=self.spec.name, timing=timing)
