@@ -4,14 +4,15 @@
            [--fan-outs 1,2,4,8,0] [--callers 1,4,8]
 
 The texts are load/bench_rerank.py's: 100 documents of about 200 tokens (about 110,000
-characters), the documents of one Rerank call. Each row times one call that tokenizes all of them,
-the way a frontend does (server/rerank.py `tokie_pairs`: the tokie check of server/tokie_ids.py,
-then one tokie call, server/tokenizer.py `first_ids_flat`; or the tokenizers library for every
-text with --tokie off):
+characters), the documents of one Rerank call. Each row times one call that makes all their pairs
+with a short query, by the frontend's own code (server/rerank.py `PairFrame`; the Qwen3 tokenizer's
+documents after a space, as in Qwen3-Reranker's prompt):
 
-  tokenizers library   TextTokenizer(tokie=False).first_ids_flat, on the calling thread (a frontend
-                       sets TOKENIZERS_PARALLELISM=false: server/config.py FRONTEND_ENV)
-  tokie                TokieIds.held, then TextTokenizer(tokie=True).first_ids_flat(covered=True)
+  tokenizers library   PairFrame.pairs with TextTokenizer(tokie=False), on the calling thread (a
+                       frontend sets TOKENIZERS_PARALLELISM=false: server/config.py FRONTEND_ENV),
+                       as --tokie off does
+  tokie                PairFrame.tokie_pairs with TextTokenizer(tokie=True): the tokie check of
+                       server/tokie_ids.py, one tokie call, the pairs in one array
 
 tokie runs a call of many texts on as many threads as the calling thread may use cores (its CPU
 affinity), spawned for the call. `fan-out` is that many cores (0: every core the process may use),
@@ -38,16 +39,31 @@ from load.bench_rerank import DOCS, workload  # noqa: E402
 from load.results_file import add_out_argument, device_kind, write_result  # noqa: E402
 
 SECONDS = 3.0
-ROOM = 509  # the tokens a 512-token pair leaves a document beside a short query (three special tokens)
+LIMIT = 512  # a pair's tokens
+QUERY = np.array([1012, 2023, 2003, 1037, 3160], np.int32)  # a short query's ids, beside every document
 
 
-def tokenize(tokenizer, docs: list[str]) -> None:
+def pair_frame(qwen3: bool):
+    """What the pairs of a request share, for a short query under LIMIT (server/rerank.py
+    PairBuilder.frame makes it from the query's text): [CLS] q [SEP] d [SEP] in ids."""
+    from pollen.server.rerank import PairFrame
+    from pollen.v1 import embedder_pb2 as pb
+
+    one = np.array([101], np.int32)
+    return PairFrame(np.concatenate([one, QUERY]), one + 1, one + 1, 0, LIMIT - len(QUERY) - 3, LIMIT,
+                     pb.TRUNCATE_END, qwen3)
+
+
+def tokenize(frame, tokenizer, docs: list[str]) -> None:
     """One call's work, as a frontend's tokenizer thread does it for a Rerank call's documents."""
-    covered = tokenizer.tokie is not None and not tokenizer.tokie.held(docs)
-    tokenizer.first_ids_flat(docs, ROOM + 1, "documents", covered)
+    if tokenizer.tokie is not None:
+        mine, _ = frame.tokie_pairs(tokenizer, docs)
+        assert len(mine) == len(docs), "a document left to the tokenizers library: the row would mix the two"
+    else:
+        frame.pairs(tokenizer, docs)
 
 
-def timed_calls(tokenizer, docs: list[str], fan_out: int, callers: int, seconds: float = SECONDS) -> dict:
+def timed_calls(frame, tokenizer, docs: list[str], fan_out: int, callers: int, seconds: float = SECONDS) -> dict:
     """`callers` threads tokenize `docs` again and again for `seconds`, each on `fan_out` cores
     of its own window (0: every core): per-call p50 and p99 in ms, characters per second in all."""
     cores = sorted(os.sched_getaffinity(0))
@@ -59,11 +75,11 @@ def timed_calls(tokenizer, docs: list[str], fan_out: int, callers: int, seconds:
         if fan_out:
             os.sched_setaffinity(0, [cores[(j * fan_out + k) % len(cores)] for k in range(fan_out)])
         for _ in range(3):
-            tokenize(tokenizer, docs)
+            tokenize(frame, tokenizer, docs)
         start.wait()
         while not stop.is_set():
             t0 = time.perf_counter()
-            tokenize(tokenizer, docs)
+            tokenize(frame, tokenizer, docs)
             times[j].append(time.perf_counter() - t0)
 
     threads = [threading.Thread(target=caller, args=(j,)) for j in range(callers)]
@@ -102,15 +118,16 @@ def main() -> None:
     rows = []
     qwen3_dir = tempfile.mkdtemp(prefix="pollen-qwen3-tokenizer-")
     shutil.copy(args.qwen3_tokenizer, os.path.join(qwen3_dir, "tokenizer.json"))
-    for name, path in (("BERT WordPiece (all-MiniLM-L6-v2)", args.bert_tokenizer),
-                       ("Qwen3 byte-level BPE", qwen3_dir)):
+    for name, path, qwen3 in (("BERT WordPiece (all-MiniLM-L6-v2)", args.bert_tokenizer, False),
+                              ("Qwen3 byte-level BPE", qwen3_dir, True)):
+        frame = pair_frame(qwen3)
         for tokie in (False, True):
             tokenizer = TextTokenizer(path, 1 << 20, tokie=tokie)
             for n in callers:
                 for fan_out in (fan_outs if tokie else [0]):
                     row = {"tokenizer": name, "library": "tokie" if tokie else "tokenizers",
                            "fan_out": (fan_out or cores) if tokie else 1, "callers": n,
-                           **timed_calls(tokenizer, docs, fan_out, n, args.seconds)}
+                           **timed_calls(frame, tokenizer, docs, fan_out, n, args.seconds)}
                     print(row, flush=True)
                     rows.append(row)
     lines = ["| tokenizer | library | cores a call may use | callers at once | call p50 ms | call p99 ms | "
@@ -121,7 +138,8 @@ def main() -> None:
         lines.append(f"| {r['tokenizer']} | {r['library']} | {fan} | {r['callers']} | {r['p50_ms']:.2f} | "
                      f"{r['p99_ms']:.2f} | {r['mchars_per_s']:.1f} |")
     text = (f"One call tokenizes the {DOCS} documents of a Rerank call ({sum(map(len, docs)):,} characters, "
-            f"about 200 tokens each) as a frontend does (server/rerank.py tokie_pairs); {cores} cores. "
+            f"about 200 tokens each) into pairs as a frontend does (server/rerank.py PairFrame.tokie_pairs, "
+            f"or PairFrame.pairs for the tokenizers library); {cores} cores. "
             f"Each caller thread may use `cores a call may use` cores (its CPU affinity, a window of its own), "
             f"which is as many threads as tokie spawns for the call.\n\n" + "\n".join(lines))
     print(text)

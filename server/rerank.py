@@ -149,6 +149,15 @@ class PairFrame:
                           f"under the limit of {self.limit} a pair; shorten it or set truncate to TRUNCATE_END")
         return self.assemble(flat, counts)
 
+    def tokie_pairs(self, tokenizer: TextTokenizer, documents: list[str]) -> tuple[list[int], list[np.ndarray]]:
+        """The indices of the documents tokie may encode (server/tokie_ids.py `held`) and their
+        pairs, from one tokie call for them all. The tokenizer must have tokie."""
+        held = tokenizer.tokie.held(self.texts(documents))
+        mine = [i for i in range(len(documents)) if i not in held]
+        if not mine:
+            return [], []
+        return mine, self.pairs(tokenizer, [documents[i] for i in mine], mine, covered=True)
+
     def assemble(self, flat: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
         """Each document's pair, its ids the next `counts[i]` of `flat` cut to the room: put together
         in one array by index arithmetic (a concatenation a pair costs several times that), and
@@ -211,12 +220,15 @@ class Ranker:
         self.builder = PairBuilder(spec, admission.tokenizer) if self.task == "rerank" else None
 
     async def document_pairs(self, frame: PairFrame, documents: list[str]) -> list[np.ndarray]:
-        """The documents' pairs: first those tokie encodes (`tokie_pairs`), then the others, for
-        the tokenizers library, in up to --tokenizer-threads groups at once (it releases the GIL
-        while it encodes)."""
+        """The documents' pairs: first those tokie encodes (`PairFrame.tokie_pairs`: the check and
+        one tokie call for them all, on one tokenizer thread; tokie spreads the call over threads
+        of its own, more groups would only contend for the GIL, and the check's work stays off the
+        event loop), then the others, for the tokenizers library, in up to --tokenizer-threads
+        groups at once (it releases the GIL while it encodes)."""
         out: list[np.ndarray] = [None] * len(documents)  # type: ignore[list-item]
-        if self.admission.tokenizer.tokie is not None:
-            mine, part = await self.admission.run(sum(map(len, documents)), self.tokie_pairs, frame, documents)
+        tokenizer = self.admission.tokenizer
+        if tokenizer.tokie is not None:
+            mine, part = await self.admission.run(sum(map(len, documents)), frame.tokie_pairs, tokenizer, documents)
             for i, seq in zip(mine, part):
                 out[i] = seq
         rest = [i for i, seq in enumerate(out) if seq is None]
@@ -230,17 +242,6 @@ class Ranker:
             for i, seq in zip(g, part):
                 out[i] = seq
         return out
-
-    def tokie_pairs(self, frame: PairFrame, documents: list[str]) -> tuple[list[int], list[np.ndarray]]:
-        """The indices of the documents tokie may encode (server/tokie_ids.py) and their pairs:
-        the check and one tokie call for them all, on one tokenizer thread (tokie spreads the
-        call over threads of its own; more groups would only contend for the GIL), which keeps
-        the check's work off the event loop too."""
-        held = self.admission.tokenizer.tokie.held(frame.texts(documents))
-        mine = [i for i in range(len(documents)) if i not in held]
-        if not mine:
-            return [], []
-        return mine, frame.pairs(self.admission.tokenizer, [documents[i] for i in mine], mine, covered=True)
 
     async def rerank(self, request: pb.RerankRequest, deadline_ns: int = 0, span=None) -> pb.RerankResponse:
         """The request's documents ranked by this model (server/model_table.py chose it)."""
