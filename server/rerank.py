@@ -236,8 +236,8 @@ class Ranker:
         size = max(1, -(-len(rest) // count))
         groups = [rest[i:i + size] for i in range(0, len(rest), size)]
         parts = await asyncio.gather(*(
-            self.admission.run(sum(len(documents[i]) for i in g), frame.pairs, self.admission.tokenizer,
-                               [documents[i] for i in g], g) for g in groups))
+            self.admission.run(sum(len(documents[i]) for i in g), frame.pairs, tokenizer, [documents[i] for i in g], g)
+            for g in groups))
         for g, part in zip(groups, parts):
             for i, seq in zip(g, part):
                 out[i] = seq
