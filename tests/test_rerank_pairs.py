@@ -55,11 +55,10 @@ def expected(folder: str, limit: int) -> list[np.ndarray]:
 
 
 def served_pairs(tokenizer: TextTokenizer, frame) -> dict[int, np.ndarray]:
-    """DOCS' pairs as a Ranker makes them: those tokie's check passes in one covered group, the
-    others apart, each named by its index in DOCS."""
-    held = tokenizer.tokie.held(frame.texts(DOCS)) if tokenizer.tokie is not None else set(range(len(DOCS)))
-    covered, rest = [i for i in range(len(DOCS)) if i not in held], sorted(held)
-    ours = dict(zip(covered, frame.pairs(tokenizer, [DOCS[i] for i in covered], covered, covered=True)))
+    """DOCS' pairs as a Ranker makes them (Ranker.document_pairs): those PairFrame.tokie_pairs
+    takes, then the others apart, each named by its index in DOCS."""
+    ours = dict(zip(*frame.tokie_pairs(tokenizer, DOCS))) if tokenizer.tokie is not None else {}
+    rest = [i for i in range(len(DOCS)) if i not in ours]
     ours.update(zip(rest, frame.pairs(tokenizer, [DOCS[i] for i in rest], rest)))
     return ours
 
