@@ -5,8 +5,8 @@
 
 The texts are load/bench_rerank.py's: 100 documents of about 200 tokens (about 110,000
 characters), the documents of one Rerank call. Each row times one call that makes all their pairs
-with a short query, by the frontend's own code (server/rerank.py `PairFrame`; the Qwen3 tokenizer's
-documents after a space, as in Qwen3-Reranker's prompt):
+with a short query, by the frontend's own code (server/rerank.py `PairBuilder.frame`, then
+`PairFrame`; the Qwen3 tokenizer's pairs in Qwen3-Reranker's prompt):
 
   tokenizers library   PairFrame.pairs with TextTokenizer(tokie=False), on the calling thread (a
                        frontend sets TOKENIZERS_PARALLELISM=false: server/config.py FRONTEND_ENV),
@@ -40,18 +40,19 @@ from load.results_file import add_out_argument, device_kind, write_result  # noq
 
 SECONDS = 3.0
 LIMIT = 512  # a pair's tokens
-QUERY = np.array([1012, 2023, 2003, 1037, 3160], np.int32)  # a short query's ids, beside every document
+QUERY = "how do bees make honey"  # beside every document
 
 
-def pair_frame(qwen3: bool):
-    """What the pairs of a request share, for a short query under LIMIT (server/rerank.py
-    PairBuilder.frame makes it from the query's text): [CLS] q [SEP] d [SEP] in ids."""
-    from pollen.server.rerank import PairFrame
+def pair_frame(tokenizer, qwen3: bool):
+    """What the pairs of a request share, as a frontend makes it for QUERY under LIMIT: a
+    cross-encoder's pair form, or Qwen3-Reranker's prompt (server/rerank.py PairBuilder.frame)."""
+    from types import SimpleNamespace
+
+    from pollen.server.rerank import PairBuilder
     from pollen.v1 import embedder_pb2 as pb
 
-    one = np.array([101], np.int32)
-    return PairFrame(np.concatenate([one, QUERY]), one + 1, one + 1, 0, LIMIT - len(QUERY) - 3, LIMIT,
-                     pb.TRUNCATE_END, qwen3)
+    spec = SimpleNamespace(reranker_template=qwen3, type_offset=0)
+    return PairBuilder(spec, tokenizer).frame(QUERY, "", LIMIT, pb.TRUNCATE_END)
 
 
 def tokenize(frame, tokenizer, docs: list[str]) -> None:
@@ -120,9 +121,9 @@ def main() -> None:
     shutil.copy(args.qwen3_tokenizer, os.path.join(qwen3_dir, "tokenizer.json"))
     for name, path, qwen3 in (("BERT WordPiece (all-MiniLM-L6-v2)", args.bert_tokenizer, False),
                               ("Qwen3 byte-level BPE", qwen3_dir, True)):
-        frame = pair_frame(qwen3)
         for tokie in (False, True):
             tokenizer = TextTokenizer(path, 1 << 20, tokie=tokie)
+            frame = pair_frame(tokenizer, qwen3)
             for n in callers:
                 for fan_out in (fan_outs if tokie else [0]):
                     row = {"tokenizer": name, "library": "tokie" if tokie else "tokenizers",
