@@ -78,7 +78,7 @@ def test_a_document_over_the_room_is_refused_by_its_index(folder):
     tokenizer = TextTokenizer(folder, 512, tokie=True)
     frame = PairBuilder(Spec, tokenizer).frame(QUERY, "", 128, pb.TRUNCATE_NONE)
     with pytest.raises(RequestError, match=r"documents\[7\] has more than the 120 tokens"):
-        frame.pairs(tokenizer, ["x", "honey " * 500], [3, 7], covered=True)
+        frame.text_pairs(tokenizer, ["x", "honey " * 500], [3, 7], covered=True)
 
 
 class Qwen3Spec:

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from load import corpus as load_corpus
 from pollen.common.model_spec import default_model_path
 from pollen.server.tokenizer import TextTokenizer
-from pollen.server.tokie_ids import PROBED_RANGES, encode_flat, split_flat
+from pollen.server.tokie_ids import PRESENT_MAX, PROBED_RANGES, TokieIds, encode_flat, split_flat
 from pollen.v1 import embedder_pb2 as pb
 from tests.test_ascii_bpe import QWEN3
 from tests.test_ascii_bpe import train as train_bpe
@@ -177,6 +177,20 @@ def test_the_texts_held_back_are_found_in_a_group():
     assert tie.held(["plain", "has \x7f here", "plain", "x[MASK]y", "ok"]) == {1, 3}
     assert tie.held(["café", "東京 \x7f", "plain", "\U000e0001 tag", "[SEP]", "\ud800 lone"]) == {1, 3, 4, 5}
     assert tie.held(["no", "thing", "held"]) == set()
+
+
+def test_many_held_back_characters_and_added_tokens_are_each_found():
+    """Up to PRESENT_MAX held-back ASCII characters (or added tokens' first characters) are each
+    looked for before the search; past that the search runs on every group, and finds them all."""
+    held_back = "!#$%&()*+;="
+    agreed = [chr(c) for c in range(128) if chr(c) not in held_back]
+    added = [f"{c}tok>" for c in "ABCDEFGHIJ"]
+    tie = TokieIds(None, agreed, added)
+    assert len(held_back) > PRESENT_MAX and tie.held_ascii_chars is None and tie.added_firsts is None
+    texts = ["plain", "a+b", "Jto", "xJtok>y", "ok", "x=y", "Atok> first"]
+    assert tie.held(texts) == {1, 3, 5, 6}
+    few = TokieIds(None, agreed, added[:2])  # two first characters: each looked for alone
+    assert few.added_firsts == ["A", "B"] and few.held(["Btok>", "B tok>", "plain"]) == {0}
 
 
 MEMORY_PROBE = """
