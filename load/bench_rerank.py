@@ -16,7 +16,9 @@ one call:   one Rerank of 1 query x 100 documents, sequentially: p50 / p99, and 
             timing.inference_us, the first batch's start to the last's end; p50 each), against the
             CUDA engine's own time for that batch (the same pairs, packed, bf16, graphs as served);
             and again on a server started with --tokie off, every text through the HF tokenizers
-            library (server/tokie_ids.py). --profile DIR adds a py-spy summary of the frontend that
+            library (server/tokie_ids.py). "refused at once": the same call with top_n 0, which
+            the server refuses once it has read it, before tokenizing: what carrying the call's
+            110 KB there and an answer back costs, client included. --profile DIR adds a py-spy summary of the frontend that
             served these calls.
 Writes load/results/rerank-<kind>.md (load/results_file.py).
 """
@@ -91,10 +93,19 @@ def one_call_latency(target: str, query: str, docs: list[str], n: int = 40) -> d
             inference.append(reply.timing.inference_us / 1e3)
             tokenize.append(reply.timing.tokenize_us / 1e3)
             queue.append(reply.timing.queue_us / 1e3)
+        refused = pb.RerankRequest(query=query, documents=docs[:DOCS], top_n=0)
+        floor = []
+        for _ in range(n):  # the same call refused once read (top_n 0): carrying it there and back
+            t0 = time.perf_counter()
+            try:
+                stub.Rerank(refused, timeout=60)
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc
+            floor.append(time.perf_counter() - t0)
     ms = np.array(times) * 1e3
     return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
             "inference_p50_ms": float(np.median(inference)), "tokenize_p50_ms": float(np.median(tokenize)),
-            "queue_p50_ms": float(np.median(queue))}
+            "queue_p50_ms": float(np.median(queue)), "refused_p50_ms": float(np.median(floor)) * 1e3}
 
 
 def profile_one_calls(srv: ServerProcess, query: str, docs: list[str], folder: str, seconds: float = 6.0,
@@ -231,7 +242,7 @@ def bench_shape(shape: str, args) -> dict:
            "reference_pairs_per_s": ref, "reference_batch_size": size, "speedup": n / seconds / ref,
            "one_call_p50_ms": latency["p50_ms"], "one_call_p99_ms": latency["p99_ms"], "engine_ms": engine_ms,
            "server_inference_p50_ms": latency["inference_p50_ms"], "server_tokenize_p50_ms": latency["tokenize_p50_ms"],
-           "server_queue_p50_ms": latency["queue_p50_ms"],
+           "server_queue_p50_ms": latency["queue_p50_ms"], "refused_p50_ms": latency["refused_p50_ms"],
            "tokie_off_p50_ms": without_tokie["p50_ms"], "tokie_off_tokenize_p50_ms": without_tokie["tokenize_p50_ms"],
            "one_call_over_engine": latency["p50_ms"] / engine_ms}
     print(row, flush=True)
@@ -240,14 +251,15 @@ def bench_shape(shape: str, args) -> dict:
 
 def markdown(rows: list[dict], batch_sizes: tuple[int, ...] = BATCH_SIZES) -> str:
     lines = ["| shape | pollen pairs/s | pollen tokens/s | reference pairs/s (batch) | x | 1x100 p50 / p99 ms | "
-             "server's tokenize / queue / inference ms | engine ms | p50 / engine | --tokie off: p50 / tokenize ms |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "server's tokenize / queue / inference ms | refused at once p50 ms | engine ms | p50 / engine | "
+             "--tokie off: p50 / tokenize ms |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['pollen_pairs_per_s']:,.0f} | {r['pollen_tokens_per_s']:,.0f} | "
                      f"{r['reference_pairs_per_s']:,.0f} ({r['reference_batch_size']}) | {r['speedup']:.2f} | "
                      f"{r['one_call_p50_ms']:.1f} / {r['one_call_p99_ms']:.1f} | "
                      f"{r['server_tokenize_p50_ms']:.1f} / {r['server_queue_p50_ms']:.1f} / {r['server_inference_p50_ms']:.1f} | "
-                     f"{r['engine_ms']:.1f} | "
+                     f"{r['refused_p50_ms']:.2f} | {r['engine_ms']:.1f} | "
                      f"{r['one_call_over_engine']:.2f} | "
                      f"{r['tokie_off_p50_ms']:.1f} / {r['tokie_off_tokenize_p50_ms']:.1f} |")
     return ("Reference: sentence-transformers CrossEncoder in bf16 (Qwen3-Reranker: the model card's "
