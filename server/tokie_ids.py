@@ -106,9 +106,10 @@ class TokieIds:
     def held(self, texts: list[str]) -> set[int]:
         """The indices of the texts that must go to the HF library: one holds a character tokie was
         not shown to agree on, or an added token. Checked on the texts joined: the few held-back
-        ASCII characters by a search, then a table lookup for each non-ASCII character alone (a
-        lookup for every character costs several times that on mostly ASCII text, and a regex of
-        the agreed characters' runs ten times)."""
+        ASCII characters by a search (where one is present at all), then a table lookup for each
+        non-ASCII character alone (a lookup for every character costs several times that on mostly
+        ASCII text, and a regex of the agreed characters' runs ten times), then the added tokens
+        by a search (where one's first character is present)."""
         joined = "".join(texts)
         bad = [m.start() for m in self.held_ascii.finditer(joined)] if present(self.held_ascii_chars, joined) else []
         if not joined.isascii():
