@@ -18,8 +18,8 @@ one call:   one Rerank of 1 query x 100 documents, sequentially: p50 / p99, and 
             and again on a server started with --tokie off, every text through the HF tokenizers
             library (server/tokie_ids.py). "refused at once": the same call with top_n 0, which
             the server refuses once it has read it, before tokenizing: what carrying the call's
-            110 KB there and an answer back costs, client included. --profile DIR adds a py-spy summary of the frontend that
-            served these calls.
+            110 KB there and an answer back costs, client included. --profile DIR adds a py-spy
+            summary of the frontend that served these calls.
 Writes load/results/rerank-<kind>.md (load/results_file.py).
 """
 from __future__ import annotations
