@@ -158,8 +158,6 @@ class PairFrame:
         pairs, from one tokie call for them all. The tokenizer must have tokie."""
         texts = self.texts(documents)
         held = tokenizer.tokie.held(texts)
-        if not held:
-            return list(range(len(texts))), self.text_pairs(tokenizer, texts, covered=True)
         mine = [i for i in range(len(texts)) if i not in held]
         if not mine:
             return [], []
@@ -216,14 +214,10 @@ def rank(request: pb.RerankRequest, values: np.ndarray, response: pb.RerankRespo
     order = np.argsort(-values, kind="stable")
     if request.HasField("top_n"):
         order = order[:request.top_n]
+    documents = request.documents if request.return_documents else None
     add = response.results.add
-    if request.return_documents:
-        documents = request.documents
-        for i, score in zip(order.tolist(), values[order].tolist()):
-            add(index=i, score=score, document=documents[i])
-    else:
-        for i, score in zip(order.tolist(), values[order].tolist()):
-            add(index=i, score=score)
+    for i, score in zip(order.tolist(), values[order].tolist()):
+        add(index=i, score=score, document=documents[i] if documents is not None else "")
     return response
 
 
