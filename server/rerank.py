@@ -210,7 +210,7 @@ def scores(rows: np.ndarray, raw: bool) -> np.ndarray:
 
 def rank(request: pb.RerankRequest, values: np.ndarray, response: pb.RerankResponse) -> pb.RerankResponse:
     """`response` given the results, best first (ties in input order), cut to top_n. Added in
-    place, from Python numbers: a RerankResult made apart and copied in costs about twice as much."""
+    place, from Python numbers: a RerankResult made apart and copied in costs more."""
     order = np.argsort(-values, kind="stable")
     if request.HasField("top_n"):
         order = order[:request.top_n]
