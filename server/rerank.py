@@ -13,12 +13,6 @@ The pair forms:
 The query is tokenized once per request and never cut; each document gets the room the query
 and the special tokens leave under the limit, and is tokenized only about that far
 (server/tokenizer.py first_ids).
-
-A call of more documents than about one batch holds (--max-batch-tokens) goes to the worker in
-parts, each sent as soon as it is tokenized, when the server holds less than a batch of queued
-tokens: the GPU runs the first part while the frontend tokenizes the next, rather than waiting for
-all of them (`part_bounds`). The first part is about half a batch, the others a batch each. On a
-busy server the call goes whole, the GPU having other work meanwhile.
 """
 from __future__ import annotations
 
@@ -31,9 +25,9 @@ import numpy as np
 
 from pollen.common.errors import RequestError, invalid
 from pollen.common.model_spec import ModelSpec
-from pollen.common.request import LANES, Lane, RequestOptions, Task
+from pollen.common.request import LANES, RequestOptions, Task
 from pollen.server.admission import Admission
-from pollen.server.request import Request, join
+from pollen.server.request import Request
 from pollen.server.router import Router
 from pollen.server.tokenizer import TextTokenizer
 from pollen.v1 import embedder_pb2 as pb
@@ -45,12 +39,6 @@ QWEN3_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 INSTRUCTION_MAX_CHARS = 4096
 # A request's documents are tokenized in groups of at least this many characters each.
 GROUP_MIN_CHARS = 8 << 10
-# A rerank call goes to the worker in at most this many parts (module docstring); each costs a
-# tokenizer call and a request record.
-PARTS_MAX = 4
-# Characters a token, to size the parts before tokenizing: about what English text takes (fewer
-# for CJK text, whose parts then come out larger: still correct, batched in more than one).
-PART_CHARS_PER_TOKEN = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,32 +153,15 @@ class PairFrame:
                           f"under the limit of {self.limit} a pair; shorten it or set truncate to TRUNCATE_END")
         return self.assemble(flat, counts)
 
-    def tokie_pairs(self, tokenizer: TextTokenizer, documents: list[str],
-                    first: int = 0) -> tuple[list[int], list[np.ndarray]]:
+    def tokie_pairs(self, tokenizer: TextTokenizer, documents: list[str]) -> tuple[list[int], list[np.ndarray]]:
         """The indices of the documents tokie may encode (server/tokie_ids.py `held`) and their
-        pairs, from one tokie call for them all. The tokenizer must have tokie. `first`: the
-        request's index of documents[0], to name a document in an error."""
+        pairs, from one tokie call for them all. The tokenizer must have tokie."""
         texts = self.texts(documents)
         held = tokenizer.tokie.held(texts)
         mine = [i for i in range(len(texts)) if i not in held]
         if not mine:
             return [], []
-        return mine, self.text_pairs(tokenizer, [texts[i] for i in mine], [first + i for i in mine], covered=True)
-
-    def part_bounds(self, documents: list[str], budget: int) -> list[int]:
-        """Where the documents are cut into parts (the module docstring): the first part's start,
-        each next one's, and the end. Sized by an estimate of each pair's tokens from its
-        document's characters, the first part about half of `budget`, the others about `budget`
-        each, or larger where PARTS_MAX parts of that size would not hold them all."""
-        frame = len(self.before) + len(self.between) + len(self.after)
-        chars = np.fromiter(map(len, documents), np.int64, len(documents))
-        tokens = np.cumsum(frame + np.minimum(chars // PART_CHARS_PER_TOKEN, self.room))
-        total = int(tokens[-1]) if len(tokens) else 0
-        if total <= budget:
-            return [0, len(documents)]
-        size = max(budget, total / (PARTS_MAX - 0.5))
-        ends = np.searchsorted(tokens, size / 2 + size * np.arange(PARTS_MAX - 1), side="right") + 1
-        return sorted({0, *np.minimum(ends, len(documents)).tolist(), len(documents)})
+        return mine, self.text_pairs(tokenizer, [texts[i] for i in mine], mine, covered=True)
 
     def assemble(self, flat: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
         """Each document's pair, its ids the next `counts[i]` of `flat` cut to the room: put together
@@ -261,18 +232,16 @@ class Ranker:
         self.task = spec.task
         self.builder = PairBuilder(spec, admission.tokenizer) if self.task == "rerank" else None
 
-    async def document_pairs(self, frame: PairFrame, documents: list[str], first: int = 0) -> list[np.ndarray]:
+    async def document_pairs(self, frame: PairFrame, documents: list[str]) -> list[np.ndarray]:
         """The documents' pairs: first those tokie encodes (`PairFrame.tokie_pairs`: the check and
         one tokie call for them all, on one tokenizer thread; tokie spreads the call over threads
         of its own, more groups would only contend for the GIL, and the check's work stays off the
         event loop), then the others, for the tokenizers library, in up to --tokenizer-threads
-        groups at once (it releases the GIL while it encodes). `first`: the request's index of
-        documents[0], to name a document in an error."""
+        groups at once (it releases the GIL while it encodes)."""
         out: list[np.ndarray] = [None] * len(documents)  # type: ignore[list-item]
         tokenizer = self.admission.tokenizer
         if tokenizer.tokie is not None:
-            mine, part = await self.admission.run(sum(map(len, documents)), frame.tokie_pairs, tokenizer, documents,
-                                                  first)
+            mine, part = await self.admission.run(sum(map(len, documents)), frame.tokie_pairs, tokenizer, documents)
             for i, seq in zip(mine, part):
                 out[i] = seq
         rest = [i for i, seq in enumerate(out) if seq is None]
@@ -280,48 +249,12 @@ class Ranker:
         size = max(1, -(-len(rest) // count))
         groups = [rest[i:i + size] for i in range(0, len(rest), size)]
         parts = await asyncio.gather(*(
-            self.admission.run(sum(len(documents[i]) for i in g), frame.pairs, tokenizer, [documents[i] for i in g],
-                               [first + i for i in g])
+            self.admission.run(sum(len(documents[i]) for i in g), frame.pairs, tokenizer, [documents[i] for i in g], g)
             for g in groups))
         for g, part in zip(groups, parts):
             for i, seq in zip(g, part):
                 out[i] = seq
         return out
-
-    async def pair_rows(self, frame: PairFrame, documents: list[str], options: RequestOptions, started_ns: int,
-                        span=None) -> tuple[np.ndarray, int, pb.Timing]:
-        """The head's float32 rows of the documents' pairs (one each, in order), their tokens and
-        the answer's timing. The pairs go to the worker whole, or in parts each sent once made
-        (the module docstring), when the call is interactive and the server holds less than a
-        batch of queued tokens; a part that fails stops the ones not yet sent, and the others are
-        dropped. The timing's tokenize_us runs from `started_ns` to the last part made."""
-        self.admission.tokenizer.check_texts(documents, "documents")  # before any part is sent
-        budget = self.router.cfg.max_batch_tokens
-        bounds = (frame.part_bounds(documents, budget)
-                  if options.lane == Lane.INTERACTIVE and self.router.queued_tokens < budget
-                  else [0, len(documents)])
-        sent: list[asyncio.Future] = []
-        tokens = 0
-        try:
-            for a, b in zip(bounds, bounds[1:]):
-                if any(f.done() and f.exception() is not None for f in sent):
-                    break  # gather raises it
-                seqs = await self.document_pairs(frame, documents[a:b], a)
-                request = Request(seqs, options, None, sum(map(len, seqs)))
-                tokens += request.tokens
-                sent.append(asyncio.ensure_future(self.router.answer(request)))
-            tokenize_us = (time.monotonic_ns() - started_ns) // 1000
-            if span is not None:  # the request's server/otel.py span, when tracing
-                span.admitted()
-            result = join(await asyncio.gather(*sent))
-        except BaseException:
-            for f in sent:
-                f.cancel()
-            await asyncio.gather(*sent, return_exceptions=True)  # the cancellations reach the worker
-            raise
-        rows = np.frombuffer(result.body, np.float32).reshape(result.rows, result.dims)
-        return rows, tokens, pb.Timing(
-            queue_us=result.queue_us, inference_us=result.inference_us, tokenize_us=tokenize_us)
 
     async def rerank(self, request: pb.RerankRequest, deadline_ns: int = 0, span=None) -> pb.RerankResponse:
         """The request's documents ranked by this model (server/model_table.py chose it)."""
@@ -338,8 +271,8 @@ class Ranker:
         truncate = request.truncate if request.HasField("truncate") else pb.TRUNCATE_END
         started_ns = time.monotonic_ns()
         frame = self.builder.frame(request.query, request.instruction, limit, truncate, request.max_document_tokens)
-        options = RequestOptions(Task.SCORE, 0, False, pb.ENCODING_FLOAT32, LANES[request.priority], deadline_ns,
-                                 self.admission.model)
-        rows, tokens, timing = await self.pair_rows(frame, list(request.documents), options, started_ns, span)
+        seqs = await self.document_pairs(frame, list(request.documents))
+        rows, admitted, timing = await head_rows(self.router, self.admission, seqs, request.priority, deadline_ns,
+                                                 span, (time.monotonic_ns() - started_ns) // 1000)
         return rank(request, scores(rows, request.raw_scores), pb.RerankResponse(
-            id=request.id, usage=pb.Usage(prompt_tokens=tokens), model=self.spec.name, timing=timing))
+            id=request.id, usage=pb.Usage(prompt_tokens=admitted.tokens), model=self.spec.name, timing=timing))

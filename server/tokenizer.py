@@ -129,7 +129,7 @@ class TextTokenizer:
         return len(self.ids([prompt])[0]) if prompt else 0
 
     @staticmethod
-    def check_texts(texts: list[str], field: str) -> None:
+    def _check_texts(texts: list[str], field: str) -> None:
         for i, text in enumerate(texts):
             if not text:
                 raise invalid(f"{field}[{i}] is empty: every text needs at least one character")
@@ -141,7 +141,7 @@ class TextTokenizer:
         chunk_mean_hint: a refusal suggests long_input CHUNK_MEAN (Tokenize has no such option)."""
         limit = limit or self.max_tokens
         room = self.room(limit)
-        self.check_texts(texts, "texts")
+        self._check_texts(texts, "texts")
         if len(texts) == 1 and len(prompt) + len(texts[0]) <= SHORT_CHARS:
             # One short text (a query): one call of the tokenizer, special tokens and all; only a
             # text that turns out too long takes the path below, which cuts it exactly. The fast
@@ -172,7 +172,7 @@ class TextTokenizer:
     def first_ids(self, texts: list[str], room: int, field: str = "texts") -> list[np.ndarray]:
         """Each text's first `room` tokens, without special tokens, tokenizing only about what
         fits (the pieces of a rerank pair: server/rerank.py)."""
-        self.check_texts(texts, field)
+        self._check_texts(texts, field)
         return [ids[:room] for ids, _ in self._heads("", texts, room)]
 
     def first_ids_flat(self, texts: list[str], room: int, field: str = "texts",
@@ -182,7 +182,7 @@ class TextTokenizer:
         check found none of the texts held back (server/tokie_ids.py `held`), so they go to tokie
         in one call, unchecked and ungrouped. A count may exceed `room`."""
         if covered and self.tokie is not None and texts:
-            self.check_texts(texts, field)
+            self._check_texts(texts, field)
             chars = (room + 1) * self.chars_per_token
             cuts = [self.cut_after(text, chars) for text in texts]
             flat, counts = self.tokie.flat_ids([t[:c] for t, c in zip(texts, cuts)])
@@ -202,7 +202,7 @@ class TextTokenizer:
         """
         room = self.room(limit)
         stride = room - room // WINDOW_OVERLAP_DIVISOR
-        self.check_texts(texts, "texts")
+        self._check_texts(texts, "texts")
         out = []
         for ids in self._whole(prompt, texts):
             starts = [0]
@@ -215,7 +215,7 @@ class TextTokenizer:
                         prompt: str = "") -> tuple[np.ndarray, list[tuple[int, int]]]:
         """Contextual chunks: one sequence = specials + prompt + chunk 1 + ... + chunk n + specials,
         each chunk tokenized on its own without special tokens; and each chunk's token span."""
-        self.check_texts(chunks, "chunks")
+        self._check_texts(chunks, "chunks")
         room = self.room(limit)
         head = self.ids([prompt])[0] if prompt else np.empty(0, np.int32)
         parts = self._heads("", chunks, room)

@@ -25,8 +25,6 @@ DOCS = ["Bees collect nectar and store it in the hive, where it thickens into ho
         "Honey bees live in colonies with one queen.",
         "A recipe for banana bread with walnuts.",
         "Nectar is evaporated by fanning wings until it becomes honey, then capped with wax."]
-# More documents than one batch of the CPU's --max-batch-tokens (1,024) holds: a call of them goes in parts.
-MANY_DOCS = [f"{d} Note {i}: {DOCS[(i * 3) % len(DOCS)].lower()}" for i, d in enumerate(DOCS * 12)]
 
 
 def make_cross_encoder(path) -> str:
@@ -102,35 +100,6 @@ def test_the_answer_times_the_tokenizing_of_the_query_and_documents(reranker):
     assert reply.timing.tokenize_us + reply.timing.inference_us < wall_us
 
 
-def queue_observations(srv) -> float:
-    """The worker answers observed in /metrics (pollen_queue_seconds, one a request record)."""
-    text = urllib.request.urlopen(f"http://{srv.http_listen}/metrics", timeout=10).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("pollen_queue_seconds_count"))
-
-
-def test_a_call_larger_than_a_batch_goes_in_parts_and_scores_as_sent_whole(reranker):
-    """An interactive call of more pairs than a batch holds goes to the worker in parts, each sent
-    once tokenized (server/rerank.py): the scores and the usage are CrossEncoder's, and a bulk call
-    of the same documents goes whole."""
-    from sentence_transformers import CrossEncoder
-
-    model = CrossEncoder(reranker.path, device="cpu")
-    expected = model.predict([(QUERY, d) for d in MANY_DOCS])
-    tokens = sum(len(model.tokenizer(QUERY, d)["input_ids"]) for d in MANY_DOCS)
-    assert tokens > 2 * 1024
-    with grpc.insecure_channel(reranker.listen) as channel:
-        stub = pb_grpc.EmbedderStub(channel)
-        for priority, parts in ((pb.PRIORITY_INTERACTIVE, range(3, 5)), (pb.PRIORITY_BULK, range(1, 2))):
-            before = queue_observations(reranker)
-            reply = stub.Rerank(pb.RerankRequest(query=QUERY, documents=MANY_DOCS, priority=priority), timeout=60)
-            assert queue_observations(reranker) - before in parts, priority
-            ours = np.zeros(len(MANY_DOCS))
-            for r in reply.results:
-                ours[r.index] = r.score
-            np.testing.assert_allclose(ours, expected, atol=1e-4)
-            assert reply.usage.prompt_tokens == tokens
-
-
 def test_cohere_client_v2_rerank_unchanged(reranker, reference):
     import cohere
 
@@ -170,10 +139,6 @@ def test_long_documents_are_cut_never_the_query(reranker):
     ({"query": QUERY, "documents": ["fine", "\x7f " + "honey " * 500], "truncate": "none"}, "documents[1]"),
     ({"query": QUERY, "documents": ["fine \x7f", "fine", "honey " * 500], "truncate": "none"}, "documents[2]"),
     ({"query": QUERY, "documents": ["d"] * 1001}, "documents"),
-    # refused in a later part of a call that goes in parts: the parts sent before are dropped
-    ({"query": QUERY, "documents": MANY_DOCS[:50] + ["honey " * 500] + MANY_DOCS[50:], "truncate": "none"},
-     "documents[50]"),
-    ({"query": QUERY, "documents": MANY_DOCS[:50] + [""] + MANY_DOCS[50:]}, "documents[50]"),
     ({"query": QUERY, "documents": DOCS, "top_n": 0}, "top_n"),
     ({"query": "bee " * 200, "documents": DOCS}, "query"),
     ({"query": "", "documents": DOCS}, "query"),
