@@ -12,7 +12,7 @@ Contenders (load/cpu_contenders.py; --contenders picks them, default pollen,engi
   engine     pollen's CPU engine without the server (bulk/'s BulkEmbedder: the server's tokenizer, packing
              and engine with the worker's thread choice), in a child process with the worker's environment;
              a query is one packed batch, docs are packed in order into batches of the server's CPU budget
-             (1,024 tokens). pollen's figures less these are what the server's trip costs.
+             (1,024 tokens per worker thread). pollen's figures less these are what the server's trip costs.
   st         SentenceTransformer(folder, device="cpu") in a child process: a query is encode([text]),
              docs are encode(docs, batch_size=--batch-size) (sentence-transformers sorts them by length).
   ort        the checkpoint exported to ONNX at start (torch.onnx.export, TorchScript exporter, dynamic
@@ -136,10 +136,11 @@ def make_contender(key: str, args, onnx: dict | None, model_dir: str):
     if key == "pollen":
         return cc.PollenContender(args.pollen_flag, args.streams, args.per_message)
     if key == "engine":
-        from pollen.server.app import AUTO_BATCH_TOKENS
-        from pollen.server.config import CPU_WORKER_ENV
+        from pollen.server.app import auto_batch_tokens
+        from pollen.server.config import CPU_WORKER_ENV, ServeConfig
 
-        return cc.ChildContender(key, "pollen-engine", {"model_dir": model_dir, "batch_tokens": AUTO_BATCH_TOKENS["cpu"]},
+        batch_tokens = auto_batch_tokens(ServeConfig(device="cpu"))  # the server's on this machine
+        return cc.ChildContender(key, "pollen-engine", {"model_dir": model_dir, "batch_tokens": batch_tokens},
                                  env=CPU_WORKER_ENV, library=False)
     if key == "st":
         return cc.ChildContender(key, "st", {"model_dir": model_dir, "batch_size": args.batch_size})

@@ -44,10 +44,21 @@ def widest(specs: list[ModelSpec]) -> int:
 
 
 # --max-batch-tokens auto, where the model's limit is lower. A GPU fills its SMs with large
-# batches. A CPU's tokens/s is flat from a few hundred tokens a batch on (within a few percent
-# from 512 to 8,192: load/bench_cpu.py), while its working set, which the worker's heap keeps
-# (server/config.py WORKER_HEAP_KEEP), grows with the batch: 1,024 tokens hold it low.
-AUTO_BATCH_TOKENS = {"cuda": 8192, "cpu": 1024}
+# batches. A CPU worker cuts a batch at sequence bounds into one piece per thread
+# (worker/engine.py): a batch of few sequences leaves threads idle or some pieces a sequence
+# longer than others, so it gets AUTO_CPU_TOKENS_PER_THREAD tokens per worker thread, several
+# sequences of a few hundred tokens (rerank pairs, passages) in each piece. One thread's
+# tokens/s is flat from a few hundred tokens a batch on, while the working set, which the
+# worker's heap keeps (server/config.py WORKER_HEAP_KEEP), and the time a batch holds the worker
+# grow with the batch: no more than that.
+AUTO_CUDA_BATCH_TOKENS = 8192
+AUTO_CPU_TOKENS_PER_THREAD = 1024
+
+
+def auto_batch_tokens(cfg: ServeConfig) -> int:
+    """--max-batch-tokens auto for the device and the worker's threads, before the model's limit
+    is applied."""
+    return AUTO_CPU_TOKENS_PER_THREAD * cfg.worker_threads if cfg.device == "cpu" else AUTO_CUDA_BATCH_TOKENS
 
 
 def check_limits(cfg: ServeConfig, specs: list[ModelSpec]) -> None:
@@ -57,7 +68,7 @@ def check_limits(cfg: ServeConfig, specs: list[ModelSpec]) -> None:
     spec = max(specs, key=lambda s: s.max_tokens)  # the longest text any model reads
     hidden = widest(specs)
     if not cfg.max_batch_tokens:
-        cfg.max_batch_tokens = max(AUTO_BATCH_TOKENS[cfg.device], spec.max_tokens)
+        cfg.max_batch_tokens = max(auto_batch_tokens(cfg), spec.max_tokens)
     if not cfg.bulk_batch_tokens and cfg.device == "cuda":
         # Bulk batches replay graphs too (an eager one would hold the worker's thread for the
         # milliseconds of its kernel launches, in front of any interactive request).

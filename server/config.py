@@ -150,7 +150,8 @@ class ServeConfig:
                                        "killed and restarted, its requests sent again")
     max_batch_tokens: int = _flag(LIMITS, 0, "tokens in one model batch (sequences are packed, never padded)",
                                   words={"auto": 0},
-                                  shown="auto: 8192 with cuda, 1024 on cpu, or the model's limit where that is larger")
+                                  shown="auto: 8192 with cuda, 1024 per --worker-threads on cpu, or the model's "
+                                        "limit where that is larger")
     bulk_batch_tokens: int = _flag(LIMITS, 0, "tokens of PRIORITY_BULK work in one batch: lower keeps queries fast "
                                    "under bulk load, higher gives bulk throughput", words={"auto": 0},
                                    shown="auto, --graph-max-tokens on cuda and --max-batch-tokens on cpu")

@@ -63,15 +63,16 @@ def test_auto_batch_tokens_by_device():
     import dataclasses
 
     from pollen.common.model_spec import default_model_path, read_model_spec
-    from pollen.server.app import AUTO_BATCH_TOKENS, check_limits
+    from pollen.server.app import check_limits
     from pollen.server.config import ServeConfig
 
     spec = read_model_spec(default_model_path())
-    cfg = ServeConfig()
-    check_limits(cfg, [spec])
-    assert cfg.device == "cpu" and cfg.max_batch_tokens == AUTO_BATCH_TOKENS["cpu"] == 1024
+    for threads in (1, 2, 3):  # on the CPU, 1,024 tokens per worker thread: each thread's piece holds several texts
+        cfg = ServeConfig(worker_threads=threads)
+        check_limits(cfg, [spec])
+        assert cfg.device == "cpu" and cfg.max_batch_tokens == 1024 * threads
     long = dataclasses.replace(spec, max_tokens=4096)  # one text must always fit a batch
-    cfg = ServeConfig()
+    cfg = ServeConfig(worker_threads=2)
     check_limits(cfg, [spec, long])
     assert cfg.max_batch_tokens == 4096
     with pytest.raises(ValueError, match="--max-batch-tokens 2048 is below the model's limit of 4096"):
