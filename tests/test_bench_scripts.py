@@ -251,3 +251,18 @@ def test_bench_tokenize_smoke_run_times_both_libraries_and_writes_its_table(tmp_
         assert min(r["mchars_per_s"] for r in ours if r["library"] == "tokie") > hf
         assert all(r["calls"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0 for r in ours)
     assert "| tokie |" in out.read_text()
+
+
+@pytest.mark.slow
+def test_bench_rerank_cpu_smoke_run_times_pollen_and_cross_encoder(tmp_path):
+    """load/bench_rerank.py --device cpu: pollen on its defaults and a variant's flags, and
+    CrossEncoder at each batch size, each one call of 100 documents, in the table and figures."""
+    out = tmp_path / "rerank-cpu.md"
+    run = smoke_run("bench_rerank.py", "--device", "cpu", "--root", str(tmp_path / "ckpt"), "--rounds", "1",
+                    "--calls", "1", "--cpu-batch-sizes", "32", "--variant=--max-batch-tokens 4096", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = results_file.read_figures(out)["rows"]
+    assert [(r["contender"], r["flags"]) for r in rows] == [("pollen", ""), ("pollen", "--max-batch-tokens 4096"),
+                                                             ("CrossEncoder", "batch_size=32")]
+    assert all(r["calls"] == 1 and r["p99_ms"] >= r["p50_ms"] > 0 and r["pairs_per_s"] > 0 for r in rows)
+    assert "| pollen | --max-batch-tokens 4096 |" in out.read_text()
