@@ -50,9 +50,13 @@ def widest(specs: list[ModelSpec]) -> int:
 # sequences of a few hundred tokens (rerank pairs, passages) in each piece. One thread's
 # tokens/s is flat from a few hundred tokens a batch on, while the working set, which the
 # worker's heap keeps (server/config.py WORKER_HEAP_KEEP), and the time a batch holds the worker
-# grow with the batch: no more than that.
+# grow with the batch: no more than that. A bulk batch is what an interactive query that arrives
+# behind it waits for (docs/performance.md, Levers tried: 75 ms p50 at 512 tokens, 195 at 2,048),
+# so --bulk-batch-tokens auto on the CPU is half that a thread, and never below 1,024 tokens.
 AUTO_CUDA_BATCH_TOKENS = 8192
 AUTO_CPU_TOKENS_PER_THREAD = 1024
+AUTO_CPU_BULK_TOKENS_PER_THREAD = 512
+AUTO_CPU_BULK_TOKENS_MIN = 1024
 
 
 def auto_batch_tokens(cfg: ServeConfig) -> int:
@@ -73,6 +77,9 @@ def check_limits(cfg: ServeConfig, specs: list[ModelSpec]) -> None:
         # Bulk batches replay graphs too (an eager one would hold the worker's thread for the
         # milliseconds of its kernel launches, in front of any interactive request).
         cfg.bulk_batch_tokens = min(cfg.max_batch_tokens, cfg.graph_max_tokens or cfg.max_batch_tokens)
+    if not cfg.bulk_batch_tokens and cfg.device == "cpu":
+        cfg.bulk_batch_tokens = min(cfg.max_batch_tokens,
+                                    max(AUTO_CPU_BULK_TOKENS_MIN, AUTO_CPU_BULK_TOKENS_PER_THREAD * cfg.worker_threads))
     if cfg.max_queued_tokens < cfg.max_batch_tokens:
         raise ValueError(f"--max-queued-tokens {cfg.max_queued_tokens} is below --max-batch-tokens "
                          f"{cfg.max_batch_tokens}")

@@ -154,7 +154,8 @@ class ServeConfig:
                                         "limit where that is larger")
     bulk_batch_tokens: int = _flag(LIMITS, 0, "tokens of PRIORITY_BULK work in one batch: lower keeps queries fast "
                                    "under bulk load, higher gives bulk throughput", words={"auto": 0},
-                                   shown="auto, --graph-max-tokens on cuda and --max-batch-tokens on cpu")
+                                   shown="auto: --graph-max-tokens on cuda; on cpu 512 per --worker-threads, at least "
+                                         "1024, at most --max-batch-tokens")
     max_queued_tokens: int = _flag(LIMITS, 2_000_000, "tokens admitted but not yet answered, over all workers; past "
                                    "it requests get RESOURCE_EXHAUSTED")
     max_texts_per_request: int = _flag(LIMITS, 512, "texts (or token-id lists) in one request")

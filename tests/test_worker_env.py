@@ -71,6 +71,10 @@ def test_auto_batch_tokens_by_device():
         cfg = ServeConfig(worker_threads=threads)
         check_limits(cfg, [spec])
         assert cfg.device == "cpu" and cfg.max_batch_tokens == 1024 * threads
+        assert cfg.bulk_batch_tokens == min(1024 * threads, max(1024, 512 * threads))  # what a query may wait behind
+    cfg = ServeConfig(worker_threads=8)
+    check_limits(cfg, [spec])
+    assert (cfg.max_batch_tokens, cfg.bulk_batch_tokens) == (8192, 4096)
     long = dataclasses.replace(spec, max_tokens=4096)  # one text must always fit a batch
     cfg = ServeConfig(worker_threads=2)
     check_limits(cfg, [spec, long])
