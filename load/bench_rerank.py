@@ -339,18 +339,19 @@ def bench_cpu(args) -> None:
         r["over_cross_encoder"] = r["pairs_per_s"] / best["pairs_per_s"]
         lines.append(f"| {r['contender']} | {r['flags'] or 'defaults'} | {r['p50_ms']:,.0f} / {r['p99_ms']:,.0f} | "
                      f"{r['pairs_per_s']:,.1f} | {r['over_cross_encoder']:.2f} |")
+    from load.bench_cpu import machine
     from pollen.server.app import auto_batch_tokens
     from pollen.server.config import ServeConfig
 
     cfg = ServeConfig(device="cpu")
-    text = (f"A MiniLM-L6 cross-encoder of trained weights (all-MiniLM-L6-v2's encoder under a random head), fp32. "
+    text = (f"{machine()}. A MiniLM-L6 cross-encoder of trained weights (all-MiniLM-L6-v2's encoder under a random head), fp32. "
             f"One Rerank of 1 query x {DOCS} documents of about 200 tokens at a time, each call its own query and "
             f"documents, {args.calls} calls a contender a round, {args.rounds} alternating rounds; CrossEncoder's "
             f"predict on the same pairs. {NOTE} pollen's defaults here: {cfg.worker_threads} worker threads, "
             f"--max-batch-tokens {auto_batch_tokens(cfg)}.\n\n" + "\n".join(lines))
     print(text)
     write_result("rerank", "cpu", "Reranking on the CPU through `pollen serve --device cpu`", text,
-                 {"rows": rows, "torch": torch.__version__, "cpu_count": os.cpu_count()}, args.out)
+                 {"rows": rows, "torch": torch.__version__, "machine": machine()}, args.out)
 
 
 def main() -> None:
