@@ -51,8 +51,8 @@ def widest(specs: list[ModelSpec]) -> int:
 # tokens/s is flat from a few hundred tokens a batch on, while the working set, which the
 # worker's heap keeps (server/config.py WORKER_HEAP_KEEP), and the time a batch holds the worker
 # grow with the batch: no more than that. A bulk batch is what an interactive query that arrives
-# behind it waits for (docs/performance.md, Levers tried: 75 ms p50 at 512 tokens, 195 at 2,048),
-# so --bulk-batch-tokens auto on the CPU is half that a thread, and never below 1,024 tokens.
+# behind it waits for (docs/performance.md, Levers tried), so --bulk-batch-tokens auto on the CPU
+# is half that a thread, and never below 1,024 tokens.
 AUTO_CUDA_BATCH_TOKENS = 8192
 AUTO_CPU_TOKENS_PER_THREAD = 1024
 AUTO_CPU_BULK_TOKENS_PER_THREAD = 512
