@@ -65,6 +65,16 @@ def auto_batch_tokens(cfg: ServeConfig) -> int:
     return AUTO_CPU_TOKENS_PER_THREAD * cfg.worker_threads if cfg.device == "cpu" else AUTO_CUDA_BATCH_TOKENS
 
 
+def auto_bulk_batch_tokens(cfg: ServeConfig) -> int:
+    """--bulk-batch-tokens auto, once --max-batch-tokens is set."""
+    if cfg.device == "cuda":
+        # Bulk batches replay graphs too (an eager one would hold the worker's thread for the
+        # milliseconds of its kernel launches, in front of any interactive request).
+        return min(cfg.max_batch_tokens, cfg.graph_max_tokens or cfg.max_batch_tokens)
+    per_threads = AUTO_CPU_BULK_TOKENS_PER_THREAD * cfg.worker_threads
+    return min(cfg.max_batch_tokens, max(AUTO_CPU_BULK_TOKENS_MIN, per_threads))
+
+
 def check_limits(cfg: ServeConfig, specs: list[ModelSpec]) -> None:
     """Size what is automatic (the response rings) and refuse at start the settings that would
     fail requests later, for every served model: the token budgets fit the longest model's limit
@@ -73,13 +83,8 @@ def check_limits(cfg: ServeConfig, specs: list[ModelSpec]) -> None:
     hidden = widest(specs)
     if not cfg.max_batch_tokens:
         cfg.max_batch_tokens = max(auto_batch_tokens(cfg), spec.max_tokens)
-    if not cfg.bulk_batch_tokens and cfg.device == "cuda":
-        # Bulk batches replay graphs too (an eager one would hold the worker's thread for the
-        # milliseconds of its kernel launches, in front of any interactive request).
-        cfg.bulk_batch_tokens = min(cfg.max_batch_tokens, cfg.graph_max_tokens or cfg.max_batch_tokens)
-    if not cfg.bulk_batch_tokens and cfg.device == "cpu":
-        cfg.bulk_batch_tokens = min(cfg.max_batch_tokens,
-                                    max(AUTO_CPU_BULK_TOKENS_MIN, AUTO_CPU_BULK_TOKENS_PER_THREAD * cfg.worker_threads))
+    if not cfg.bulk_batch_tokens:
+        cfg.bulk_batch_tokens = auto_bulk_batch_tokens(cfg)
     if cfg.max_queued_tokens < cfg.max_batch_tokens:
         raise ValueError(f"--max-queued-tokens {cfg.max_queued_tokens} is below --max-batch-tokens "
                          f"{cfg.max_batch_tokens}")
