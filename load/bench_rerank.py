@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -279,56 +280,60 @@ def markdown(rows: list[dict], batch_sizes: tuple[int, ...] = BATCH_SIZES) -> st
 CPU_BATCH_SIZES = (8, 16, 32, 64)
 
 
-def cpu_calls(srv: ServerProcess, queries: list[str], docs: list[str], calls: int) -> list[float]:
-    """Seconds of each of `calls` one-at-a-time Reranks of 1 query x DOCS documents (each call its
-    own query and documents), after one unmeasured."""
-    with grpc.insecure_channel(srv.listen) as channel:
-        stub = pb_grpc.EmbedderStub(channel)
-        stub.Rerank(pb.RerankRequest(query=queries[-1], documents=docs[-DOCS:]), timeout=600)
-        times = []
-        for i in range(calls):
-            request = pb.RerankRequest(query=queries[i], documents=docs[i * DOCS:(i + 1) * DOCS])
-            t0 = time.perf_counter()
-            stub.Rerank(request, timeout=600)
-            times.append(time.perf_counter() - t0)
-    return times
-
-
-def cross_encoder_calls(path: str, queries: list[str], docs: list[str], calls: int, size: int) -> list[float]:
-    """The same calls' seconds through CrossEncoder(path, device="cpu").predict at batch `size`."""
-    from sentence_transformers import CrossEncoder
-
-    model = CrossEncoder(path, device="cpu")
-    model.predict([(queries[-1], d) for d in docs[-DOCS:]], batch_size=size, show_progress_bar=False)
+def timed_calls(call, queries: list[str], docs: list[str], calls: int) -> list[float]:
+    """Seconds of each of `calls` one-at-a-time `call(query, documents)` of 1 query x DOCS
+    documents (each call its own query and documents), after one unmeasured."""
+    call(queries[-1], docs[-DOCS:])
     times = []
     for i in range(calls):
-        pairs = [(queries[i], d) for d in docs[i * DOCS:(i + 1) * DOCS]]
+        query, documents = queries[i], docs[i * DOCS:(i + 1) * DOCS]
         t0 = time.perf_counter()
-        model.predict(pairs, batch_size=size, show_progress_bar=False)
+        call(query, documents)
         times.append(time.perf_counter() - t0)
     return times
 
 
+def pollen_calls(path: str, flags: str, queries: list[str], docs: list[str], calls: int) -> list[float]:
+    """The calls' seconds as gRPC Reranks to `pollen serve --device cpu` with `flags`."""
+    srv = ServerProcess("--model", path, "--device", "cpu", *flags.split()).start(timeout=300)
+    try:
+        with grpc.insecure_channel(srv.listen) as channel:
+            stub = pb_grpc.EmbedderStub(channel)
+            return timed_calls(lambda q, d: stub.Rerank(pb.RerankRequest(query=q, documents=d), timeout=600),
+                               queries, docs, calls)
+    finally:
+        srv.terminate()
+
+
+def cross_encoder_calls(path: str, size: int, queries: list[str], docs: list[str], calls: int) -> list[float]:
+    """The calls' seconds through CrossEncoder(path, device="cpu").predict at batch `size`."""
+    from sentence_transformers import CrossEncoder
+
+    model = CrossEncoder(path, device="cpu")
+    return timed_calls(lambda q, d: model.predict([(q, x) for x in d], batch_size=size, show_progress_bar=False),
+                       queries, docs, calls)
+
+
 def bench_cpu(args) -> None:
+    from load.bench_cpu import machine
     from load.rerank_models import make_trained_minilm_reranker
     from pollen.common.model_spec import default_model_path
+    from pollen.server.app import auto_batch_tokens
+    from pollen.server.config import ServeConfig
 
     path = make_trained_minilm_reranker(args.minilm or default_model_path(), args.root)
     queries, docs = workload()
-    contenders = [("pollen", flags) for flags in ["", *args.variant]] + [("CrossEncoder", f"batch_size={b}")
-                                                                          for b in args.cpu_batch_sizes]
+    # (contender, flags) -> how one round measures it
+    contenders = {("pollen", flags): lambda flags=flags: pollen_calls(path, flags, queries, docs, args.calls)
+                  for flags in ["", *args.variant]}
+    for size in args.cpu_batch_sizes:
+        contenders["CrossEncoder", f"batch_size={size}"] = lambda size=size: cross_encoder_calls(
+            path, size, queries, docs, args.calls)
     times: dict[tuple[str, str], list[float]] = {c: [] for c in contenders}
     for _ in range(args.rounds):
-        for name, flags in contenders:
-            if name == "pollen":
-                srv = ServerProcess("--model", path, "--device", "cpu", *flags.split()).start(timeout=300)
-                try:
-                    times[name, flags] += cpu_calls(srv, queries, docs, args.calls)
-                finally:
-                    srv.terminate()
-            else:
-                with library_defaults():
-                    times[name, flags] += cross_encoder_calls(path, queries, docs, args.calls, int(flags.split("=")[1]))
+        for key, measure in contenders.items():
+            with library_defaults() if key[0] == "CrossEncoder" else contextlib.nullcontext():
+                times[key] += measure()
     rows = [{"contender": name, "flags": flags, "calls": len(t), "p50_ms": float(np.median(t)) * 1e3,
              "p99_ms": float(np.percentile(t, 99)) * 1e3, "pairs_per_s": DOCS / float(np.median(t))}
             for (name, flags), t in times.items()]
@@ -339,19 +344,15 @@ def bench_cpu(args) -> None:
         r["over_cross_encoder"] = r["pairs_per_s"] / best["pairs_per_s"]
         lines.append(f"| {r['contender']} | {r['flags'] or 'defaults'} | {r['p50_ms']:,.0f} / {r['p99_ms']:,.0f} | "
                      f"{r['pairs_per_s']:,.1f} | {r['over_cross_encoder']:.2f} |")
-    from load.bench_cpu import machine
-    from pollen.server.app import auto_batch_tokens
-    from pollen.server.config import ServeConfig
-
-    cfg = ServeConfig(device="cpu")
-    text = (f"{machine()}. A MiniLM-L6 cross-encoder of trained weights (all-MiniLM-L6-v2's encoder under a random head), fp32. "
+    cfg, host = ServeConfig(device="cpu"), machine()
+    text = (f"{host}. A MiniLM-L6 cross-encoder of trained weights (all-MiniLM-L6-v2's encoder under a random head), fp32. "
             f"One Rerank of 1 query x {DOCS} documents of about 200 tokens at a time, each call its own query and "
             f"documents, {args.calls} calls a contender a round, {args.rounds} alternating rounds; CrossEncoder's "
             f"predict on the same pairs. {NOTE} pollen's defaults here: {cfg.worker_threads} worker threads, "
             f"--max-batch-tokens {auto_batch_tokens(cfg)}.\n\n" + "\n".join(lines))
     print(text)
     write_result("rerank", "cpu", "Reranking on the CPU through `pollen serve --device cpu`", text,
-                 {"rows": rows, "torch": torch.__version__, "machine": machine()}, args.out)
+                 {"rows": rows, "torch": torch.__version__, "machine": host}, args.out)
 
 
 def main() -> None:
