@@ -90,12 +90,13 @@ class WorkerChannel:
     def attach(self, requests: Ring, responses: Ring) -> None:
         """Use the rings of a newly started worker; requests flow once it says READY."""
         self.requests, self.responses = requests, responses
-        responses.set_consumer_sleeping(True)  # before add_reader, or no wake-up ever comes
         self.loop.add_reader(responses.data_fd, self.read_answers)
         self.loop.add_reader(requests.space_fd, self.flush)
         self.generation += 1
         self.spinning = False  # a spin on the last rings stops at its next look
         self.loop.call_later(requests.wait_slice, self.tick, self.generation)
+        if responses.sleep_unless_data():
+            self.read_answers()  # a worker ready before we armed: its READY wrote no eventfd
 
     def detach(self, requeue: bool) -> None:
         """The worker is gone (or stopping): read what it answered, stop using its rings and,
@@ -151,6 +152,8 @@ class WorkerChannel:
         while work is outstanding. Nothing to do when idle, so an idle server stays quiet."""
         if generation != self.generation or self.responses is None:
             return  # these rings are gone; the next worker's run their own tick
+        if self.responses.has_data():  # a lost wake-up: a READY record, or answers (no system call)
+            self.read_answers()
         if self.inflight:
             self.read_answers()
             self.expire_backlog()
@@ -205,8 +208,7 @@ class WorkerChannel:
             self.loop.call_soon(self.spin, generation)
             return
         self.spinning = False
-        ring.set_consumer_sleeping(True)  # back to the eventfd; look once more after the flag
-        if ring.has_data():
+        if ring.sleep_unless_data():  # back to the eventfd
             self.read_answers()
 
     def cancel(self, req_id: int, reason: str) -> None:
@@ -297,8 +299,7 @@ class WorkerChannel:
             ring.release()
             if self.spinning:  # `spin` looks again on the next turn, and sets the flag when it stops
                 return
-            ring.set_consumer_sleeping(True)
-            if not ring.has_data():  # checked after the flag, so no wake-up is lost
+            if not ring.sleep_unless_data():
                 return
 
     def on_ready(self, info: dict) -> None:

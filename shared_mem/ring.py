@@ -15,17 +15,18 @@ start-up removes those of crashed creators.
 
 An asyncio consumer does not block in ``wait_readable``; it watches ``data_fd``::
 
-    def on_readable():                 # loop.add_reader(ring.data_fd, on_readable)
+    def on_readable():
         ring.drain_signal(ring.data_fd)
         ring.set_consumer_sleeping(False)
         while (record := ring.read()) is not None:
             handle(*record)            # copy the payload out: it is reused after release()
         ring.release()
-        ring.set_consumer_sleeping(True)
-        if ring.has_data():            # committed between the last read and the flag
+        if ring.sleep_unless_data():   # committed between the last read and the flag
             loop.call_soon(on_readable)
 
-    ring.set_consumer_sleeping(True)   # before add_reader, or no wake-up ever comes
+    loop.add_reader(ring.data_fd, on_readable)
+    if ring.sleep_unless_data():       # records committed before the flag wrote no eventfd
+        on_readable()
 
 Because a wake-up can (rarely) be lost, see ``Ring``, it should also call ``on_readable`` every
 ``ring.wait_slice`` or so while it awaits answers.
@@ -446,6 +447,14 @@ class Ring:
     def set_consumer_sleeping(self, sleeping: bool) -> None:
         """Mark an event-loop consumer idle (True) or busy (False); see the module docstring."""
         self._u32[_I_CONSUMER_SLEEPING] = 1 if sleeping else 0
+
+    def sleep_unless_data(self) -> bool:
+        """An event-loop consumer going idle: set ``consumer_sleeping``, then look again. True
+        when a record is waiting, which the caller must read now: the producer committed it
+        before it saw the flag and wrote no eventfd for it (a peer that was ready before this
+        reader armed, say). The one place the consumer's side of the sleep protocol is kept."""
+        self._u32[_I_CONSUMER_SLEEPING] = 1
+        return self.has_data()
 
     @property
     def consumer_sleeping(self) -> bool:
