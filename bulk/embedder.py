@@ -53,6 +53,9 @@ class BulkEmbedder:
         if truncate not in TRUNCATE_BY_NAME:
             raise ValueError(f"truncate must be one of {', '.join(TRUNCATE_BY_NAME)}, got {truncate!r}")
         self.spec = read_model_spec(model or default_model_path(), pooling=pooling, attention=attention)
+        if self.spec.task != "embed":  # its rows would be scores, one or one per label, not vectors
+            raise ValueError(f"{self.spec.path}: pollen bulk embeds, and this model serves {self.spec.task} "
+                             f"({self.spec.task_reason})")
         self.tokenizer = TextTokenizer(self.spec.path, self.spec.max_tokens)
         checks = ModelChecks(self.spec, self.tokenizer)  # the server's checks of the options
         try:

@@ -87,6 +87,8 @@ BGE_M3_HEAD_FILES = ("sparse_linear.pt", "colbert_linear.pt")
 # tokenizer's names for them, and XLM-R's own names where its files name none.
 _BGE_M3_SKIPPED = {"cls_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
 TASKS = ("embed", "rerank", "classify")
+# --task's values: a task, or "auto", read from the checkpoint (_read_head).
+TASK_CHOICES = ("auto", *TASKS)
 _SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
               "intermediate_size", "vocab_size", "max_position_embeddings")
 
@@ -130,6 +132,9 @@ class ModelSpec:
     matryoshka_dimensions: tuple = ()
     # "embed": pooled vectors; "rerank": one score per row; "classify": one logit per label.
     task: str = "embed"
+    # Why it has that task, for the start-up log: "from --task (...)", "from the head (...)", "from
+    # the folder name (...)" or "from the architecture (...)".
+    task_reason: str = ""
     labels: tuple = ()  # a classify head's id2label names in id order; () for one output
     # Added by the frontend to each token id of a pair's second segment: the worker reads an id
     # i >= type_offset as word i - type_offset of token type 1 (BERT cross-encoders); 0: no types.
@@ -168,10 +173,15 @@ class ModelSpec:
         return self.hidden_size
 
 
-def read_model_spec(path: str, pooling: str | None = None, attention: str | None = None) -> ModelSpec:
+def read_model_spec(path: str, pooling: str | None = None, attention: str | None = None,
+                    task: str = "auto") -> ModelSpec:
     """pooling ("mean", "cls", "last") and attention ("causal", "bidirectional") override what the
-    checkpoint's files say; None keeps the checkpoint's choice."""
+    checkpoint's files say; None keeps the checkpoint's choice. task (--task: "embed", "rerank",
+    "classify") overrides what the checkpoint's files say it serves, where it can serve that;
+    "auto" keeps the checkpoint's (_read_head)."""
     path = os.path.abspath(os.fspath(path))
+    if task not in TASK_CHOICES:
+        raise UnsupportedModel(f"task {task!r} is not one of {TASK_CHOICES}")
     if not os.path.isdir(path):
         raise UnsupportedModel(f"{path}: not a directory")
     config = read_config(path)
@@ -180,7 +190,7 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
     _check_weights(path, config)
     modules = _read_json(path, "modules.json", list) or []
     _check_modules(path, modules)
-    head = _read_head(path, config, family, modules)
+    head, task_reason = _read_head(path, config, family, modules, task)
     if head is not None and pooling not in (None, head["pooling"]):
         raise UnsupportedModel(f"{path}: pooling {pooling!r} is not offered: the model's {_head_name(head)} "
                                f"read the {head['pooling']!r} token")
@@ -223,7 +233,7 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
         vocab_size=int(config["vocab_size"]), pooling=chosen_pooling, causal=causal,
         # A config key "pollen_native_int8": true forces the pplx int8 path on any checkpoint (tests).
         native_int8=model_type == "bidirectional_pplx_qwen3" or bool(config.get("pollen_native_int8")),
-        prompts=prompts, default_prompt_name=default_prompt,
+        prompts=prompts, default_prompt_name=default_prompt, task_reason=task_reason,
         matryoshka_dimensions=() if head and not head.get("bge_m3") else _matryoshka_sizes(path, config, hidden),
         dense=dense,
         **{key: value for key, value in (head or {}).items() if key != "pooling"})
@@ -241,34 +251,69 @@ def sliding_window(path: str, config: dict) -> int | None:
     return window
 
 
-def _read_head(path: str, config: dict, family: str, modules: list) -> dict | None:
+def _read_head(path: str, config: dict, family: str, modules: list, task: str) -> tuple[dict | None, str]:
     """The ModelSpec fields of a model with a head (task, labels, type_offset, reranker fields,
-    sparse_terms, BGE-M3's) and the token its head pools; None for a dense embedder."""
-    architectures = config.get("architectures") or []
+    sparse_terms, BGE-M3's) and the token its head pools, None for a dense embedder; and why it
+    has its task (ModelSpec.task_reason). `task` is --task's value for the model: "auto" takes the
+    task the checkpoint says; any other is refused where the checkpoint cannot serve it, naming why."""
+    architectures = [str(a) for a in config.get("architectures") or []]
+    shown = ", ".join(architectures) or "none named"
+    given = "from --task" if task != "auto" else None
     arch = next((a for a in architectures if a in CLASSIFIER_POOLING), None)
     if arch is not None:
         labels = _labels(path, config)
-        head = {"task": "classify" if labels else "rerank", "labels": labels, "pooling": CLASSIFIER_POOLING[arch]}
+        found = "classify" if labels else "rerank"
+        outputs = f"{len(labels)} labels" if labels else "one output"
+        if task not in ("auto", found):
+            # An embedder made of a cross-encoder would be its encoder without the head it was
+            # trained with: what its vectors mean, no reference says.
+            raise _task_refused(path, task, f"its {arch} head has {outputs}, so it serves {found}"
+                                + ("; pollen does not serve its encoder without the head" if task == "embed" else ""))
+        head = {"task": found, "labels": labels, "pooling": CLASSIFIER_POOLING[arch]}
         if family == "bert" and int(config.get("type_vocab_size", 2)) > 1:
             head["type_offset"] = int(config["vocab_size"])
-        return head
+        return head, f"{given or 'from the head'} ({arch}, {outputs})"
     bge_m3 = _bge_m3_head(path, config)
     if bge_m3 is not None:
-        return bge_m3
+        what = f"BGE-M3: {' and '.join(BGE_M3_HEAD_FILES)} beside the encoder"
+        if task not in ("auto", "embed"):
+            raise _task_refused(path, task, f"it is an embedder ({what})")
+        return bge_m3, f"{given or 'from the head files'} ({what})"
     sparse = next((a for a in architectures if a in SPARSE_ARCHITECTURES), None)
     if sparse is not None and _splade(path, modules):
         if family != "bert":
             raise UnsupportedModel(f"{path}: {sparse} with model_type {config.get('model_type')!r} is not supported")
-        return {"task": "embed", "pooling": "max", "sparse_terms": min(SPARSE_TERMS, int(config["vocab_size"]))}
-    if "Qwen3ForCausalLM" in architectures and "reranker" in _display_name(path).lower():
-        return {"task": "rerank", "pooling": "last", "reranker_template": True, "yes_no_ids": _yes_no_ids(path)}
+        if task not in ("auto", "embed"):
+            raise _task_refused(path, task, f"it is a sparse embedder ({sparse} as SPLADE)")
+        return ({"task": "embed", "pooling": "max", "sparse_terms": min(SPARSE_TERMS, int(config["vocab_size"]))},
+                f"{given or 'from the head'} ({sparse} as SPLADE)")
+    if "Qwen3ForCausalLM" in architectures:
+        # Qwen3-Reranker is published as a plain causal LM: only its name tells it from any other.
+        name = _display_name(path)
+        what = "Qwen3ForCausalLM as Qwen3-Reranker"
+        if task == "rerank" or task == "auto" and "reranker" in name.lower():
+            head = {"task": "rerank", "pooling": "last", "reranker_template": True,
+                    "yes_no_ids": _yes_no_ids(path, "--task rerank" if given else "")}
+            return head, f"from --task ({what})" if given else f"from the folder name ({name!r} says reranker: {what})"
+        if task == "auto":
+            return None, (f"from the folder name ({name!r} does not say reranker: Qwen3ForCausalLM as an embedder; "
+                          f"--task rerank serves it as Qwen3-Reranker)")
     # Any other classification head would be dropped, and its scores served as embeddings.
-    other = next((a for a in map(str, architectures) if a.endswith(("ForSequenceClassification",
-                                                                      "ForTokenClassification"))), None)
+    other = next((a for a in architectures if a.endswith(("ForSequenceClassification", "ForTokenClassification"))),
+                 None)
     if other is not None:
         raise UnsupportedModel(f"{path}: the {other} head is not supported; supported heads: "
                                f"{', '.join(CLASSIFIER_POOLING)}")
-    return None
+    if task == "rerank":
+        raise _task_refused(path, task, "it has no one-output classification head and is no Qwen3ForCausalLM to "
+                            f"serve as Qwen3-Reranker (architectures: {shown})")
+    if task == "classify":
+        raise _task_refused(path, task, f"it has no classification head with labels (architectures: {shown})")
+    return None, f"{given or 'from the architecture'} ({shown}: no head)"
+
+
+def _task_refused(path: str, task: str, why: str) -> UnsupportedModel:
+    return UnsupportedModel(f"{path}: --task {task} is refused: {why}")
 
 
 def _splade(path: str, modules: list) -> bool:
@@ -336,19 +381,20 @@ def _labels(path: str, config: dict) -> tuple:
     return tuple(names.get(i, f"LABEL_{i}") for i in range(count))
 
 
-def _yes_no_ids(path: str) -> tuple[int, int]:
+def _yes_no_ids(path: str, flag: str = "") -> tuple[int, int]:
     """The token ids of "yes" and "no" in the checkpoint's tokenizer.json: a Qwen3-Reranker's
-    score is the difference of their logits."""
+    score is the difference of their logits. `flag`: the flag that made it a reranker, if one did."""
     check_tokenizer(path)
     from tokenizers import Tokenizer
 
+    where = f"{path}: {flag} is refused:" if flag else f"{path}:"
     tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
     ids = tuple(tokenizer.token_to_id(word) for word in ("yes", "no"))
     if None in ids:
-        raise UnsupportedModel(f"{path}: a Qwen3 reranker's tokenizer.json needs the tokens 'yes' and 'no'")
+        raise UnsupportedModel(f"{where} a Qwen3 reranker's tokenizer.json needs the tokens 'yes' and 'no'")
     vocab = int(read_config(path)["vocab_size"])
     if max(ids) >= vocab:
-        raise UnsupportedModel(f"{path}: token ids {ids} of 'yes' and 'no' exceed vocab_size {vocab}")
+        raise UnsupportedModel(f"{where} token ids {ids} of 'yes' and 'no' exceed vocab_size {vocab}")
     return ids
 
 

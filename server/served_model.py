@@ -5,8 +5,9 @@ and the server-wide settings that change what requests get applied to that spec.
 becomes its snapshot directory in the Hugging Face cache (common/model_source.py) and cfg.model
 holds those directories from then on, so the frontends and workers (started with cfg) read local
 files only. `served_specs` is what every process that answers requests reads: the frontends call
-it with the resolved cfg. A model's place in the list is its index in a request record
-(common/request.py, RequestOptions.model).
+it with the resolved cfg; the workers read each spec with the same --task (WorkerConfig.task_of),
+so both sides agree on every model's task and head. A model's place in the list is its index in a
+request record (common/request.py, RequestOptions.model).
 """
 from __future__ import annotations
 
@@ -40,19 +41,23 @@ def prepare(cfg: ServeConfig) -> list[ModelSpec]:
             raise UnsupportedModel(f"two models are served as {spec.name!r} ({seen[spec.name]} and {spec.path}); "
                                    "name them apart with --served-model-name")
         seen[spec.name] = spec.path
+    for spec in specs:
+        log.info("model %s: task %s, %s", spec.name, spec.task, spec.task_reason)
     return specs
 
 
 def served_specs(cfg: ServeConfig) -> list[ModelSpec]:
     """Each model's spec, in --model's order, with --served-model-name's name in place of the
     checkpoint's (ModelSpec.name is what Info, /v1/models and the answers report and what a
-    request's model field names) and, for a lone model, --pooling, --attention and
-    --default-prompt-name (ServeConfig.check_models refuses them beside others)."""
-    return [_served_spec(cfg, path, name) for path, name in zip(cfg.model_paths(), cfg.served_names())]
+    request's model field names), the task --task gives it (the checkpoint's with auto) and, for a
+    lone model, --pooling, --attention and --default-prompt-name (ServeConfig.check_models refuses
+    them beside others)."""
+    return [_served_spec(cfg, path, name, task)
+            for path, name, task in zip(cfg.model_paths(), cfg.served_names(), cfg.tasks())]
 
 
-def _served_spec(cfg: ServeConfig, path: str, name: str | None) -> ModelSpec:
-    spec = read_model_spec(path, pooling=cfg.pooling, attention=cfg.attention)
+def _served_spec(cfg: ServeConfig, path: str, name: str | None, task: str) -> ModelSpec:
+    spec = read_model_spec(path, pooling=cfg.pooling, attention=cfg.attention, task=task)
     changes = {}
     if cfg.default_prompt_name:
         prompts = dict(spec.prompts)

@@ -37,13 +37,14 @@ QUANTIZATIONS = ("none", "fp8")
 
 
 def load_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               pooling: str | None = None, attention: str | None = None,
+               pooling: str | None = None, attention: str | None = None, task: str = "auto",
                options: EngineOptions = EngineOptions(), quantization: str = "none") -> EmbeddingModel:
     """The model in `path` on `device` in `dtype`, in eval mode, its kernels chosen from the device,
-    dtype and `options` (the worker's WorkerConfig.engine_options). quantization "fp8": its layers'
-    products in e4m3 (worker/models/fp8.py; bfloat16 on a GPU that has fp8 products, else refused),
-    what the load measured for it in `model.fp8_choice`."""
-    spec = read_model_spec(path, pooling=pooling, attention=attention)
+    dtype and `options` (the worker's WorkerConfig.engine_options), its head from `task` (--task:
+    read_model_spec). quantization "fp8": its layers' products in e4m3 (worker/models/fp8.py;
+    bfloat16 on a GPU that has fp8 products, else refused), what the load measured for it in
+    `model.fp8_choice`."""
+    spec = read_model_spec(path, pooling=pooling, attention=attention, task=task)
     check_quantization(path, quantization, torch.device(device), dtype)
     config = read_config(spec.path)
     ops = choose_ops(torch.device(device), dtype, options)
