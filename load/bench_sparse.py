@@ -417,7 +417,7 @@ def main() -> None:
                         "POLLEN_BERT_TOKENIZER_DIR, else the bundled all-MiniLM-L6-v2's)")
     p.add_argument("--xlmr-tokenizer", default=None,
                    help="XLM-R's tokenizer directory for bge-m3 (default: --bert-tokenizer's, a stand-in)")
-    p.add_argument("--stsb", default=None, help="the STS-B test CSV (default: POLLEN_STSB, else ../shared's)")
+    p.add_argument("--stsb", default=None, help="the STS-B test CSV (default: the one tests/data ships)")
     p.add_argument("--docs", type=int, default=None, help="distinct texts per row (default: the row's)")
     p.add_argument("--seconds", type=float, default=None, help="pollen's measured window (default: 10, cpu 1)")
     p.add_argument("--warm", type=float, default=None, help="seconds of load before it (default: the row's, 6-10 s)")

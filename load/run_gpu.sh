@@ -12,7 +12,7 @@
 # /tmp/pollen-ckpt); the servers tokenize with the real Qwen3 tokenizer.json, which
 # POLLEN_QWEN3_TOKENIZER names (concurrency, mixed, one_client, http, tokenize, rerank, two_models and
 # models need it; tokenize, rerank and two_models also a BERT tokenizer directory, POLLEN_BERT_TOKENIZER_DIR, which
-# models and sparse use too, with the STS-B test CSV that POLLEN_STSB names; sparse needs no Qwen3
+# models and sparse use too; sparse needs no Qwen3
 # tokenizer: its SPLADE and bge-m3 shapes take the BERT one; fp8 needs the Qwen3 tokenizer and reads
 # all-MiniLM-L6-v2 from its installed package, or POLLEN_MINILM_DIR). With h2load on
 # PATH (Debian/Ubuntu: nghttp2-client), concurrency also measures unary calls from it. A failed

@@ -27,6 +27,14 @@ POLLEN = os.path.join(os.path.dirname(sys.executable), "pollen")
 # The limit for a 2-core machine; a server slower than this fails the fixture.
 SERVING_WITHIN_S = 15.0
 
+# Every server a test started, so that none outlives the run whatever path its test took.
+STARTED: list[ServerProcess] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for server in STARTED:
+        server.kill()
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -52,6 +60,7 @@ class ServerProcess:
         t0 = time.monotonic()
         with open(self.log, "ab") if self.log else contextlib.nullcontext() as stderr:
             self.proc = subprocess.Popen([POLLEN, *self.args], env=self.env, stderr=stderr)
+        STARTED.append(self)
         channel = grpc.insecure_channel(self.listen)
         health = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() - t0 < timeout:

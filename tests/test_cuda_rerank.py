@@ -4,7 +4,7 @@ for each shape of load/rerank_models.py: fp32 scores rank as HF transformers' fp
 same pairs (Spearman >= 0.9999), and bf16 scores rank against fp32 at least as well as HF's own
 bf16 does (random weights score pairs within a narrow band, where bf16's rounding reorders
 neighbours whoever computes it, so the bar is the reference library's figure). Needs
-the STS-B test CSV (POLLEN_STSB), a BERT tokenizer directory (POLLEN_BERT_TOKENIZER_DIR) and the
+a BERT tokenizer directory (POLLEN_BERT_TOKENIZER_DIR) and the
 Qwen3 tokenizer.json (POLLEN_QWEN3_TOKENIZER); skipped cleanly without a GPU or those."""
 
 import os
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-NEEDS = ("POLLEN_STSB", "POLLEN_BERT_TOKENIZER_DIR", "POLLEN_QWEN3_TOKENIZER")
+NEEDS = ("POLLEN_BERT_TOKENIZER_DIR", "POLLEN_QWEN3_TOKENIZER")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (load/run_gpu.sh runs them on a GPU host)"),
               pytest.mark.skipif(not all(os.environ.get(n) for n in NEEDS), reason=f"needs {', '.join(NEEDS)}")]
@@ -28,6 +28,7 @@ from pollen.server.tokenizer import TextTokenizer  # noqa: E402
 from pollen.v1 import embedder_pb2 as pb  # noqa: E402
 from pollen.worker.cuda_engine import CudaEngine  # noqa: E402
 from pollen.worker.models.loader import load_model  # noqa: E402
+from tests.texts import STSB  # noqa: E402
 
 PAIRS = 1000
 ROOT = "/tmp/pollen-rerank-ckpt"
@@ -54,7 +55,7 @@ def pair_sequences(path: str) -> list[np.ndarray]:
     spec = read_model_spec(path)
     builder = PairBuilder(spec, TextTokenizer(path, spec.max_tokens))
     return [builder.pairs(q, [d], "", min(spec.max_tokens, 512), pb.TRUNCATE_END)[0]
-            for q, d in stsb_pairs(os.environ["POLLEN_STSB"], PAIRS)]
+            for q, d in stsb_pairs(STSB, PAIRS)]
 
 
 def scores(path: str, seqs: list[np.ndarray], dtype: torch.dtype) -> np.ndarray:

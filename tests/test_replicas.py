@@ -101,10 +101,11 @@ def test_a_stream_goes_on_when_its_replica_dies():
     headless Service behind its name): calls spread over both; then the server holding a stream
     is killed and the stream's unanswered messages go to the other."""
     port = free_port()
-    servers = start_all(ServerProcess(listen=f"127.0.0.1:{port}"), ServerProcess(listen=f"[::1]:{port}"))
-    texts = [t for t in varied_texts(160, seed=5) if len(t) < 400]
+    servers = [ServerProcess(listen=f"127.0.0.1:{port}"), ServerProcess(listen=f"[::1]:{port}")]
     answers, killed = [], []
     try:
+        start_all(*servers)
+        texts = [t for t in varied_texts(160, seed=5) if len(t) < 400]
         with Client(f"dns:///localhost:{port}") as client:
             client.info()
             counts = spread(servers, lambda: [client.embed("warm") for _ in range(20)])

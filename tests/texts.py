@@ -1,13 +1,13 @@
-"""Test inputs: varied texts made deterministically, and the STS Benchmark pairs from ../shared."""
+"""Test inputs: varied texts made deterministically, and the STS Benchmark pairs shipped in tests/data/stsb."""
 from __future__ import annotations
 
 import csv
-import os
 import pathlib
 import random
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-STSB = REPO.parent / "shared" / "data" / "stsb" / "stsb-en-test.csv"
+# The STS Benchmark test split (CC BY-SA 4.0: LICENSE beside it), shipped with the tests.
+STSB = REPO / "tests" / "data" / "stsb" / "stsb-en-test.csv"
 
 _PARAGRAPH = (
     "Embedding servers turn text into vectors that search systems compare by cosine similarity. "
@@ -67,10 +67,7 @@ def varied_texts(n: int = 200, seed: int = 7) -> list[str]:
 
 
 def stsb_pairs(path: str | None = None) -> list[tuple[str, str, float]]:
-    """The STS-B test pairs (sentence, sentence, gold score) from `path`, else POLLEN_STSB's file,
-    else ../shared's."""
-    path = pathlib.Path(path or os.environ.get("POLLEN_STSB") or STSB)
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: the STS Benchmark data lives in ../shared beside the repo")
-    with open(path, newline="", encoding="utf-8") as f:
+    """The STS-B test pairs (sentence, sentence, gold score) from `path`, else the shipped file."""
+    with open(pathlib.Path(path or STSB), newline="", encoding="utf-8") as f:
         return [(a, b, float(s)) for a, b, s in csv.reader(f)]
+
