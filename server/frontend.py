@@ -126,7 +126,8 @@ class Frontend:
         for channel in channels:
             channel.model_names = [spec.name for spec in specs]
         router = Router(cfg, channels, state)
-        service = EmbedderService(cfg, ModelTable.build(cfg, specs, router, executor), router, fcfg.index)
+        models = ModelTable.build(cfg, specs, router, executor, report=fcfg.index == 0)
+        service = EmbedderService(cfg, models, router, fcfg.index)
         if cfg.grpc_flood_bytes and fcfg.listen and not fcfg.listen.startswith("unix:"):
             service.flood_guard = FloodGuard(int(fcfg.listen.rpartition(":")[2]), cfg.grpc_flood_bytes)
         service.tracer = tracing.start(cfg.otlp_endpoint, fcfg.index)  # None without --otlp-endpoint

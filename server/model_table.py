@@ -74,10 +74,13 @@ class ModelTable:
         self.by_name = {model.name: model for model in models}
 
     @classmethod
-    def build(cls, cfg: ServeConfig, specs: list[ModelSpec], router: Router, executor: Executor) -> ModelTable:
+    def build(cls, cfg: ServeConfig, specs: list[ModelSpec], router: Router, executor: Executor,
+              report: bool = True) -> ModelTable:
+        """`report`: this frontend logs what its tokenizers' start-up probes find (the first does;
+        the others find the same)."""
         models = []
         for index, (path, spec) in enumerate(zip(cfg.model_paths(), specs)):
-            tokenizer = TextTokenizer(path, spec.max_tokens, tiktoken=cfg.tiktoken, tokie=cfg.tokie)
+            tokenizer = TextTokenizer(path, spec.max_tokens, tiktoken=cfg.tiktoken, tokie=cfg.tokie, report=report)
             admission = Admission(spec, tokenizer, executor, cfg.max_texts_per_request,
                                   default_truncate=cfg.default_truncate, model=index,
                                   token_limits=token_limits(cfg, spec))

@@ -82,7 +82,7 @@ def cut_pattern(config: dict) -> re.Pattern | None:
 class TextTokenizer:
     def __init__(self, model_dir: str, max_tokens: int, *, chars_per_token: int = CHARS_PER_TOKEN,
                  piece_chars: int = PIECE_CHARS, group_chars: int = GROUP_CHARS, tiktoken: bool = True,
-                 tokie: bool = True):
+                 tokie: bool = True, report: bool = True):
         path = os.path.join(model_dir, "tokenizer.json")
         if not os.path.isfile(path):
             raise ValueError(f"{model_dir}: no tokenizer.json (pollen needs the fast-tokenizer file)")
@@ -103,7 +103,7 @@ class TextTokenizer:
         self.ascii_bpe = AsciiBpe.build(config, self.tokenizer) if tiktoken else None
         # tokie for the texts whose characters it was shown at load to encode as the tokenizer.json
         # does (server/tokie_ids.py; None: every text through the tokenizers library).
-        self.tokie = TokieIds.build(path, config, self.tokenizer) if tokie else None
+        self.tokie = TokieIds.build(path, config, self.tokenizer, report) if tokie else None
         self._around = (self.prefix.tolist(), self.suffix.tolist())
         # The sizes of the pieces (tests make them tiny, so that cuts fall everywhere).
         self.chars_per_token, self.piece_chars, self.group_chars = chars_per_token, piece_chars, group_chars

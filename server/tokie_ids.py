@@ -74,10 +74,12 @@ class TokieIds:
         self.added_firsts = few(sorted({t[0] for t in added}))
 
     @classmethod
-    def build(cls, path: str, config: dict, reference) -> TokieIds | None:
+    def build(cls, path: str, config: dict, reference, report: bool = True) -> TokieIds | None:
         """For the tokenizer.json at `path` (its parsed `config`); `reference` (a tokenizers.Tokenizer
         of the same file, without truncation) is what tokie must agree with. None when tokie is
-        missing, cannot read the file, or agrees on no character."""
+        missing, cannot read the file, or agrees on no character. `report`: log what the probe
+        found (one process of a server does: every frontend finds the same)."""
+        level = logging.INFO if report else logging.DEBUG
         added = [t["content"] for t in config.get("added_tokens", ())]
         if len(added) > ADDED_MAX:
             return None
@@ -87,7 +89,7 @@ class TokieIds:
             encoder.no_truncation()
             encoder.no_padding()
         except Exception as exc:  # noqa: BLE001 - tokie's loader raises its own error types
-            log.info("tokie cannot read %s (%s): tokenizing with the tokenizers library only", path, exc)
+            log.log(level, "tokie cannot read %s (%s): tokenizing with the tokenizers library only", path, exc)
             return None
         chars = [chr(c) for lo, hi in PROBED_RANGES for c in range(lo, hi + 1)]
         probes = [contexts(c) for c in chars]
@@ -98,9 +100,13 @@ class TokieIds:
         if not agreed:
             return None
         if differ:
-            log.info("tokie encodes %d probed characters of %s unlike the tokenizers library (%s): texts holding "
-                     "them are tokenized by the tokenizers library", len(differ), path,
-                     " ".join(f"U+{ord(c):04X}" for c in differ[:12]) + (" ..." if len(differ) > 12 else ""))
+            # Rare characters (unassigned code points, controls) cost only the texts that hold
+            # them: worth a line only where everyday ASCII text would take the slower path.
+            everyday = any(" " <= c <= "~" for c in differ)
+            log.log(level if everyday else logging.DEBUG, "tokie encodes %d probed characters of %s unlike the "
+                    "tokenizers library (%s): texts holding them are tokenized by the tokenizers library",
+                    len(differ), path,
+                    " ".join(f"U+{ord(c):04X}" for c in differ[:12]) + (" ..." if len(differ) > 12 else ""))
         return cls(encoder, agreed, added)
 
     def held(self, texts: list[str]) -> set[int]:

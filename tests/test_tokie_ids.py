@@ -223,3 +223,17 @@ def test_one_tokie_call_holds_a_small_multiple_of_its_text():
     chars, tokens, rise = map(int, run.stdout.split())
     assert tokens > chars // 8
     assert rise < 6 * chars, f"{rise / chars:.1f} bytes a character"
+
+
+def test_the_probe_of_rare_characters_is_a_debug_line_whichever_frontend_probes(caplog):
+    """all-MiniLM-L6-v2's probe differs only on DEL and unassigned code points: texts holding them
+    are rare, so the finding is a DEBUG line, not one INFO line a frontend (eleven on a GPU host)."""
+    import logging
+
+    for report in (True, False):
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="pollen.tokenizer"):
+            assert TextTokenizer(default_model_path(), 256, report=report).tokie is not None
+        probe = [r for r in caplog.records if r.getMessage().startswith("tokie encodes")]
+        assert len(probe) == 1 and "U+007F" in probe[0].getMessage()
+        assert probe[0].levelno == logging.DEBUG
