@@ -34,6 +34,7 @@ from pollen.server.flood_guard import FloodGuard
 from pollen.server.metrics import TASK_OF, count_request
 from pollen.server.model_table import ModelTable, ServedModel
 from pollen.server.router import Router
+from pollen.server.wire_fault import bad_field
 from pollen.shared_mem import records
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
@@ -57,7 +58,8 @@ class Undecodable:
 
     type_name: str
     size: int
-    reason: str
+    reason: str  # protobuf's, without its "Error parsing message ...:" prefix
+    field: str | None  # the field at fault (server/wire_fault.py), where one is
 
 
 @dataclass(slots=True)
@@ -80,7 +82,8 @@ def lenient(message_type, max_bytes: int):
         try:
             message = message_type.FromString(data)
         except Exception as exc:  # noqa: BLE001 - DecodeError, or whatever else bad bytes raise: never into grpc
-            return Undecodable(message_type.DESCRIPTOR.full_name, len(data), str(exc))
+            reason = str(exc).rpartition("': ")[2] or type(exc).__name__
+            return Undecodable(message_type.DESCRIPTOR.full_name, len(data), reason, bad_field(message_type, data))
         if len(data) > max_bytes:
             return Oversize(len(data), max_bytes, getattr(message, "id", ""))
         return message
@@ -194,7 +197,8 @@ def undecodable(request: Undecodable, method: str, where: str = "the request") -
     """The refusal of an undecodable message, logged (throttled)."""
     _undecodable_log.warning("%s: %s (%d bytes) is not a valid %s: %s", method, where, request.size,
                              request.type_name, request.reason)
-    return invalid(f"{where} is not a valid {request.type_name}")
+    at = f" in {request.field}" if request.field else ""
+    return invalid(f"{where} is not a valid {request.type_name}: {request.reason[:1].lower()}{request.reason[1:]}{at}")
 
 
 class EmbedderService(pb_grpc.EmbedderServicer):

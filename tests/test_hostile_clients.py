@@ -46,13 +46,28 @@ def test_garbage_unary_bodies_are_invalid_argument_and_logged_once(hostile):
             codes.append(err.value.code())
             details.add(err.value.details())
         assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 50
-        assert details == {"the request is not a valid pollen.v1.EmbedRequest"}
+        assert details == {"the request is not a valid pollen.v1.EmbedRequest: wire format was corrupt in a field "
+                           "numbered 0"}
         stub = pb_grpc.EmbedderStub(channel)
         assert vectors(stub.Embed(pb.EmbedRequest(texts=["still fine"]), timeout=30)).shape == (1, 384)
     lines = pathlib.Path(hostile.log).read_text(errors="replace").splitlines()
     about = [line for line in lines if "not a valid" in line]
     assert 1 <= len(about) <= 2, about
     assert not any("Traceback" in line or " ERROR " in line for line in lines), lines[-20:]
+
+
+def test_a_refusal_names_the_field_whose_bytes_do_not_decode(hostile):
+    good = pb.EmbedRequest(texts=["a bee", "XX", "a hive"], dimensions=128).SerializeToString()
+    cases = {good.replace(b"XX", b"\xff\xfe"): "string field had bad UTF-8 in texts[1]",
+             good[:-1]: "wire format was corrupt in dimensions",
+             good + b"\x12\x09a": "wire format was corrupt in texts[3]"}
+    with grpc.insecure_channel(hostile.listen) as channel:
+        raw = channel.unary_unary(EMBED, request_serializer=None, response_deserializer=None)
+        for data, named in cases.items():
+            with pytest.raises(grpc.RpcError) as err:
+                raw(data, timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details() == f"the request is not a valid pollen.v1.EmbedRequest: {named}"
 
 
 def test_undecodable_stream_message_ends_the_stream_after_the_earlier_answers(hostile):
@@ -67,7 +82,8 @@ def test_undecodable_stream_message_ends_the_stream_after_the_earlier_answers(ho
             for response in call:
                 answers.setdefault(response.id, []).append(response)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert err.value.details() == "message 4 of this stream is not a valid pollen.v1.EmbedRequest"
+        assert err.value.details() == ("message 4 of this stream is not a valid pollen.v1.EmbedRequest: wire format "
+                                       "was corrupt in a field numbered 0")
         assert sorted(answers) == ["g0", "g1", "g2"]  # every message before it; none after
         assert all(len(a) == 1 and vectors(a[0]).shape == (3, 384) for a in answers.values())
     assert hostile.healthy()
