@@ -222,8 +222,7 @@ class HttpDoor:
         if message.token_ids and not self.service.cfg.openai_token_ids:
             count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name, task="embed")
             return error_response(400, TOKEN_IDS_REFUSED, code="token_ids_refused", param="input")
-        if message.model not in self.service.models.by_name:
-            message.model = ""  # a name no served model has (EmbeddingsBody.model)
+        self.first_for_unknown(message)
         try:
             answer = await self.service.embed(message, DOOR, headers=request.headers,
                                               max_inputs=self.service.cfg.max_openai_inputs)
@@ -239,6 +238,7 @@ class HttpDoor:
         except Rejected as exc:
             count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name, task="rerank")
             return error_response(400, exc.message, code="invalid_request", param=exc.param)
+        self.first_for_unknown(message)
         try:
             answer = await self.service.rerank(message, DOOR, headers=request.headers, route=request.path)
         except RequestError as exc:
@@ -251,11 +251,20 @@ class HttpDoor:
         except Rejected as exc:
             count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name, task="classify")
             return error_response(400, exc.message, code="invalid_request", param=exc.param)
+        self.first_for_unknown(message)
         try:
             answer = await self.service.classify(message, DOOR, headers=request.headers)
         except RequestError as exc:
             return self.refused(exc, "classify")
         return Response(200, _ENCODER.encode(to_classify_answer(answer)))
+
+    def first_for_unknown(self, message) -> None:
+        """A model name no served model has gets the first model of the route's task: OpenAI's and
+        Cohere's clients must send a name, and most send one of their own service's
+        (text-embedding-3-small, rerank-v3.5). The answer's `model` says which model answered.
+        (gRPC callers name pollen's models, and an unknown name is refused there.)"""
+        if message.model not in self.service.models.by_name:
+            message.model = ""
 
     @staticmethod
     def refused(exc: RequestError, route: str) -> Response:

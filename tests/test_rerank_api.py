@@ -110,6 +110,19 @@ def test_cohere_client_v2_rerank_unchanged(reranker, reference):
     np.testing.assert_allclose([r.relevance_score for r in answer.results], reference[0][expected], atol=1e-4)
 
 
+def test_cohere_model_names_get_the_first_reranker_as_openai_names_get_the_first_embedder(reranker, reference):
+    """A Cohere client sends Cohere's names: the HTTP door treats a name it does not serve as
+    /v1/embeddings does, and the answer names the model that answered."""
+    import cohere
+
+    client = cohere.ClientV2(api_key="unused", base_url=f"http://{reranker.http_listen}")
+    answer = client.rerank(model="rerank-v3.5", query=QUERY, documents=DOCS, top_n=2)
+    assert [r.index for r in answer.results] == list(np.argsort(-reference[0], kind="stable")[:2])
+    status, body = post(reranker, "/v2/rerank", {"model": "jina-reranker-v2-base-multilingual", "query": QUERY,
+                                                  "documents": DOCS[:2]})
+    assert status == 200 and body["model"] == "tiny-rerank"
+
+
 def test_jina_shaped_request_to_v1_rerank(reranker, reference):
     status, body = post(reranker, "/v1/rerank", {"model": "tiny-rerank", "query": QUERY, "top_n": 10,
                                                   "documents": [{"text": d} for d in DOCS], "return_documents": True})
