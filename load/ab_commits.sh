@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Two commits of pollen measured alternately on one GPU host (old, new, old, new, ...) on the four
-# figures a refactor must keep: the engine's docs tokens/s, docs end to end through EmbedStream,
-# unary queries/s at 128 clients and one client's p50. Each commit is checked out into a temporary
+# Two commits of pollen measured alternately on one GPU host (old, new, old, new, ...) on the
+# figures a change must keep: the engine's docs tokens/s, docs end to end through EmbedStream, the
+# query path (unary queries/s at 1, 32, 128 and 512 clients and 128 on one connection, the p99 at
+# 128 and the whole server's CPU a query there: the guard against a slower query path) and one
+# client's p50. Each commit is checked out into a temporary
 # worktree and installed (`pip install --no-deps -e`) before its turn; both are measured by this
 # checkout's load/ scripts, so the measuring code is the same. At the end the pollen that was
 # installed before is installed again, and the side-by-side table (load/ab_report.py) is printed and
@@ -73,7 +75,8 @@ figure() {  # figure NAME OUT: one benchmark's quick run for the A/B, its result
         engine) timeout 300 "$py" load/bench_engine.py --shapes "$shape" --docs-only --docs-scale 0.5 --out "$out" ;;
         e2e) timeout 300 "$py" load/bench_e2e.py --shape "$shape" --docs-only --docs-scale 0.5 --out "$out" ;;
         unary) timeout 300 "$py" load/bench_concurrency.py --shape "$shape" --device "$device" --tokenizer "$tok" \
-                   --clients 128 --kinds unary --seconds 4 --skip-engine --skip-cold --out "$out" ;;
+                   --clients 1,32,128,512 --kinds unary,unary-one-connection --seconds 4 --skip-engine --skip-cold \
+                   --out "$out" ;;
         one) timeout 300 "$py" load/bench_one_client.py --shape "$shape" --device "$device" --tokenizer "$tok" \
                  --frontends 0 --clients sync --calls 1000 --out "$out" ;;
     esac >"$out.log" 2>&1 || { echo "  $name failed (last lines of its log):" >&2; tail -5 "$out.log" >&2; }

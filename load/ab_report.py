@@ -1,5 +1,7 @@
-"""The side-by-side table of load/ab_commits.sh: the four A/B figures of each commit, round by round,
-read back from the result files the benchmarks wrote (FOLDER/<figure>-<old|new>-<round>.md).
+"""The side-by-side table of load/ab_commits.sh: the A/B figures of each commit, round by round, read
+back from the result files the benchmarks wrote (FOLDER/<figure>-<old|new>-<round>.md); the
+`unary` file gives several rows (the query path's guard: q/s at 1, 32, 128 and 512 clients, on one
+connection, its p99, and the whole server's CPU a query).
 
     python load/ab_report.py FOLDER OLD NEW [--out PATH]     # writes load/results/ab-<kind>.md
 
@@ -19,15 +21,34 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from load.results_file import add_out_argument, device_kind, read_figures, write_result  # noqa: E402
 
 TOLERANCE = 0.03
-# figure -> (what it is, unit, higher is better, its value in the benchmark's raw figures)
+
+
+def server_cpu_us(level: dict) -> float:
+    """The whole server's CPU a query (frontends and workers, every thread, from /proc), in µs."""
+    busy = level["cores_busy"]
+    return (busy["frontends"] + busy["workers"]) / level["queries_per_s"] * 1e6
+
+
+# row -> (the figure whose result file holds it, what it is, unit, higher is better, its value there)
 FIGURES = {
-    "engine": ("engine docs (bench_engine --docs-only)", "tokens/s", True,
+    "engine": ("engine", "engine docs (bench_engine --docs-only)", "tokens/s", True,
                lambda f: f["shapes"][0]["ours_graphs"]["docs"]["tokens_per_s"]),
-    "e2e": ("docs through EmbedStream (bench_e2e --docs-only)", "tokens/s", True,
+    "e2e": ("e2e", "docs through EmbedStream (bench_e2e --docs-only)", "tokens/s", True,
             lambda f: f["docs"]["tokens_per_s"]),
-    "unary": ("unary queries at 128 clients (bench_concurrency)", "queries/s", True,
+    "unary": ("unary", "unary queries at 128 clients (bench_concurrency)", "queries/s", True,
               lambda f: f["levels"]["unary-128"]["queries_per_s"]),
-    "one": ("one client p50, blocking stub (bench_one_client)", "ms", False,
+    "unary-p99": ("unary", "unary p99 at 128 clients", "ms", False, lambda f: f["levels"]["unary-128"]["p99_ms"]),
+    "unary-cpu": ("unary", "the server's CPU a query at 128 clients", "µs", False,
+                  lambda f: server_cpu_us(f["levels"]["unary-128"])),
+    "unary-1": ("unary", "unary queries, one client", "queries/s", True,
+                lambda f: f["levels"]["unary-1"]["queries_per_s"]),
+    "unary-32": ("unary", "unary queries at 32 clients", "queries/s", True,
+                 lambda f: f["levels"]["unary-32"]["queries_per_s"]),
+    "unary-512": ("unary", "unary queries at 512 clients", "queries/s", True,
+                  lambda f: f["levels"]["unary-512"]["queries_per_s"]),
+    "one-connection": ("unary", "128 clients on one connection", "queries/s", True,
+                       lambda f: f["levels"]["unary-one-connection-128"]["queries_per_s"]),
+    "one": ("one", "one client p50, blocking stub (bench_one_client)", "ms", False,
             lambda f: f["rows"][0]["p50_ms"]),
 }
 
@@ -35,15 +56,15 @@ FIGURES = {
 def collect(folder: pathlib.Path) -> dict[str, dict[str, list[float]]]:
     """figure -> side -> its value in each round, in round order (a round that failed is left out)."""
     out: dict[str, dict[str, list[float]]] = {}
-    for name, (_, _, _, value) in FIGURES.items():
+    for name, (figure, _, _, _, value) in FIGURES.items():
         for side in ("old", "new"):
-            paths = sorted(folder.glob(f"{name}-{side}-*.md"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+            paths = sorted(folder.glob(f"{figure}-{side}-*.md"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
             values = []
             for path in paths:
                 try:
                     values.append(float(value(read_figures(path))))
-                except (ValueError, KeyError, IndexError) as exc:
-                    print(f"{path}: no figure ({exc!r})", file=sys.stderr)
+                except (ValueError, KeyError, IndexError, ZeroDivisionError) as exc:
+                    print(f"{path}: no {name} figure ({exc!r})", file=sys.stderr)
             if values:
                 out.setdefault(name, {})[side] = values
     return out
@@ -51,7 +72,7 @@ def collect(folder: pathlib.Path) -> dict[str, dict[str, list[float]]]:
 
 def verdict(name: str, old: float, new: float) -> tuple[float, bool]:
     ratio = new / old
-    higher_better = FIGURES[name][2]
+    higher_better = FIGURES[name][3]
     return ratio, ratio >= 1 - TOLERANCE if higher_better else ratio <= 1 + TOLERANCE
 
 
@@ -59,8 +80,10 @@ def table(values: dict[str, dict[str, list[float]]], old: str, new: str) -> str:
     lines = [f"old = {old}, new = {new}; each commit measured in turn, old first, round after round, on one host.",
              "", "| figure | unit | old, each round | new, each round | old median | new median | new / old | within 3% |",
              "| --- | --- | --- | --- | ---: | ---: | ---: | --- |"]
-    for name, (what, unit, _, _) in FIGURES.items():
+    for name, (_, what, unit, _, _) in FIGURES.items():
         sides = values.get(name, {})
+        if not sides:
+            continue  # a figure this run did not ask for
         if "old" not in sides or "new" not in sides:
             lines.append(f"| {what} | {unit} | {fmt(sides.get('old', []))} | {fmt(sides.get('new', []))} | | | | not measured |")
             continue
@@ -93,7 +116,7 @@ def main() -> int:
     write_result("ab", device_kind(), "A/B: two commits measured alternately", text,
                  {"old": args.old, "new": args.new, "figures": values}, args.out, command=args.command,
                  commit=f"old {args.old}, new {args.new}")
-    complete = all(len(values.get(name, {})) == 2 for name in FIGURES)
+    complete = all(len(sides) == 2 for sides in values.values()) and bool(values)
     return 0 if complete else 1
 
 

@@ -58,7 +58,8 @@ def write_figures(folder: pathlib.Path, name: str, side: str, round_: int, figur
 def figures_of(name: str, value: float) -> dict:
     return {"engine": {"shapes": [{"ours_graphs": {"docs": {"tokens_per_s": value}}}]},
             "e2e": {"docs": {"tokens_per_s": value}},
-            "unary": {"levels": {"unary-128": {"queries_per_s": value}}},
+            "unary": {"levels": {"unary-128": {"queries_per_s": value, "p99_ms": 9.0,
+                                               "cores_busy": {"frontends": 4.0, "workers": 1.0}}}},
             "one": {"rows": [{"client": "sync", "p50_ms": value}]}}[name]
 
 
@@ -78,6 +79,9 @@ def test_the_ab_table_compares_medians_within_three_percent(tmp_path):
     assert rows["engine docs (bench_engine --docs-only)"].endswith("| 451,000 | 443,000 | 0.982 | yes |")
     assert rows["docs through EmbedStream (bench_e2e --docs-only)"].endswith("| NO |")
     assert rows["unary queries at 128 clients (bench_concurrency)"].endswith("| yes |")
+    # 5 cores busy at 20,500 and 21,500 q/s: the whole server's CPU a query falls, as it should
+    assert rows["the server's CPU a query at 128 clients"].endswith("| 244 | 233 | 0.953 | yes |")
+    assert "unary queries at 512 clients" not in text  # not asked for: no row
     assert rows["one client p50, blocking stub (bench_one_client)"].endswith("| 1.610 | 1.695 | 1.053 | NO |")
 
 
