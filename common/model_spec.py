@@ -174,11 +174,12 @@ class ModelSpec:
 
 
 def read_model_spec(path: str, pooling: str | None = None, attention: str | None = None,
-                    task: str = "auto") -> ModelSpec:
+                    task: str = "auto", sparse_max_terms: int = SPARSE_TERMS) -> ModelSpec:
     """pooling ("mean", "cls", "last") and attention ("causal", "bidirectional") override what the
     checkpoint's files say; None keeps the checkpoint's choice. task (--task: "embed", "rerank",
     "classify") overrides what the checkpoint's files say it serves, where it can serve that;
-    "auto" keeps the checkpoint's (_read_head)."""
+    "auto" keeps the checkpoint's (_read_head). sparse_max_terms (--sparse-max-terms): the width
+    of a SPLADE model's answer rows, at most its vocabulary."""
     path = os.path.abspath(os.fspath(path))
     if task not in TASK_CHOICES:
         raise UnsupportedModel(f"task {task!r} is not one of {TASK_CHOICES}")
@@ -227,6 +228,7 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
         raise UnsupportedModel(f"{path}: Dense modules after the model's {_head_name(head)} are not supported")
     hidden = dense[-1].out_features if dense else int(config["hidden_size"])
     if head is not None and head.get("sparse_terms"):
+        head["sparse_terms"] = min(sparse_max_terms, head["sparse_terms"])
         hidden = 2 * head["sparse_terms"]  # the row the worker writes: weights, then their ids
     return ModelSpec(
         path=path, name=_display_name(path), family=family, hidden_size=hidden, max_tokens=max_tokens,
@@ -285,7 +287,7 @@ def _read_head(path: str, config: dict, family: str, modules: list, task: str) -
             raise UnsupportedModel(f"{path}: {sparse} with model_type {config.get('model_type')!r} is not supported")
         if task not in ("auto", "embed"):
             raise _task_refused(path, task, f"it is a sparse embedder ({sparse} as SPLADE)")
-        return ({"task": "embed", "pooling": "max", "sparse_terms": min(SPARSE_TERMS, int(config["vocab_size"]))},
+        return ({"task": "embed", "pooling": "max", "sparse_terms": int(config["vocab_size"])},
                 f"{given or 'from the head'} ({sparse} as SPLADE)")
     if "Qwen3ForCausalLM" in architectures:
         # Qwen3-Reranker is published as a plain causal LM: only its name tells it from any other.

@@ -33,6 +33,7 @@ class WorkerConfig:
     pooling: str | None = None
     attention: str | None = None
     quantization: str = "none"  # per model, comma-separated in --model's order (ServeConfig.quantizations)
+    sparse_max_terms: int = 1024  # the width of a SPLADE model's answer rows (--sparse-max-terms)
     task: str = "auto"  # per model, comma-separated in --model's order (ServeConfig.tasks): its head follows
     bulk_batch_tokens: int = 0  # cap on bulk tokens per batch; 0: max_batch_tokens
     bulk_sms: int = 0  # cuda: SMs of the bulk lane (ServeConfig.bulk_sms)

@@ -170,6 +170,9 @@ class ServeConfig:
     max_openai_inputs: int = _flag(LIMITS, 2048, "inputs in one OpenAI /v1/embeddings request (OpenAI's own limit); "
                                    "past --max-texts-per-request they travel to the workers as several records")
     max_documents_per_request: int = _flag(LIMITS, 1000, "documents in one rerank request (as Cohere's API)")
+    sparse_max_terms: int = _flag(LIMITS, 1024, "vocabulary weights a SPLADE model's answer row holds (each costs 8 "
+                                  "bytes in the response ring); a text with more positive weights is refused "
+                                  "unless its request asks for the largest (sparse_top_k)")
     max_token_vectors: int = _flag(LIMITS, 16384, "token vectors (outputs tokens: one per token of every text) "
                                    "in one request; each costs the model's width in float32s")
     max_stream_in_flight: int = _flag(LIMITS, 256, "EmbedStream or RerankStream messages one stream may have "

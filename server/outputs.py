@@ -33,6 +33,9 @@ def wanted(request: pb.EmbedRequest, spec: ModelSpec) -> Outputs:
     if request.HasField("sparse_top_k") and request.sparse_top_k == 0:
         raise invalid("sparse_top_k must be at least 1 (leave it unset for every weight)")
     if spec.sparse_terms:
+        if request.sparse_top_k > spec.sparse_terms:
+            raise invalid(f"sparse_top_k {request.sparse_top_k} is over the {spec.sparse_terms} weights an answer row "
+                          f"holds (the server's --sparse-max-terms)")
         asked = _sparse(request, spec, outputs - {pb.OUTPUT_UNSPECIFIED} or {pb.OUTPUT_SPARSE})
     else:
         asked = _dense(request, spec, outputs)

@@ -57,7 +57,8 @@ def served_specs(cfg: ServeConfig) -> list[ModelSpec]:
 
 
 def _served_spec(cfg: ServeConfig, path: str, name: str | None, task: str) -> ModelSpec:
-    spec = read_model_spec(path, pooling=cfg.pooling, attention=cfg.attention, task=task)
+    spec = read_model_spec(path, pooling=cfg.pooling, attention=cfg.attention, task=task,
+                           sparse_max_terms=cfg.sparse_max_terms)
     changes = {}
     if cfg.default_prompt_name:
         prompts = dict(spec.prompts)

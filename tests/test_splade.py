@@ -82,6 +82,8 @@ def save_sparse_encoder(path, hf_dir: str):
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     made = {kind: make_splade(tmp_path_factory.mktemp(f"tiny-splade-{kind}"), kind) for kind in ("bert", "distilbert")}
+    # As save_pretrained leaves it: most of the vocabulary's weights positive in every row.
+    made["plain"] = make_splade(tmp_path_factory.mktemp("plain-distilbert"), "distilbert", bias=0.0)
     made["st"] = str(tmp_path_factory.mktemp("tiny-sparse-encoder"))
     save_sparse_encoder(made["st"], made["bert"])
     return made
@@ -90,7 +92,7 @@ def paths(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(paths):
     srv = ServerProcess("--model", paths["bert"], "--model", paths["distilbert"], "--model", paths["st"],
-                        "--served-model-name", "splade,splade-distil,splade-st").start()
+                        "--model", paths["plain"], "--served-model-name", "splade,splade-distil,splade-st,plain").start()
     yield srv
     assert srv.terminate() == 0
 
@@ -132,6 +134,36 @@ def test_sparse_vectors_equal_the_transformers_recipe(stub, paths, model, kind):
         assert_same(ours, top)
 
 
+def test_a_row_over_the_servers_width_is_refused_unless_the_largest_are_asked_for(stub, paths):
+    """A text with more positive weights than an answer row holds (--sparse-max-terms, 1,024) would
+    lose some: the request is refused saying so; asked for the largest, it gets exactly those."""
+    want = reference(paths["plain"], TEXTS)
+    assert all(len(w) > 1024 for w in want)
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Embed(pb.EmbedRequest(texts=TEXTS, model="plain"), timeout=30)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith("texts[0] has 1,024 or more positive vocabulary weights")
+    assert "sparse_top_k" in refused.value.details() and "--sparse-max-terms" in refused.value.details()
+    reply = stub.Embed(pb.EmbedRequest(texts=TEXTS, model="plain", sparse_top_k=1024), timeout=30)
+    for ours, theirs in zip(rows_of(reply), want):
+        assert_same(ours, dict(sorted(theirs.items(), key=lambda kv: -kv[1])[:1024]))
+    with pytest.raises(grpc.RpcError) as over:
+        stub.Embed(pb.EmbedRequest(texts=TEXTS, model="plain", sparse_top_k=1025), timeout=30)
+    assert "over the 1024 weights an answer row holds" in over.value.details()
+
+
+def test_sparse_max_terms_widens_the_row_up_to_the_vocabulary(paths):
+    from pollen.common.model_spec import read_model_spec
+    from pollen.common.worker_config import WorkerConfig
+    from pollen.server.config import ServeConfig
+
+    assert read_model_spec(paths["plain"]).sparse_terms == 1024
+    wide = read_model_spec(paths["plain"], sparse_max_terms=50_000)
+    assert (wide.sparse_terms, wide.hidden_size) == (30522, 61044)  # the vocabulary, weights and ids
+    cfg = ServeConfig.from_args(["--model", paths["plain"], "--sparse-max-terms", "4096"], environ={})
+    assert cfg.sparse_max_terms == 4096 and "sparse_max_terms" in WorkerConfig.__dataclass_fields__  # of() copies it
+
+
 def test_a_sentence_transformers_sparse_encoder_folder_equals_its_encode(stub, paths):
     from sentence_transformers import SparseEncoder
 
@@ -147,7 +179,7 @@ def test_client_openai_route_and_tei(server, paths):
     with Client(server.listen) as client:
         info = client.info()
         got = client.embed_sparse(TEXTS)
-    assert [(m.sparse, m.dimensions) for m in info.models] == [(True, 30522)] * 3
+    assert [(m.sparse, m.dimensions) for m in info.models] == [(True, 30522)] * 4
     for (ids, weights), theirs in zip(got, want):
         assert_same(dict(zip(ids.tolist(), weights.tolist())), theirs)
     body = json.dumps({"input": TEXTS[:2], "outputs": ["sparse"], "model": "splade"}).encode()

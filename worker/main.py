@@ -52,7 +52,7 @@ def load_one(cfg: WorkerConfig, index: int, path: str, device: str, several: boo
     before = torch.cuda.memory_reserved(device) if cuda else 0
     model = load_model(path, device=device, dtype=getattr(torch, cfg.dtype), pooling=cfg.pooling,
                        attention=cfg.attention, task=cfg.task_of(index), options=cfg.engine_options,
-                       quantization=cfg.quantization_of(index))
+                       quantization=cfg.quantization_of(index), sparse_max_terms=cfg.sparse_max_terms)
     engine = make_engine(model, device, threads=cfg.threads, adapt_threads=cfg.adapt_worker_threads,
                          pieces=cfg.engine_options.cpu_pieces, max_batch_tokens=cfg.max_batch_tokens,
                          cuda_graphs=cfg.cuda_graphs, graph_max_tokens=cfg.graph_max_tokens or None, defer_capture=True,

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from pollen.common.engine_options import EngineOptions
-from pollen.common.model_spec import UnsupportedModel, read_config, read_model_spec
+from pollen.common.model_spec import SPARSE_TERMS, UnsupportedModel, read_config, read_model_spec
 from pollen.worker import kernels
 from pollen.worker.models.attention import backend as attention_backend
 from pollen.worker.models.base import EmbeddingModel
@@ -38,13 +38,14 @@ QUANTIZATIONS = ("none", "fp8")
 
 def load_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
                pooling: str | None = None, attention: str | None = None, task: str = "auto",
-               options: EngineOptions = EngineOptions(), quantization: str = "none") -> EmbeddingModel:
+               options: EngineOptions = EngineOptions(), quantization: str = "none",
+               sparse_max_terms: int = SPARSE_TERMS) -> EmbeddingModel:
     """The model in `path` on `device` in `dtype`, in eval mode, its kernels chosen from the device,
     dtype and `options` (the worker's WorkerConfig.engine_options), its head from `task` (--task:
     read_model_spec). quantization "fp8": its layers' products in e4m3 (worker/models/fp8.py;
     bfloat16 on a GPU that has fp8 products, else refused), what the load measured for it in
     `model.fp8_choice`."""
-    spec = read_model_spec(path, pooling=pooling, attention=attention, task=task)
+    spec = read_model_spec(path, pooling=pooling, attention=attention, task=task, sparse_max_terms=sparse_max_terms)
     check_quantization(path, quantization, torch.device(device), dtype)
     config = read_config(spec.path)
     ops = choose_ops(torch.device(device), dtype, options)
