@@ -21,7 +21,7 @@ from pollen.server.sparse_vectors import finish  # noqa: E402
 from pollen.worker.models.loader import load_model  # noqa: E402
 from pollen.worker.packed import pack  # noqa: E402
 from tests.st_models import texts, token_ids  # noqa: E402
-from tests.test_splade import make_splade, reference  # noqa: E402
+from tests.test_splade import make_distilbert_head, make_splade, reference  # noqa: E402
 
 
 def sparse_rows(rows) -> list[dict[int, float]]:
@@ -30,11 +30,18 @@ def sparse_rows(rows) -> list[dict[int, float]]:
     return [dict(zip(ids[a:b].tolist(), weights[a:b].tolist())) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-@pytest.mark.parametrize("kind", ["bert", "distilbert"])
+# DistilBERT twice more: its MLM head with every part's mark on the weights, tied and untied
+# (tests/test_splade.py make_distilbert_head).
+CHECKPOINTS = {"bert": lambda path: make_splade(path, "bert"), "distilbert": lambda path: make_splade(path, "distilbert"),
+               "distilbert-head": lambda path: make_distilbert_head(path, tied=True),
+               "distilbert-untied": lambda path: make_distilbert_head(path, tied=False)}
+
+
+@pytest.mark.parametrize("kind", list(CHECKPOINTS))
 def test_cuda_sparse_rows_equal_the_transformers_recipe(tmp_path, kind):
     from pollen.worker.cuda_engine import CudaEngine
 
-    path = make_splade(tmp_path / kind, kind)
+    path = CHECKPOINTS[kind](tmp_path / kind)
     docs = texts([1, 3, 9, 30, 45, 60])  # at most 109 tokens: the tiny models have 128 positions
     want = reference(path, docs)
     seqs = token_ids(path, docs)

@@ -47,6 +47,29 @@ def make_splade(path, kind: str, bias: float = SPARSE_BIAS) -> str:
     return str(path)
 
 
+def make_distilbert_head(path, tied: bool = True) -> str:
+    """A DistilBertForMaskedLM whose MLM head leaves each part's mark on the weights: vocab_transform
+    wide enough that the GELU's inputs reach its curved range (where the erf and tanh forms part),
+    vocab_layer_norm and the biases off their init (randomize), and a word table (or an untied
+    vocab_projector) wide enough that the head's differences reach the weights; the MLM bias keeps
+    the rows sparse."""
+    import torch
+    from transformers import DistilBertConfig, DistilBertForMaskedLM
+
+    torch.manual_seed(5)
+    model = DistilBertForMaskedLM(DistilBertConfig(vocab_size=30522, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                                                   max_position_embeddings=128, tie_word_embeddings=tied)).eval()
+    randomize(model)
+    decoder = model.distilbert.embeddings.word_embeddings if tied else model.vocab_projector
+    with torch.no_grad():
+        model.vocab_transform.weight.normal_(0, 2 / 32 ** 0.5)
+        decoder.weight.normal_(0, 0.1)
+        model.vocab_projector.bias.copy_(-2 + 0.05 * torch.randn_like(model.vocab_projector.bias))
+    model.save_pretrained(str(path))
+    copy_bert_tokenizer(path)
+    return str(path)
+
+
 def reference(path: str, texts: list[str]) -> list[dict[int, float]]:
     """The SPLADE recipe in transformers: {id: weight} of each text's positive weights."""
     import torch
@@ -113,9 +136,9 @@ def rows_of(reply: pb.EmbedResponse) -> list[dict[int, float]]:
     return [dict(zip(i.tolist(), w.tolist())) for i, w in zip(ids, weights)]
 
 
-def assert_same(ours: dict[int, float], theirs: dict[int, float]) -> None:
+def assert_same(ours: dict[int, float], theirs: dict[int, float], tolerance: float = 1e-4) -> None:
     assert set(ours) == set(theirs)
-    assert max(abs(ours[i] - theirs[i]) for i in theirs) <= 1e-4
+    assert max(abs(ours[i] - theirs[i]) for i in theirs) <= tolerance
 
 
 @pytest.mark.parametrize("model, kind", [("splade", "bert"), ("splade-distil", "distilbert")])
@@ -162,6 +185,26 @@ def test_sparse_max_terms_widens_the_row_up_to_the_vocabulary(paths):
     assert (wide.sparse_terms, wide.hidden_size) == (30522, 61044)  # the vocabulary, weights and ids
     cfg = ServeConfig.from_args(["--model", paths["plain"], "--sparse-max-terms", "4096"], environ={})
     assert cfg.sparse_max_terms == 4096 and "sparse_max_terms" in WorkerConfig.__dataclass_fields__  # of() copies it
+
+
+def test_distilbert_mlm_head_equals_transformers(tmp_path):
+    """vocab_transform, the exact GELU, vocab_layer_norm (eps 1e-12) and vocab_projector with its
+    bias, tied to the word table and untied, served: the float32 recipe to within float32 rounding,
+    so a tanh GELU, another eps, a norm out of place or the wrong decoder each fail it."""
+    tied, untied = make_distilbert_head(tmp_path / "tied", True), make_distilbert_head(tmp_path / "untied", False)
+    want = {path: reference(path, TEXTS) for path in (tied, untied)}
+    assert all(0 < len(w) < 1024 for rows in want.values() for w in rows)
+    srv = ServerProcess("--model", tied, "--model", untied, "--served-model-name", "tied,untied").start(timeout=60)
+    try:
+        with grpc.insecure_channel(srv.listen) as channel:
+            stub = pb_grpc.EmbedderStub(channel)
+            replies = {path: stub.Embed(pb.EmbedRequest(texts=TEXTS, model=name), timeout=30)
+                       for name, path in (("tied", tied), ("untied", untied))}
+    finally:
+        assert srv.terminate() == 0
+    for path, reply in replies.items():
+        for ours, theirs in zip(rows_of(reply), want[path]):
+            assert_same(ours, theirs, tolerance=1e-5)
 
 
 def test_a_sentence_transformers_sparse_encoder_folder_equals_its_encode(stub, paths):
