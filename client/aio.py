@@ -7,7 +7,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 import grpc
 import numpy as np
 
-from pollen.client.connections import CONNECTION_ARG, Connections
+from pollen.client.connections import CONNECTION_ARG, IN_FLIGHT, Connections
 from pollen.client.messages import (
     EmbedError,
     auth_metadata,
@@ -70,12 +70,17 @@ class AsyncClient:
                 for row in decode_sparse(reply, tokens)]
 
     async def _replies(self, texts, options: dict, outputs: tuple = ()) -> list[pb.EmbedResponse]:
-        """One Embed reply per max_texts_per_request texts, in order, sent concurrently."""
+        """One Embed reply per max_texts_per_request texts, in order, sent concurrently: IN_FLIGHT
+        at most on each connection, each piece on the next connection as it is sent."""
         pieces = split(texts, (await self.info()).max_texts_per_request)
+        slots = asyncio.Semaphore(IN_FLIGHT * len(self._connections.pairs))
+
+        async def reply(piece) -> pb.EmbedResponse:
+            async with slots:
+                return await self._connections.next()[1].Embed(build_request(piece, outputs=outputs, **options),
+                                                               timeout=self.timeout, metadata=self._metadata)
         try:
-            return await asyncio.gather(*(self._connections.next()[1].Embed(
-                build_request(p, outputs=outputs, **options), timeout=self.timeout, metadata=self._metadata)
-                for p in pieces))
+            return await asyncio.gather(*(reply(p) for p in pieces))
         except grpc.RpcError as exc:
             raise EmbedError.from_rpc(exc, self.target) from None
 

@@ -24,6 +24,10 @@ from pollen.v1 import embedder_pb2_grpc as pb_grpc
 CONNECTION_ARG = "pollen.client.connection"  # a channel argument gRPC only compares
 PER_FRONTEND = 2
 MAX_CONNECTIONS = 32
+# Calls the client keeps in flight on one connection when it sends many at once: a frontend is
+# kept busy by far fewer, and the server refuses a stream on a connection that nears its
+# --grpc-max-streams-per-connection, which counts a stream until gRPC has torn it down.
+IN_FLIGHT = 64
 
 
 class Connections:

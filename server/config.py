@@ -111,12 +111,15 @@ class ServeConfig:
     http_unread_bytes: int = _flag(NETWORK, 256 << 20, "bytes of HTTP answers that clients have not read yet, over "
                                    "all of a frontend's connections; an answer over 64 KiB that would pass it is "
                                    "refused 503 with Retry-After", shown="256 MiB")
-    grpc_max_streams_per_connection: int = _flag(NETWORK, 4096, "gRPC calls one connection may have open at once "
-                                                 "(HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS): a gRPC client queues "
-                                                 "the calls past it, a stream opened past it, or while those "
-                                                 "reset are still being torn down, is refused REFUSED_STREAM")
+    grpc_max_streams_per_connection: int = _flag(NETWORK, 256, "gRPC calls one connection may hold at once "
+                                                 "(HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS), each counted until gRPC "
+                                                 "has torn it down: a stream past it is refused REFUSED_STREAM, so "
+                                                 "a client keeps at most about half of it in flight on one "
+                                                 "connection; a rapid reset parks at most this many calls ahead of "
+                                                 "other clients' calls")
     grpc_max_pending_calls: int = _flag(NETWORK, 4096, "gRPC calls a frontend holds that it has not yet begun to "
-                                        "handle, over all connections; past it gRPC ends a new one CANCELLED")
+                                        "handle, over all connections; past it gRPC ends a new one CANCELLED; at "
+                                        "least twice --grpc-max-streams-per-connection")
     grpc_flood_bytes: int = _flag(NETWORK, 128 << 10, "bytes per second a gRPC connection may send that carry no "
                                   "call while the server answers it a quarter of that (resets, ping acks): past "
                                   "both the connection is closed", words={"off": 0}, shown="128 KiB")
@@ -266,6 +269,14 @@ class ServeConfig:
             self.check_http()
         if self.shutdown_grace < 0:
             raise ValueError("--shutdown-grace must be 0 or more")
+        if self.grpc_max_pending_calls < 2 * self.grpc_max_streams_per_connection:
+            # A reset stream is a call gRPC holds until the frontend takes it: a rapid reset holds a
+            # connection's worth, and as many again on the connection it opens once the guard
+            # closes the first. Over the bound, gRPC ends other clients' new calls CANCELLED.
+            raise ValueError(f"--grpc-max-pending-calls ({self.grpc_max_pending_calls}) must be at least twice "
+                             f"--grpc-max-streams-per-connection ({self.grpc_max_streams_per_connection}): the "
+                             "streams one client resets would fill it, and gRPC would end other clients' calls "
+                             "CANCELLED")
         self.engine_options()  # names a bad engine option here rather than in each worker
         tracing.check_endpoint(self.otlp_endpoint)
 

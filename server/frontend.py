@@ -64,7 +64,10 @@ def grpc_options(cfg: ServeConfig) -> list[tuple]:
         ("grpc.max_send_message_length", -1),
         # A connection's streams, counted until gRPC has torn each down (its overload protection):
         # a client that opens and resets streams as fast as it can (the HTTP/2 rapid reset) gets
-        # REFUSED_STREAM past the bound and costs gRPC's parsing only, never a pile of calls.
+        # REFUSED_STREAM past the bound. The streams it reset that gRPC took are calls gRPC holds,
+        # in line with every other client's new calls, until the event loop takes them one by one:
+        # the bound is what one connection parks ahead of other clients' calls, a small share of
+        # the pending bound below.
         ("grpc.max_concurrent_streams", cfg.grpc_max_streams_per_connection),
         # Calls gRPC core has taken but the event loop not yet asked for. Past the bound the core
         # ends a new one with a bare CANCELLED; admission refuses work with a reason long before

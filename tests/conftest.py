@@ -119,13 +119,30 @@ class ServerProcess:
             self.proc.wait()
 
 
+# Calls a test client keeps in flight on one connection: a quarter of the server's
+# --grpc-max-streams-per-connection, which counts a stream until gRPC has torn it down, so a
+# connection with nearly that many calls in flight has new ones refused REFUSED_STREAM.
+IN_FLIGHT_PER_CONNECTION = 64
+
+
+def aio_channels(target: str, calls: int) -> list:
+    """As many aio channels as `calls` in flight at once need, IN_FLIGHT_PER_CONNECTION on each;
+    a channel argument of its own keeps gRPC from sharing one connection between them."""
+    return [grpc.aio.insecure_channel(target, options=[("pollen.test.connection", i)])
+            for i in range(max(1, -(-calls // IN_FLIGHT_PER_CONNECTION)))]
+
+
 def embed_all_at_once(target: str, requests: list, timeout: float = 300, return_exceptions: bool = False) -> list:
-    """Send every request as its own unary Embed, all in flight together, on one aio channel."""
+    """Send every request as its own unary Embed, all in flight together, over aio_channels."""
     async def main():
-        async with grpc.aio.insecure_channel(target) as channel:
-            stub = pb_grpc.EmbedderStub(channel)
-            return await asyncio.gather(*(stub.Embed(r, timeout=timeout) for r in requests),
-                                        return_exceptions=return_exceptions)
+        channels = aio_channels(target, len(requests))
+        stubs = [pb_grpc.EmbedderStub(channel) for channel in channels]
+        try:
+            return await asyncio.gather(*(stubs[i % len(stubs)].Embed(r, timeout=timeout)
+                                          for i, r in enumerate(requests)), return_exceptions=return_exceptions)
+        finally:
+            for channel in channels:
+                await channel.close()
 
     return asyncio.run(main())
 

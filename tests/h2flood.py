@@ -4,10 +4,12 @@ project's framing (hyperframe) and header coding (hpack):
     python -m tests.h2flood KIND HOST:PORT SECONDS [MOST]
 
 KIND is `reset` (HEADERS, a message and RST_STREAM for stream after stream: the rapid reset),
-`open` (streams opened with half a message and left so, 20,000 of them, past any limit the
-server announces) or
+`reset-reconnect` (the same, and a new connection each time the server closes one, until
+SECONDS are up), `open` (streams opened with half a message and left so, 20,000 of them, past
+any limit the server announces) or
 `ping` (PING frames as fast as the socket takes them); `ping-call` the same beside an open call.
-MOST caps the streams or pings sent (20,000 streams for `open`). Frames are built once and their stream ids
+MOST caps the streams or pings sent (20,000 streams for `open`; per connection for
+`reset-reconnect`). Frames are built once and their stream ids
 patched, so that the attacker spends little CPU per frame. It reads everything the server sends
 on a thread of its own and prints one JSON line: what it sent, what came back (RST_STREAM,
 REFUSED_STREAM, PING acks, GOAWAY and its code) and when the server closed the connection.
@@ -163,9 +165,37 @@ def pings(attacker: Attacker, seconds: float, with_call: bool, most: int = 1 << 
     return {"pings": sent}
 
 
+def reconnecting(target: str, seconds: float, most: int) -> dict:
+    """The rapid reset on connection after connection: a new one as soon as the server closes
+    (or refuses) the last, until `seconds` are up."""
+    until = time.monotonic() + seconds
+    totals = {"connections": 0, "closed": 0, "streams": 0, "rst_stream": 0, "refused": 0}
+    while time.monotonic() < until:
+        try:
+            attacker = Attacker(target)
+        except OSError:
+            time.sleep(0.01)
+            continue
+        totals["connections"] += 1
+        totals["streams"] += streams(attacker, until - time.monotonic(), reset=True, most=most)["streams"]
+        attacker.reader.join(0.2)  # the server's close, when it closed this one
+        totals["closed"] += attacker.closed_after_s is not None
+        totals["rst_stream"] += attacker.counts["rst_stream"]
+        totals["refused"] += attacker.counts["refused"]
+        try:
+            attacker.sock.shutdown(socket.SHUT_RDWR)  # ends the reader's recv, then the socket
+        except OSError:
+            pass  # the server reset it
+        attacker.sock.close()
+    return totals
+
+
 def main(argv: list[str]) -> int:
     kind, target, seconds = argv[0], argv[1], float(argv[2])
     most = int(argv[3]) if len(argv) > 3 else 20_000 if kind == "open" else 1 << 30
+    if kind == "reset-reconnect":
+        print(json.dumps({"kind": kind, "pid": os.getpid(), **reconnecting(target, seconds, most)}), flush=True)
+        return 0
     attacker = Attacker(target)
     time.sleep(0.2)  # the server's SETTINGS and first WINDOW_UPDATE
     if kind.startswith("ping"):

@@ -99,6 +99,27 @@ def test_async_client_embed_and_stream(server, stub):
     check_answers(inputs, answers, stub)
 
 
+@pytest.mark.slow
+def test_async_client_sends_many_pieces_within_the_servers_stream_bound():
+    """2,000 texts, one a request: 2,000 calls at once over the client's two connections, far more
+    on each than the server's --grpc-max-streams-per-connection lets one connection keep (sent
+    all at once, some are refused REFUSED_STREAM). The client keeps IN_FLIGHT on each, so none
+    is."""
+    texts = [f"piece {i} of a long list" for i in range(2000)]
+    srv = ServerProcess("--max-texts-per-request", "1").start()
+    try:
+        async def main():
+            async with AsyncClient(srv.listen) as aclient:
+                return await aclient.embed(texts)
+
+        rows = asyncio.run(main())
+        assert rows.shape == (2000, 384)
+        with grpc.insecure_channel(srv.listen) as channel:
+            assert cosine_rows(rows[-1:], grpc_float(pb_grpc.EmbedderStub(channel), texts[-1:])).min() > 0.9999
+    finally:
+        assert srv.terminate() == 0
+
+
 def test_stream_error_names_the_message(client):
     with pytest.raises(EmbedError) as caught:
         list(client.embed_stream(["ok", "", "never reached"], in_flight=1))

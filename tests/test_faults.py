@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
-from tests.conftest import POLLEN, ServerProcess, free_port, vectors
+from tests.conftest import POLLEN, ServerProcess, aio_channels, free_port, vectors
 from tests.test_drops import sample, scrape
 
 
@@ -45,13 +45,17 @@ def test_sigterm_answers_every_call_it_received():
     srv = ServerProcess().start()
 
     async def main():
-        async with grpc.aio.insecure_channel(srv.listen) as channel:
-            stub = pb_grpc.EmbedderStub(channel)
-            calls = [asyncio.ensure_future(stub.Embed(pb.EmbedRequest(texts=[f"query {i} about shutting down"]),
-                                                      timeout=120)) for i in range(200)]
+        channels = aio_channels(srv.listen, 200)
+        stubs = [pb_grpc.EmbedderStub(channel) for channel in channels]
+        try:
+            calls = [asyncio.ensure_future(stubs[i % len(stubs)].Embed(
+                pb.EmbedRequest(texts=[f"query {i} about shutting down"]), timeout=120)) for i in range(200)]
             await asyncio.sleep(0.05)
             srv.proc.send_signal(signal.SIGTERM)
             return await asyncio.gather(*calls, return_exceptions=True)
+        finally:
+            for channel in channels:
+                await channel.close()
 
     try:
         results = asyncio.run(main())

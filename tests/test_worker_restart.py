@@ -11,7 +11,7 @@ import numpy as np
 
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
-from tests.conftest import ServerProcess, cosine_rows, embed_all_at_once, shm_segments, vectors
+from tests.conftest import ServerProcess, aio_channels, cosine_rows, embed_all_at_once, shm_segments, vectors
 from tests.texts import stsb_pairs
 
 REQUESTS = 2000
@@ -28,17 +28,18 @@ def test_kill_9_worker_loses_nothing(reference):
 
         async def main():
             answered = 0
-            async with grpc.aio.insecure_channel(srv.listen) as channel:
-                stub = pb_grpc.EmbedderStub(channel)
+            channels = aio_channels(srv.listen, REQUESTS)
+            stubs = [pb_grpc.EmbedderStub(channel) for channel in channels]
 
-                async def one(picks):
-                    nonlocal answered
-                    reply = await stub.Embed(pb.EmbedRequest(texts=[pool[j] for j in picks], normalize=True),
-                                             timeout=300)
-                    answered += 1
-                    return reply
+            async def one(i, picks):
+                nonlocal answered
+                reply = await stubs[i % len(stubs)].Embed(pb.EmbedRequest(texts=[pool[j] for j in picks],
+                                                                          normalize=True), timeout=300)
+                answered += 1
+                return reply
 
-                calls = [asyncio.ensure_future(one(p)) for p in plan]
+            try:
+                calls = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(plan)]
                 # Kill once the worker is busy and most requests are still waiting.
                 while answered < 50:
                     await asyncio.sleep(0.005)
@@ -46,6 +47,9 @@ def test_kill_9_worker_loses_nothing(reference):
                 in_flight_at_kill = REQUESTS - answered
                 replies = await asyncio.gather(*calls)
                 return replies, in_flight_at_kill
+            finally:
+                for channel in channels:
+                    await channel.close()
 
         replies, in_flight_at_kill = asyncio.run(main())
         print(f"killed worker {victim} with {in_flight_at_kill} requests unanswered")
