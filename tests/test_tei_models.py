@@ -1,11 +1,13 @@
 """TEI's clients, unchanged, against one server of three tiny models, a reranker first, then an
-embedder and a classifier (server/http_tei.py): POST / follows the body's
+embedder and a classifier (server/http_tei.py, server/tei_service.py): POST / follows the body's
 shape (huggingface_hub's InferenceClient on the server's base URL embeds, compares and
 classifies); every TEI route is served for one model under /models/<name>/ (tei-client's
-HttpClient and huggingface_hub with that base URL, /info describing that model). Values against
+HttpClient and huggingface_hub with that base URL, /info describing that model); tei.v1 calls
+name one model with `pollen-model` metadata (tei-client's own stubs). Values against
 sentence-transformers, CrossEncoder and HF's softmax of the classifier's logits."""
 from __future__ import annotations
 
+import grpc
 import numpy as np
 import pytest
 
@@ -16,6 +18,8 @@ from tests.test_rerank_api import DOCS, QUERY, make_cross_encoder
 from tests.test_tei_http import call, refused
 
 tei_client = pytest.importorskip("tei_client")
+from tei_client.stubs import tei_pb2 as tei  # noqa: E402
+from tei_client.stubs import tei_pb2_grpc as tei_grpc  # noqa: E402
 
 TEXTS = ["Bees make honey from nectar.", "A man is playing a guitar.", "stock prices fell"]
 
@@ -103,3 +107,25 @@ def test_each_model_s_routes_under_its_name(server, models, online):
     refused(server, "/models/dense/predict", {"inputs": "x"}, 424, "backend", "dense is an embedding model")
     code, answer = call(server, "/models/nope/info")
     assert code == 404 and "the models served: ranker, dense, classes" in answer["error"]["message"]
+
+
+def test_tei_grpc_calls_name_their_model_in_metadata(server, models):
+    def named(name: str) -> tuple:
+        return (("pollen-model", name),)
+
+    with grpc.insecure_channel(server.listen) as channel:
+        info = tei_grpc.InfoStub(channel)
+        assert info.Info(tei.InfoRequest(), timeout=30).model_type == tei.MODEL_TYPE_RERANKER  # the first model
+        answer = info.Info(tei.InfoRequest(), metadata=named("classes"), timeout=30)
+        assert answer.model_id == "classes" and answer.model_type == tei.MODEL_TYPE_CLASSIFIER
+        predicted = tei_grpc.PredictStub(channel).Predict(tei.PredictRequest(inputs=TEXTS[2]),
+                                                          metadata=named("classes"), timeout=30)
+        assert_labels([(p.label, p.score) for p in predicted.predictions], models["softmax"][2])
+        embed = tei_grpc.EmbedStub(channel)
+        got = embed.Embed(tei.EmbedRequest(inputs=TEXTS[0], normalize=True), metadata=named("dense"), timeout=30)
+        assert np.abs(np.array(got.embeddings) - vectors(models, TEXTS[:1])[0]).max() <= 1e-5
+        for name, code, words in (("classes", grpc.StatusCode.FAILED_PRECONDITION, "pollen-model classes is a "
+                                   "classifier"), ("nope", grpc.StatusCode.INVALID_ARGUMENT, "'nope' is not served")):
+            with pytest.raises(grpc.RpcError) as err:
+                embed.Embed(tei.EmbedRequest(inputs="x"), metadata=named(name), timeout=30)
+            assert err.value.code() == code and words in err.value.details(), err.value.details()
