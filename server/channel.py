@@ -93,6 +93,11 @@ class WorkerChannel:
         responses.set_consumer_sleeping(True)  # before add_reader, or no wake-up ever comes
         self.loop.add_reader(responses.data_fd, self.read_answers)
         self.loop.add_reader(requests.space_fd, self.flush)
+        # The worker gets the pair when we do, and one already loaded writes READY at once: before
+        # the flag above was up, so it rang no bell. Read what is there now (after the flag, as
+        # read_answers looks, so no wake-up is lost either way).
+        if responses.has_data():
+            self.read_answers()
         self.generation += 1
         self.spinning = False  # a spin on the last rings stops at its next look
         self.loop.call_later(requests.wait_slice, self.tick, self.generation)
