@@ -51,8 +51,10 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(models):
     names = ("ranker", "splade", "dense")
+    # --tokie off: tokie's start-up probe of each tokenizer is most of a tiny model's start, and
+    # what these tests ask does not depend on which library tokenizes.
     srv = ServerProcess(*[a for name in names for a in ("--model", models[name])],
-                        "--served-model-name", ",".join(names)).start()
+                        "--served-model-name", ",".join(names), "--tokie", "off").start()
     yield srv
     assert srv.terminate() == 0
 
