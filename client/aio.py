@@ -5,11 +5,12 @@ import asyncio
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 
 import grpc
-import numpy as np
 
 from pollen.client.connections import CONNECTION_ARG, IN_FLIGHT, Connections
 from pollen.client.messages import (
     EmbedError,
+    Results,
+    Vectors,
     auth_metadata,
     build_request,
     classify_request,
@@ -18,6 +19,7 @@ from pollen.client.messages import (
     decode_sparse,
     decode_tokens,
     label_scores,
+    ranks,
     split,
 )
 from pollen.client.ordering import StreamOrder
@@ -55,22 +57,26 @@ class AsyncClient:
             self._info = info
         return self._info
 
-    async def embed(self, texts: str | Sequence[str], **options) -> np.ndarray:
+    async def embed(self, texts: str | Sequence[str], **options) -> Vectors:
         """As Client.embed; the pieces over max_texts_per_request are sent concurrently."""
-        return concatenate([decode(reply) for reply in await self._replies(texts, options)])
+        return concatenate([decode(reply, len(piece)) for piece, reply in await self._replies(texts, options)])
 
-    async def embed_tokens(self, texts: str | Sequence[str], **options) -> list[np.ndarray]:
+    async def embed_tokens(self, texts: str | Sequence[str], **options) -> Results:
         """As Client.embed_tokens; the pieces over max_texts_per_request are sent concurrently."""
-        return [rows for reply in await self._replies(texts, options, ("tokens",)) for rows in decode_tokens(reply)]
+        replies = await self._replies(texts, options, ("tokens",))
+        return Results([rows for piece, reply in replies for rows in decode_tokens(reply, len(piece))],
+                       replies[0][1].model)
 
-    async def embed_sparse(self, texts: str | Sequence[str], **options) -> list[tuple]:
+    async def embed_sparse(self, texts: str | Sequence[str], **options) -> Results:
         """As Client.embed_sparse; the pieces over max_texts_per_request are sent concurrently."""
         tokens = bool(options.get("sparse_tokens"))
-        return [row for reply in await self._replies(texts, options, ("sparse",))
-                for row in decode_sparse(reply, tokens)]
+        replies = await self._replies(texts, options, ("sparse",))
+        return Results([row for piece, reply in replies for row in decode_sparse(reply, len(piece), tokens)],
+                       replies[0][1].model)
 
-    async def _replies(self, texts, options: dict, outputs: tuple = ()) -> list[pb.EmbedResponse]:
-        """One Embed reply per max_texts_per_request texts, in order, sent concurrently: IN_FLIGHT
+    async def _replies(self, texts, options: dict,
+                       outputs: tuple = ("dense",)) -> list[tuple[list[str], pb.EmbedResponse]]:
+        """(texts, Embed reply) per max_texts_per_request texts, in order, sent concurrently: IN_FLIGHT
         at most on each connection, each piece on the next connection as it is sent."""
         pieces = split(texts, (await self.info()).max_texts_per_request)
         slots = asyncio.Semaphore(IN_FLIGHT * len(self._connections.pairs))
@@ -80,32 +86,33 @@ class AsyncClient:
                 return await self._connections.next()[1].Embed(build_request(piece, outputs=outputs, **options),
                                                                timeout=self.timeout, metadata=self._metadata)
         try:
-            return await asyncio.gather(*(reply(p) for p in pieces))
+            replies = await asyncio.gather(*(reply(p) for p in pieces))
         except grpc.RpcError as exc:
             raise EmbedError.from_rpc(exc, self.target) from None
+        return list(zip(pieces, replies))
 
-    async def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None,
-                     **options) -> list[tuple[int, float]]:
+    async def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None, *, model: str = "",
+                     **options) -> Results:
         """As Client.rerank."""
-        request = pb.RerankRequest(query=query, documents=list(documents), top_n=top_n, **options)
+        request = pb.RerankRequest(query=query, documents=list(documents), top_n=top_n, model=model, **options)
         try:
             reply = await self._connections.next()[1].Rerank(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise EmbedError.from_rpc(exc, self.target) from None
-        return [(r.index, r.score) for r in reply.results]
+        return ranks(reply, len(request.documents), top_n)
 
-    async def classify(self, texts: str | Sequence[str], text_pairs: Sequence[str] | None = None,
-                       **options) -> list[dict[str, float]]:
+    async def classify(self, texts: str | Sequence[str], text_pairs: Sequence[str] | None = None, *,
+                       model: str = "", **options) -> Results:
         """As Client.classify."""
-        request = classify_request(texts, text_pairs, **options)
+        request = classify_request(texts, text_pairs, model=model, **options)
         try:
             reply = await self._connections.next()[1].Classify(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise EmbedError.from_rpc(exc, self.target) from None
-        return label_scores(reply)
+        return label_scores(reply, len(request.texts))
 
     async def embed_stream(self, inputs: Iterable | AsyncIterable, *, in_flight: int = 16,
-                           reconnect_within: float = 60.0, **options) -> AsyncIterator[np.ndarray]:
+                           reconnect_within: float = 60.0, **options) -> AsyncIterator[Vectors]:
         """As Client.embed_stream; `inputs` may be a plain or an async iterable."""
         order = StreamOrder(options, in_flight)
         source = _aiter(inputs)

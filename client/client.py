@@ -6,11 +6,12 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 
 import grpc
-import numpy as np
 
 from pollen.client.connections import CONNECTION_ARG, Connections
 from pollen.client.messages import (
     EmbedError,
+    Results,
+    Vectors,
     auth_metadata,
     build_request,
     classify_request,
@@ -19,6 +20,7 @@ from pollen.client.messages import (
     decode_sparse,
     decode_tokens,
     label_scores,
+    ranks,
     split,
 )
 from pollen.client.ordering import StreamOrder
@@ -61,63 +63,72 @@ class Client:
             self._info = info
         return self._info
 
-    def embed(self, texts: str | Sequence[str], **options) -> np.ndarray:
+    def embed(self, texts: str | Sequence[str], **options) -> Vectors:
         """Vectors for `texts`, one row each, in as many requests as the server's
-        max_texts_per_request needs. Options as EmbedRequest's (pollen_client.build_request)."""
-        return concatenate([decode(reply) for reply in self._replies(texts, options)])
+        max_texts_per_request needs; `.model` names the served model that answered. Options as
+        EmbedRequest's (pollen_client.build_request), `model` among them (empty: the server's
+        first embedder)."""
+        return concatenate([decode(reply, len(piece)) for piece, reply in self._replies(texts, options)])
 
-    def embed_tokens(self, texts: str | Sequence[str], **options) -> list[np.ndarray]:
+    def embed_tokens(self, texts: str | Sequence[str], **options) -> Results:
         """Each text's token vectors (outputs OUTPUT_TOKENS): a float32 [tokens, dims] array per
         text, special tokens included, normalized unless normalize=False. Options as embed's."""
-        return [rows for reply in self._replies(texts, options, ("tokens",)) for rows in decode_tokens(reply)]
+        replies = self._replies(texts, options, ("tokens",))
+        return Results([rows for piece, reply in replies for rows in decode_tokens(reply, len(piece))],
+                       replies[0][1].model)
 
-    def embed_sparse(self, texts: str | Sequence[str], **options) -> list[tuple]:
+    def embed_sparse(self, texts: str | Sequence[str], **options) -> Results:
         """Each text's sparse vector from a SPLADE model or BGE-M3 (outputs OUTPUT_SPARSE):
         (vocabulary ids, ascending, uint32; their weights, float32). sparse_top_k=K keeps each
         row's K largest; sparse_tokens=True adds each id's vocabulary string, a list third."""
         tokens = bool(options.get("sparse_tokens"))
-        return [row for reply in self._replies(texts, options, ("sparse",)) for row in decode_sparse(reply, tokens)]
+        replies = self._replies(texts, options, ("sparse",))
+        return Results([row for piece, reply in replies for row in decode_sparse(reply, len(piece), tokens)],
+                       replies[0][1].model)
 
-    def _replies(self, texts, options: dict, outputs: tuple = ()) -> list[pb.EmbedResponse]:
-        """One Embed reply per max_texts_per_request texts, in order."""
+    def _replies(self, texts, options: dict, outputs: tuple = ("dense",)) -> list[tuple[list[str], pb.EmbedResponse]]:
+        """(texts, Embed reply) per max_texts_per_request texts, in order."""
         replies = []
         for piece in split(texts, self.info().max_texts_per_request):
             try:
-                replies.append(self._connections.next()[1].Embed(build_request(piece, outputs=outputs, **options),
-                                                                 timeout=self.timeout, metadata=self._metadata))
+                replies.append((piece, self._connections.next()[1].Embed(
+                    build_request(piece, outputs=outputs, **options), timeout=self.timeout, metadata=self._metadata)))
             except grpc.RpcError as exc:
                 raise EmbedError.from_rpc(exc, self.target) from None
         return replies
 
-    def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None,
-               **options) -> list[tuple[int, float]]:
+    def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None, *, model: str = "",
+               **options) -> Results:
         """(index, score) of the documents against `query`, best first; `index` is the document's
-        position in `documents`. Options as RerankRequest's (instruction, raw_scores, ...)."""
-        request = pb.RerankRequest(query=query, documents=list(documents), top_n=top_n, **options)
+        position in `documents`, `.model` the served reranker that answered (`model`; empty: the
+        server's first reranker). Options as RerankRequest's (instruction, raw_scores, ...)."""
+        request = pb.RerankRequest(query=query, documents=list(documents), top_n=top_n, model=model, **options)
         try:
             reply = self._connections.next()[1].Rerank(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise EmbedError.from_rpc(exc, self.target) from None
-        return [(r.index, r.score) for r in reply.results]
+        return ranks(reply, len(request.documents), top_n)
 
-    def classify(self, texts: str | Sequence[str], text_pairs: Sequence[str] | None = None,
-                 **options) -> list[dict[str, float]]:
+    def classify(self, texts: str | Sequence[str], text_pairs: Sequence[str] | None = None, *, model: str = "",
+                 **options) -> Results:
         """{label: score} of each text (or pair (texts[i], text_pairs[i])), in the texts' order,
-        each best first. Options as ClassifyRequest's (raw_scores, max_tokens, ...)."""
-        request = classify_request(texts, text_pairs, **options)
+        each best first; `.model` the served classifier that answered (`model`; empty: the
+        server's first classifier). Options as ClassifyRequest's (raw_scores, max_tokens, ...)."""
+        request = classify_request(texts, text_pairs, model=model, **options)
         try:
             reply = self._connections.next()[1].Classify(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise EmbedError.from_rpc(exc, self.target) from None
-        return label_scores(reply)
+        return label_scores(reply, len(request.texts))
 
     def embed_stream(self, inputs: Iterable[str | Sequence[str]], *, in_flight: int = 16,
-                     reconnect_within: float = 60.0, **options) -> Iterator[np.ndarray]:
+                     reconnect_within: float = 60.0, **options) -> Iterator[Vectors]:
         """Answers for `inputs` in input order: a vector for each string, a 2-D array for each list
-        of texts (sent as one message). Keeps `in_flight` messages on one EmbedStream; when the
-        server is UNAVAILABLE (restarted, say, or one of the replicas gone) it reconnects and sends
-        the unanswered ones again (on a replica that is up), giving up after `reconnect_within`
-        seconds without a connection or without an answer (client/reconnect.py)."""
+        of texts (sent as one message), each with the `.model` that answered. Keeps `in_flight`
+        messages on one EmbedStream; when the server is UNAVAILABLE (restarted, say, or one of the
+        replicas gone) it reconnects and sends the unanswered ones again (on a replica that is up),
+        giving up after `reconnect_within` seconds without a connection or without an answer
+        (client/reconnect.py)."""
         order = StreamOrder(options, in_flight)
         source = iter(inputs)
         retries = Reconnects(self.target, reconnect_within)

@@ -20,6 +20,9 @@ _FLAG_OF = {"TRUNCATE": "--truncate", "LONG_INPUT": "--long-input", "ENCODING": 
 _ENUM = r"(TRUNCATE|LONG_INPUT|ENCODING|PRIORITY)_([A-Z0-9_]+)"
 _SET_ENUM = re.compile(rf"\bset (?:truncate|long_input|encoding|priority) to {_ENUM}((?: or {_ENUM})*)")
 _BARE_ENUM = re.compile(rf"\b(?:truncate|long_input|encoding|priority) {_ENUM}\b|\b{_ENUM}\b")
+# What `outputs` asks is this command's --sparse and --tokens (neither: the dense vectors).
+_OUTPUT_FLAG = {"DENSE": "dense output", "SPARSE": "--sparse", "TOKENS": "--tokens"}
+_OUTPUT = re.compile(r"\b(?:outputs )?OUTPUT_(DENSE|SPARSE|TOKENS)\b")
 
 
 def _flag(kind: str, value: str) -> str:
@@ -28,7 +31,8 @@ def _flag(kind: str, value: str) -> str:
 
 def cli_wording(message: str) -> str:
     """A server refusal with the proto's enum values as the CLI flags that set them
-    ("set truncate to TRUNCATE_END or TRUNCATE_START": "pass --truncate end or --truncate start")."""
+    ("set truncate to TRUNCATE_END or TRUNCATE_START": "pass --truncate end or --truncate start";
+    "outputs OUTPUT_SPARSE": "--sparse")."""
     def setting(m: re.Match) -> str:
         values = [_flag(m.group(1), m.group(2))] + [_flag(k, v) for k, v in re.findall(_ENUM, m.group(3))]
         return "pass " + " or ".join(values)
@@ -36,6 +40,7 @@ def cli_wording(message: str) -> str:
     def bare(m: re.Match) -> str:
         kind, value = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
         return _flag(kind, value)
+    message = _OUTPUT.sub(lambda m: _OUTPUT_FLAG[m.group(1)], message)
     return _BARE_ENUM.sub(bare, _SET_ENUM.sub(setting, message))
 
 
@@ -43,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pollen embed", description="Embed texts with a running pollen server.",
         epilog="JSON: {\"model\", \"encoding\", \"embeddings\": one list per text, \"scales\" for int8}; with --tokens "
-               "or --sparse: {\"model\", \"token_embeddings\" or \"sparse_embeddings\"}. "
+               "or --sparse: {\"model\", \"token_embeddings\" or \"sparse_embeddings\"}; \"model\" is the served "
+               "model that answered. "
                "npy: a rows x dims array (ubinary: packed bytes); for int8 the scales go to <file>.scales.npy.")
     p.add_argument("texts", nargs="*", help="texts to embed; '-' (or none) reads one text per line from stdin")
     p.add_argument("--server", default="127.0.0.1:50051",
@@ -51,6 +57,8 @@ def parser() -> argparse.ArgumentParser:
                         "[127.0.0.1:50051]")
     p.add_argument("--api-key", default=None,
                    help="the server's API key [env POLLEN_API_KEY, its first key when it lists several]")
+    p.add_argument("--model", default="",
+                   help="the served model to ask (Info's models) [the server's first embedding model]")
     p.add_argument("--format", choices=("json", "npy"), default="json", help="output format [json]")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     p.add_argument("--dimensions", type=non_negative, default=0, help="Matryoshka prefix length (0: the model's size)")
@@ -113,17 +121,18 @@ def main(argv: list[str]) -> int:
         with Client(args.server, timeout=args.timeout, api_key=api_key(args.api_key)) as client:
             options = dict(dimensions=args.dimensions, normalize=args.normalize, encoding=args.encoding,
                            truncate=args.truncate, max_tokens=args.max_tokens, prompt_name=args.prompt_name,
-                           prompt=args.prompt, long_input=args.long_input)
+                           prompt=args.prompt, long_input=args.long_input, model=args.model)
             if args.tokens:
-                doc = {"token_embeddings": [rows.tolist() for rows in client.embed_tokens(texts, **options)]}
+                answer = client.embed_tokens(texts, **options)
+                doc = {"token_embeddings": [rows.tolist() for rows in answer]}
             elif args.sparse:
                 options.pop("dimensions")
-                rows = client.embed_sparse(texts, sparse_top_k=args.sparse_top_k, sparse_tokens=args.sparse_tokens,
-                                           **options)
-                doc = {"sparse_embeddings": [sparse_json(*row) for row in rows]}
+                answer = client.embed_sparse(texts, sparse_top_k=args.sparse_top_k, sparse_tokens=args.sparse_tokens,
+                                             **options)
+                doc = {"sparse_embeddings": [sparse_json(*row) for row in answer]}
             else:
-                rows = client.embed(texts, **options)
-            model = client.info().model
+                answer = rows = client.embed(texts, **options)
+            model = answer.model
     except EmbedError as exc:
         said = "" if exc.code == grpc.StatusCode.UNAVAILABLE else "the server answered "
         print(f"pollen embed: {said}{cli_wording(str(exc))}", file=sys.stderr)

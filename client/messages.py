@@ -33,21 +33,46 @@ class EmbedError(Exception):
         return cls(exc.code(), exc.details() or "")
 
 
-class ScaledInt8Array(np.ndarray):
+class Vectors(np.ndarray):
+    """Vectors as numpy rows, with the served `model` that answered them (EmbedResponse.model):
+    in a server of several models a request that names none gets the first of its task."""
+
+    model: str
+
+    def __new__(cls, values: np.ndarray, model: str):
+        array = np.asarray(values).view(cls)
+        array.model = model
+        return array
+
+    def __array_finalize__(self, obj) -> None:
+        self.model = getattr(obj, "model", "")
+
+
+class ScaledInt8Array(Vectors):
     """int8 vectors with one scale per row (float value = int8 value * scale)."""
 
     scales: np.ndarray
 
-    def __new__(cls, values: np.ndarray, scales: np.ndarray):
-        array = np.asarray(values, dtype=np.int8).view(cls)
+    def __new__(cls, values: np.ndarray, scales: np.ndarray, model: str = ""):
+        array = super().__new__(cls, np.asarray(values, dtype=np.int8), model)
         array.scales = np.asarray(scales, dtype=np.float32)
         return array
 
     def __array_finalize__(self, obj) -> None:
+        super().__array_finalize__(obj)
         self.scales = getattr(obj, "scales", None)
 
     def dequantize(self) -> np.ndarray:
         return self.view(np.ndarray).astype(np.float32) * self.scales[:, None]
+
+
+class Results(list):
+    """One result per input (a text's token vectors or sparse vector, a document's rank, a
+    text's label scores), with the served `model` that answered them."""
+
+    def __init__(self, items, model: str):
+        super().__init__(items)
+        self.model = model
 
 
 def enum_value(field: str, value) -> int:
@@ -65,13 +90,15 @@ def enum_value(field: str, value) -> int:
 def build_request(texts: str | Sequence[str], *, dimensions: int = 0, normalize: bool = True,
                   encoding="float32", truncate=None, max_tokens: int = 0, prompt_name: str = "",
                   prompt: str = "", long_input="truncate", priority="interactive", timeout_ms: int = 0,
-                  request_id: str = "", outputs: Sequence = (), sparse_top_k: int | None = None,
-                  sparse_tokens: bool = False) -> pb.EmbedRequest:
-    """An EmbedRequest for texts (one string is one text). Enums take names or pb values;
-    truncate None leaves it unset, for the server's --default-truncate; outputs () is dense."""
+                  request_id: str = "", outputs: Sequence = ("dense",), sparse_top_k: int | None = None,
+                  sparse_tokens: bool = False, model: str = "") -> pb.EmbedRequest:
+    """An EmbedRequest for texts (one string is one text) to the served `model` (empty: the
+    server's first embedder). Enums take names or pb values; truncate None leaves it unset, for
+    the server's --default-truncate. outputs names the dense vectors unless told otherwise, so
+    that a model which answers none (SPLADE) refuses the request instead of answering no rows."""
     texts = [texts] if isinstance(texts, str) else list(texts)
     request = pb.EmbedRequest(
-        id=request_id, texts=texts, dimensions=dimensions or 0, normalize=normalize,
+        id=request_id, texts=texts, dimensions=dimensions or 0, normalize=normalize, model=model,
         encoding=enum_value("encoding", encoding), max_tokens=max_tokens, prompt_name=prompt_name, prompt=prompt,
         long_input=enum_value("long_input", long_input), priority=enum_value("priority", priority),
         timeout_ms=timeout_ms, outputs=[enum_value("outputs", o) for o in outputs], sparse_tokens=sparse_tokens)
@@ -94,9 +121,16 @@ def classify_request(texts: str | Sequence[str], text_pairs: Sequence[str] | Non
     return request
 
 
-def label_scores(reply: pb.ClassifyResponse) -> list[dict[str, float]]:
+def label_scores(reply: pb.ClassifyResponse, sent: int) -> Results:
     """Each result's {label: score}, best first."""
-    return [{s.label: s.score for s in result.labels} for result in reply.results]
+    answered(reply, len(reply.results), sent, "results")
+    return Results([{s.label: s.score for s in result.labels} for result in reply.results], reply.model)
+
+
+def ranks(reply: pb.RerankResponse, documents: int, top_n: int | None) -> Results:
+    """(index, score) of each ranked document, best first."""
+    answered(reply, len(reply.results), documents if top_n is None else min(top_n, documents), "ranks", "documents")
+    return Results([(r.index, r.score) for r in reply.results], reply.model)
 
 
 def auth_metadata(api_key: str | None) -> tuple | None:
@@ -108,34 +142,51 @@ def auth_metadata(api_key: str | None) -> tuple | None:
     return (("authorization", f"Bearer {api_key}"),)
 
 
-def decode(response: pb.EmbedResponse) -> np.ndarray:
-    """The answer's rows: float32/float16 as they are, bfloat16 widened to float32 (exactly),
-    int8 as a ScaledInt8Array, ubinary as packed uint8 rows (least-significant bit first)."""
+def answered(response, count: int, sent: int, what: str, inputs: str = "texts") -> None:
+    """An answer holds one result per input sent. One that holds another count (none, say: what a
+    dense decoder reads in a SPLADE model's answer to a request that names no outputs) is an
+    error, never a shorter list."""
+    if count != sent:
+        raise EmbedError(grpc.StatusCode.INTERNAL,
+                         f"model {response.model or '(unnamed)'} answered {count} {what} for {sent} {inputs}",
+                         response.id)
+
+
+def _refused(response: pb.EmbedResponse) -> None:
     if response.HasField("error"):
         raise EmbedError(status.code_of(response.error.code), response.error.message, response.id)
+
+
+def decode(response: pb.EmbedResponse, sent: int | None = None) -> Vectors:
+    """The answer's rows: float32/float16 as they are, bfloat16 widened to float32 (exactly),
+    int8 as a ScaledInt8Array, ubinary as packed uint8 rows (least-significant bit first);
+    `sent`: the texts asked, which the rows must number."""
+    _refused(response)
+    if sent is not None:
+        answered(response, response.rows, sent, "dense vectors")
     if response.encoding not in encodings.DTYPES:
         raise ValueError(f"unknown encoding {response.encoding} in the answer")
     rows = encodings.rows_of(response.embeddings, response.rows, response.dims, response.encoding)
     if response.encoding == pb.ENCODING_BFLOAT16:
-        return encodings.widen_bfloat16(rows)
+        return Vectors(encodings.widen_bfloat16(rows), response.model)
     if response.encoding == pb.ENCODING_INT8:
-        return ScaledInt8Array(rows, list(response.scales))
-    return rows.copy()
+        return ScaledInt8Array(rows, list(response.scales), response.model)
+    return Vectors(rows.copy(), response.model)
 
 
-def decode_tokens(response: pb.EmbedResponse) -> list[np.ndarray]:
+def decode_tokens(response: pb.EmbedResponse, sent: int) -> list[np.ndarray]:
     """The answer's token vectors (outputs OUTPUT_TOKENS): a float32 [tokens, dims] array per text."""
-    if response.HasField("error"):
-        raise EmbedError(status.code_of(response.error.code), response.error.message, response.id)
+    _refused(response)
+    answered(response, len(response.token_counts), sent, "texts' token vectors")
     return [rows.copy() for rows in encodings.ragged(response.token_embeddings, np.float32, response.token_counts,
                                                       response.dims)]
 
 
-def decode_sparse(response: pb.EmbedResponse, tokens: bool = False) -> list[tuple]:
+def decode_sparse(response: pb.EmbedResponse, sent: int, tokens: bool = False) -> list[tuple]:
     """The answer's sparse vectors (outputs OUTPUT_SPARSE): (ids uint32 ascending, weights float32)
     per text, and with `tokens` (asked with sparse_tokens) each id's vocabulary string, a list third."""
-    if response.HasField("error"):
-        raise EmbedError(status.code_of(response.error.code), response.error.message, response.id)
+    _refused(response)
+    answered(response, len(response.sparse_counts), sent, "sparse vectors")
     ids = encodings.ragged(response.sparse_indices, np.uint32, response.sparse_counts)
     weights = encodings.ragged(response.sparse_values, np.float32, response.sparse_counts)
     if not tokens:
@@ -145,13 +196,14 @@ def decode_sparse(response: pb.EmbedResponse, tokens: bool = False) -> list[tupl
     return [(i.copy(), w.copy(), strings[a:b]) for i, w, a, b in zip(ids, weights, cuts, cuts[1:])]
 
 
-def concatenate(parts: list[np.ndarray]) -> np.ndarray:
+def concatenate(parts: list[Vectors]) -> Vectors:
+    """The pieces' rows as one answer, under the first piece's model."""
     if len(parts) == 1:
         return parts[0]
+    rows = np.concatenate([p.view(np.ndarray) for p in parts])
     if isinstance(parts[0], ScaledInt8Array):
-        return ScaledInt8Array(np.concatenate([p.view(np.ndarray) for p in parts]),
-                               np.concatenate([p.scales for p in parts]))
-    return np.concatenate(parts)
+        return ScaledInt8Array(rows, np.concatenate([p.scales for p in parts]), parts[0].model)
+    return Vectors(rows, parts[0].model)
 
 
 def split(texts: str | Sequence[str], limit: int) -> list[list[str]]:

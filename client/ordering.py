@@ -54,8 +54,9 @@ class StreamOrder:
         entry = self.unanswered.pop(key, None)
         if entry is None:
             return  # answered already (before a reconnect): never twice
-        rows = decode(response)
-        self.early[key] = rows[0] if entry[1] else rows
+        message, single = entry
+        rows = decode(response, len(message.texts))
+        self.early[key] = rows[0] if single else rows
 
     def ready(self) -> Iterator[np.ndarray]:
         """The answers that can be yielded now, in input order."""

@@ -39,7 +39,7 @@ from pollen.server.http11 import Request, Response
 from pollen.server.http_body import Rejected, choices, decode
 from pollen.server.http_classify import ClassifyBody, to_classify_answer, to_classify_request
 from pollen.server.http_rerank import RerankBody, to_rerank_answer, to_rerank_request
-from pollen.server.http_tei import TEI_ROUTES, TeiRoutes
+from pollen.server.http_tei import MODELS_PREFIX, TEI_ROUTES, TeiRoutes
 from pollen.server.metrics import TASK_OF, count_request
 from pollen.server.service import EmbedderService
 from pollen.v1 import embedder_pb2 as pb
@@ -164,14 +164,24 @@ class HttpDoor:
 
     async def handle(self, request: Request) -> Response:
         """Route a request. HEAD is answered as GET is (server/http11.py sends no body with it)."""
-        method = _ROUTES.get(request.path)
+        path, pinned = request.path, None
+        if path.startswith(MODELS_PREFIX):  # TEI's routes of one served model (server/http_tei.py)
+            # Behind the keys before the name is looked up: a 404 would tell which names are served.
+            if self.keys and (refusal := self.refuse_unauthorized(request)) is not None:
+                return refusal
+            pinned, path = self.tei.pinned(path)
+            if pinned is None:
+                return error_response(404, f"{echo(request.path)} names no served model and TEI route: "
+                                      f"{MODELS_PREFIX}<name>/<route>, the models served: "
+                                      f"{', '.join(m.name for m in self.service.models.models)}", code="not_found")
+        method = _ROUTES.get(path)
         if method is None:
-            return error_response(404, f"no route {echo(request.path)}; routes: {', '.join(_ROUTES)}",
-                                  code="not_found")
-        if request.path == "/" and request.method in ("GET", "HEAD"):  # TEI's health check
+            return error_response(404, f"no route {echo(request.path)}; routes: {', '.join(_ROUTES)}, "
+                                  f"and TEI's under {MODELS_PREFIX}<name>", code="not_found")
+        if path == "/" and request.method in ("GET", "HEAD"):  # TEI's health check
             return Response(200 if self.serving else 503, b"" if self.serving else
                             _ENCODER.encode({"error": "unhealthy", "error_type": "unhealthy"}))
-        if self.keys and request.path in self.closed:
+        if self.keys and pinned is None and path in self.closed:
             refusal = self.refuse_unauthorized(request)
             if refusal is not None:
                 return refusal
@@ -181,10 +191,10 @@ class HttpDoor:
                                       code="method_not_allowed")
             response.headers["Allow"] = allow
             return response
+        if path in _TEI:
+            return await self.tei.handle(request, path, pinned)
         if request.path in _OPENAI:
             return await self.embeddings(request)
-        if request.path in _TEI:
-            return await self.tei.handle(request)
         if request.path in _RERANK:
             return await self.rerank(request)
         if request.path == "/v1/classify":

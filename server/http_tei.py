@@ -18,13 +18,20 @@ EmbedderService methods as pollen's own routes:
     POST /embed_sparse  {inputs, truncate, truncation_direction, prompt_name} -> [[{index, value}]]: the first
                         sparse model's (SPLADE or BGE-M3) non-zero weights, by ascending index (424 when
                         none is served)
-    POST /              the default route of the first served model's task, as TEI serves it:
-                        /embed for an embedder (/similarity when `inputs` is an object, which is what
-                        huggingface_hub's InferenceClient.sentence_similarity sends; BGE-M3 is one),
-                        /embed_sparse for a SPLADE model, /rerank for a reranker, /predict for a classifier.
+    POST /              TEI's default route, which in TEI follows its one model's task: /embed for an
+                        embedder (/similarity when `inputs` is an object, which is what huggingface_hub's
+                        InferenceClient.sentence_similarity sends; BGE-M3 is one), /embed_sparse for a
+                        SPLADE model, /rerank for a reranker, /predict for a classifier. Here the body's
+                        shape picks the task where it can (see `default_route`).
 
 TEI's requests name no model: each route serves the first served model of the task it needs
-(/tokenize and /decode: the first model). TEI's `truncate` is a bool (null: the server's
+(/info, /tokenize and /decode: the first model). Every route is also served under
+/models/<served name>/ (the name as --served-model-name gives it, percent-encoded or not), for
+that model alone: /models/<name>/info describes it, /models/<name> (POST) is its default route,
+and a route of a task it does not serve answers 424. TEI's clients read /info before they call
+and take a base URL, so `tei_client.HttpClient("http://host:8080/models/<name>")` and
+`huggingface_hub.InferenceClient(base_url="http://host:8080/models/<name>")` reach one model
+of a server of several, unchanged. TEI's `truncate` is a bool (null: the server's
 --default-truncate); `truncation_direction` "right" cuts a text's end, "left" its start.
 
 Errors are TEI's body {"error": ..., "error_type": ...} with TEI's status for the type: a body
@@ -40,6 +47,7 @@ import importlib.metadata
 import re
 import uuid
 from typing import Any, Literal
+from urllib.parse import unquote
 
 import grpc
 import msgspec
@@ -49,7 +57,7 @@ from pollen.common import encodings
 from pollen.common.errors import RequestError
 from pollen.server.http11 import Request, Response
 from pollen.server.http_body import Rejected, choices, decode
-from pollen.server.model_table import ServedModel
+from pollen.server.model_table import KINDS, ServedModel
 from pollen.server.service import EmbedderService
 from pollen.server.tei_tokens import tei_tokens
 from pollen.v1 import embedder_pb2 as pb
@@ -58,6 +66,10 @@ DOOR = "http"
 # TEI's routes and their methods ("/" is GET for health and POST for the default route).
 TEI_ROUTES = {"/info": "GET", "/embed": "POST", "/embed_all": "POST", "/embed_sparse": "POST", "/rerank": "POST",
               "/predict": "POST", "/similarity": "POST", "/tokenize": "POST", "/decode": "POST", "/": "POST"}
+# TEI's routes of one served model: MODELS_PREFIX + its name + a TEI route ("" or "/" for "/").
+MODELS_PREFIX = "/models/"
+# Each kind's default route (ServedModel.kinds[0]), as TEI's POST / serves a model of that kind.
+_DEFAULT_ROUTE = {"embed": "/embed", "sparse": "/embed_sparse", "rerank": "/rerank", "classify": "/predict"}
 _NOT_SERVED = {"embed": "model is not an embedding model", "rerank": "model is not a re-ranker model",
                "classify": "model is not a classifier model",
                "sparse": "model is not an embedding model with SPLADE pooling"}
@@ -139,9 +151,18 @@ class DecodeBody(msgspec.Struct):
     skip_special_tokens: bool = True
 
 
+class Shape(msgspec.Struct):
+    """POST /'s body as far as its route depends on it: which fields are there, and whether
+    `inputs` is an object (the values are not parsed)."""
+    inputs: msgspec.Raw = msgspec.Raw()
+    query: msgspec.Raw = msgspec.Raw()
+    parameters: msgspec.Raw = msgspec.Raw()
+
+
 _DECODERS = {body: msgspec.json.Decoder(body) for body in
              (EmbedBody, EmbedAllBody, SimilarityBody, RerankBody, PredictBody, TokenizeBody, DecodeBody)}
 _CHOICES = {body: choices(body) for body in _DECODERS}
+_SHAPE = msgspec.json.Decoder(Shape)
 
 
 def body_of(kind: type, data: bytes):
@@ -219,36 +240,76 @@ def tokens_of(text: str, encoding) -> list[dict]:
 
 
 class TeiRoutes:
-    """TEI's routes over one EmbedderService (the HTTP door routes them here)."""
+    """TEI's routes over one EmbedderService (the HTTP door routes them here). Every route takes
+    `pinned`: the model a /models/<name>/ path names, or None for the first model of the route's
+    task."""
 
     def __init__(self, service: EmbedderService):
         self.service = service
+        # Longest name first, so that of names "a" and "a/b" the path /models/a/b/info finds "a/b".
+        self.by_length = sorted(service.models.models, key=lambda m: -len(m.name))
 
-    async def handle(self, request: Request) -> Response:
+    def pinned(self, path: str) -> tuple[ServedModel | None, str]:
+        """(the served model, the TEI route) that a MODELS_PREFIX path names; (None, path) when
+        it names no served model followed by a TEI route."""
+        rest = unquote(path[len(MODELS_PREFIX):])
+        for model in self.by_length:
+            if rest.startswith(model.name) and (route := rest[len(model.name):] or "/") in TEI_ROUTES:
+                return model, route
+        return None, path
+
+    async def handle(self, request: Request, route: str, pinned: ServedModel | None = None) -> Response:
         try:
-            path = request.path
-            if path == "/":
-                path = {"embed": "/embed", "sparse": "/embed_sparse", "rerank": "/rerank", "classify": "/predict"}[
-                    self.service.models.first.kinds[0]]
-                if path == "/embed" and request.body.lstrip()[:1] == b"{" and _inputs_is_object(request.body):
-                    path = "/similarity"
-            return Response(200, _ENCODER.encode(await getattr(self, path.strip("/") or "info")(request)))
+            if route == "/":
+                route = self.default_route(request.body, pinned)
+            answer = await getattr(self, route.strip("/") or "info")(request, pinned)
+            return Response(200, _ENCODER.encode(answer))
         except TeiError as exc:
             return tei_error_response(exc)
         except RequestError as exc:
             return tei_error_response(from_request_error(exc))
 
-    def model(self, kind: str) -> ServedModel:
-        """The first model of `kind` (ServedModel.kinds: "embed" a dense embedder, "sparse" a SPLADE one;
-        BGE-M3 is both)."""
+    def default_route(self, body: bytes, pinned: ServedModel | None) -> str:
+        """POST /'s route. Under /models/<name>/: that model's own, as TEI's. Otherwise the body's
+        shape picks where it can, since a server of several models has no one task: `query`
+        reranks; an object `inputs` is a similarity; `parameters` beside `inputs` (the Inference
+        API's shape, which huggingface_hub's text_classification sends and its feature_extraction
+        never does) predicts when a classifier is served; anything else goes to the first model
+        that takes `inputs` (an embedder or a classifier), else to the reranker (which answers
+        422 for the missing `query`, as TEI's does)."""
+        try:
+            shape = _SHAPE.decode(body)
+        except msgspec.DecodeError:  # the route's own decoder says what is wrong with it
+            shape = Shape()
+        similarity = bytes(shape.inputs)[:1] == b"{"
+        kinds = [m.kinds[0] for m in self.service.models.models]
+        if pinned is not None:
+            kind = pinned.kinds[0]
+        elif shape.query:
+            kind = "rerank"
+        elif similarity:
+            kind = "embed"
+        elif shape.parameters and "classify" in kinds:
+            kind = "classify"
+        else:
+            kind = next((k for k in kinds if k != "rerank"), "rerank")
+        return "/similarity" if kind == "embed" and similarity else _DEFAULT_ROUTE[kind]
+
+    def model(self, kind: str, pinned: ServedModel | None) -> ServedModel:
+        """`pinned`, checked to be of `kind`, else the first model of `kind` (ServedModel.kinds:
+        "embed" a dense embedder, "sparse" a SPLADE one; BGE-M3 is both)."""
+        if pinned is not None:
+            if kind not in pinned.kinds:
+                raise TeiError(f"{_NOT_SERVED[kind]}: {pinned.name} is {KINDS[pinned.task]}", "backend")
+            return pinned
         model = next((m for m in self.service.models.models if kind in m.kinds), None)
         if model is None:
             raise TeiError(f"{_NOT_SERVED[kind]}: the models served here are {self.service.models.served()}",
                            "backend")
         return model
 
-    async def info(self, request: Request) -> dict:
-        cfg, model = self.service.cfg, self.service.models.first
+    async def info(self, request: Request, pinned: ServedModel | None) -> dict:
+        cfg, model = self.service.cfg, pinned or self.service.models.first
         spec = model.spec
         if spec.task == "embed":
             model_type = {"embedding": {"pooling": "splade" if spec.sparse_terms else spec.pooling}}
@@ -272,9 +333,9 @@ class TeiRoutes:
         answer = await self.service.embed(message, DOOR, headers=headers)
         return encodings.rows_of(answer.embeddings, answer.rows, answer.dims, answer.encoding)
 
-    async def embed(self, request: Request) -> list:
+    async def embed(self, request: Request, pinned: ServedModel | None) -> list:
         body = body_of(EmbedBody, request.body)
-        model = self.model("embed")
+        model = self.model("embed", pinned)
         if body.dimensions is not None and not 0 <= body.dimensions < 2**32:
             raise TeiError(f"dimensions must be a count of 0 or more, got {body.dimensions}", "validation", 422)
         message = pb.EmbedRequest(normalize=body.normalize, prompt_name=body.prompt_name or "",
@@ -283,9 +344,9 @@ class TeiRoutes:
         set_truncate(message, body.truncate, body.truncation_direction)
         return (await self.embed_request(model, message, request.headers)).tolist()
 
-    async def similarity(self, request: Request) -> list:
+    async def similarity(self, request: Request, pinned: ServedModel | None) -> list:
         body = body_of(SimilarityBody, request.body)
-        model = self.model("embed")
+        model = self.model("embed", pinned)
         if not body.inputs.sentences:
             raise TeiError("`inputs.sentences` cannot be empty", "empty")
         parameters = body.parameters or SimilarityParameters()
@@ -295,11 +356,11 @@ class TeiRoutes:
         rows = (await self.embed_request(model, message, request.headers)).astype(np.float64)
         return (rows[1:] @ rows[0]).tolist()
 
-    async def embed_all(self, request: Request) -> list:
+    async def embed_all(self, request: Request, pinned: ServedModel | None) -> list:
         """Every token's last hidden state, special tokens included, not normalized: a list of
         token vectors per input (BGE-M3: its ColBERT vectors, normalized as the model defines them)."""
         body = body_of(EmbedAllBody, request.body)
-        model = self.model("embed")
+        model = self.model("embed", pinned)
         message = pb.EmbedRequest(normalize=False, prompt_name=body.prompt_name or "", outputs=[pb.OUTPUT_TOKENS],
                                   model=model.name, id=f"tei-{uuid.uuid4().hex}")
         add_inputs(message, body.inputs)
@@ -308,10 +369,10 @@ class TeiRoutes:
         return [rows.tolist() for rows in encodings.ragged(answer.token_embeddings, np.float32, answer.token_counts,
                                                            answer.dims)]
 
-    async def embed_sparse(self, request: Request) -> list:
+    async def embed_sparse(self, request: Request, pinned: ServedModel | None) -> list:
         """The first sparse model's non-zero weights of each input, as [{index, value}] by ascending index."""
         body = body_of(EmbedAllBody, request.body)
-        model = self.model("sparse")
+        model = self.model("sparse", pinned)
         message = pb.EmbedRequest(prompt_name=body.prompt_name or "", outputs=[pb.OUTPUT_SPARSE], model=model.name,
                                   id=f"tei-{uuid.uuid4().hex}")
         add_inputs(message, body.inputs)
@@ -322,9 +383,9 @@ class TeiRoutes:
         return [[{"index": int(i), "value": float(w)} for i, w in zip(row_ids, row_weights)]
                 for row_ids, row_weights in zip(ids, weights)]
 
-    async def rerank(self, request: Request) -> list:
+    async def rerank(self, request: Request, pinned: ServedModel | None) -> list:
         body = body_of(RerankBody, request.body)
-        model = self.model("rerank")
+        model = self.model("rerank", pinned)
         if not body.texts:
             raise TeiError("`texts` cannot be empty", "empty")
         message = pb.RerankRequest(query=body.query, documents=body.texts, model=model.name,
@@ -340,9 +401,9 @@ class TeiRoutes:
             out.append(rank)
         return out
 
-    async def predict(self, request: Request) -> list:
+    async def predict(self, request: Request, pinned: ServedModel | None) -> list:
         body = body_of(PredictBody, request.body)
-        model = self.model("classify")
+        model = self.model("classify", pinned)
         single, sequences = predict_inputs(body.inputs)
         # pollen's Classify takes texts or pairs: a batch of both goes as two requests.
         groups = {}
@@ -366,9 +427,9 @@ class TeiRoutes:
                 out[i] = result
         return out[0] if single else out
 
-    async def tokenize(self, request: Request) -> list:
+    async def tokenize(self, request: Request, pinned: ServedModel | None) -> list:
         body = body_of(TokenizeBody, request.body)
-        model = self.service.models.first
+        model = pinned or self.service.models.first
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
         if not texts:
             raise TeiError("`inputs` cannot be empty", "empty")
@@ -383,9 +444,9 @@ class TeiRoutes:
             return [tokens_of(text, encoding) for text, encoding in zip(texts, encoded)]
         return await admission.run(sum(map(len, texts)), tokenized)
 
-    async def decode(self, request: Request) -> list:
+    async def decode(self, request: Request, pinned: ServedModel | None) -> list:
         body = body_of(DecodeBody, request.body)
-        model = self.service.models.first
+        model = pinned or self.service.models.first
         kinds = {type(i) for i in body.ids}
         if len(kinds) > 1:
             raise TeiError("ids mixes token ids and lists of them; give one list, or a list of lists", "validation",
@@ -421,12 +482,3 @@ def predict_inputs(inputs) -> tuple[bool, list[list[str]]]:
             raise TeiError(f"inputs[{i}] has {len(seq)} strings: each input is [text] or [text, text]",
                            "validation", 422)
     return False, inputs
-
-
-def _inputs_is_object(body: bytes) -> bool:
-    """POST / to an embedder: is `inputs` an object (a similarity request, {source_sentence, sentences})?"""
-    try:
-        value = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        return False
-    return isinstance(value, dict) and isinstance(value.get("inputs"), dict)

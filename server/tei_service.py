@@ -5,10 +5,14 @@ Each TEI method is a pollen.v1 request through EmbedderService (server/service.p
 normalized), Rerank a `rerank`, Predict and PredictPair a `classify` of one text or pair,
 Tokenize and Decode the model's tokenizer; admission, batching, metrics and tracing are the
 service's. TEI's requests name no model: each method serves the first model of the task it needs
-(Info and Tokenize: the first model), and a server that has none answers FAILED_PRECONDITION
-naming what is missing, as TEI answers a task its model does not serve; Embed and EmbedAll take
-the first dense embedder, EmbedSparse the first sparse one (SPLADE, or BGE-M3, which is both; for
-it EmbedAll answers its ColBERT vectors, as pollen.v1's token vectors do).
+(Info, Tokenize and Decode: the first model), and a server that has none answers
+FAILED_PRECONDITION naming what is missing, as TEI answers a task its model does not serve; Embed
+and EmbedAll take the first dense embedder, EmbedSparse the first sparse one (SPLADE, or BGE-M3,
+which is both; for it EmbedAll answers its ColBERT vectors, as pollen.v1's token vectors do). A
+call whose metadata carries `pollen-model: <served name>` (MODEL_KEY) is that model's alone, as
+HTTP's /models/<name>/ routes are: Info describes it, and a method of a task it does not serve
+answers FAILED_PRECONDITION. (tei-client's GrpcClient sends no metadata of its own; its
+HttpClient reaches one model through /models/<name>.)
 
 The streams answer as TEI's do: one answer per message, in the order the messages came, the
 first failure ending the stream with its status (the messages before it answered). A stream
@@ -28,6 +32,7 @@ import numpy as np
 
 from pollen.common.errors import RequestError, invalid
 from pollen.server import service as svc
+from pollen.server.model_table import KINDS, ServedModel
 from pollen.server.service import EmbedderService, Oversize, Undecodable
 from pollen.server.tei_tokens import tei_tokens
 from pollen.tei.v1 import tei_pb2 as tei
@@ -42,6 +47,8 @@ SERVICE_TASK = {"tei.v1.Info": None, "tei.v1.Tokenize": None, "tei.v1.Embed": "e
                 "tei.v1.Predict": "classify"}
 NEEDS = {"embed": "an embedding model", "sparse": "a sparse (SPLADE) embedding model or BGE-M3",
          "rerank": "a re-ranker model", "classify": "a classifier model"}
+# The call metadata that names the one served model a tei.v1 call is for (TEI's messages have no model).
+MODEL_KEY = "pollen-model"
 try:
     VERSION = importlib.metadata.version("pollen")
 except importlib.metadata.PackageNotFoundError:  # a checkout that is not installed
@@ -94,8 +101,21 @@ class TeiService:
         self.service = service
         self.models = service.models
 
-    def need(self, kind: str, method: str) -> str:
-        """The name of the first model of `kind` (ServedModel.kinds); FAILED_PRECONDITION when none is served."""
+    def named(self, headers) -> ServedModel | None:
+        """The model the call's MODEL_KEY metadata names (None: it names none); a name no model
+        has is INVALID_ARGUMENT naming the models served."""
+        name = next((value for key, value in (headers() if headers else ()) if key == MODEL_KEY), "")
+        return self.models.pick(name, None, MODEL_KEY) if name else None
+
+    def need(self, kind: str, method: str, headers) -> str:
+        """The name of the model the call names, checked to be of `kind` (ServedModel.kinds), else
+        of the first model of `kind`; FAILED_PRECONDITION when it is not, or none is served."""
+        named = self.named(headers)
+        if named is not None:
+            if kind not in named.kinds:
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"{method} needs {NEEDS[kind]}, and {MODEL_KEY} {named.name} is {KINDS[named.task]}")
+            return named.name
         model = next((m for m in self.models.models if kind in m.kinds), None)
         if model is None:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -116,10 +136,10 @@ class TeiService:
         return await self.call(context, "Info", request, self.info)
 
     async def info(self, request, headers, method) -> tei.InfoResponse:
-        first, cfg = self.models.first, self.service.cfg
+        model, cfg = self.named(headers) or self.models.first, self.service.cfg
         return tei.InfoResponse(
-            version=VERSION, model_id=first.name, model_dtype=cfg.worker_dtype(), model_type=MODEL_TYPE[first.task],
-            max_concurrent_requests=cfg.grpc_max_pending_calls, max_input_length=first.spec.max_tokens,
+            version=VERSION, model_id=model.name, model_dtype=cfg.worker_dtype(), model_type=MODEL_TYPE[model.task],
+            max_concurrent_requests=cfg.grpc_max_pending_calls, max_input_length=model.spec.max_tokens,
             max_batch_tokens=cfg.max_batch_tokens, max_client_batch_size=cfg.max_texts_per_request,
             tokenization_workers=cfg.tokenizer_threads)
 
@@ -143,7 +163,7 @@ class TeiService:
         """A TEI request's one text as pollen.v1's Embed on the first model of `kind`, its refusals
         in TEI's field names; `fields`: the EmbedRequest's other fields."""
         ours = pb.EmbedRequest(texts=[request.inputs], truncate=truncate_of(request), prompt_name=request.prompt_name,
-                               model=self.need(kind, method), **fields)
+                               model=self.need(kind, method, headers), **fields)
         try:
             return await self.service.embed(ours, "grpc", headers=headers, method=method)
         except RequestError as exc:
@@ -209,9 +229,9 @@ class TeiService:
 
     async def classify(self, method, headers, request, texts, pairs) -> tei.PredictResponse:
         started = time.monotonic_ns()
-        self.need("classify", method)
+        model = self.need("classify", method, headers)
         ours = pb.ClassifyRequest(texts=texts, text_pairs=pairs, raw_scores=request.raw_scores,
-                                  truncate=truncate_of(request))
+                                  truncate=truncate_of(request), model=model)
         try:
             answer = await self.service.classify(ours, "grpc", headers=headers)
         except RequestError as exc:
@@ -230,9 +250,9 @@ class TeiService:
         started = time.monotonic_ns()
         if not request.texts:
             raise invalid("texts cannot be empty")
-        self.need("rerank", method)
+        model = self.need("rerank", method, headers)
         ours = pb.RerankRequest(query=request.query, documents=request.texts, raw_scores=request.raw_scores,
-                                truncate=truncate_of(request))
+                                truncate=truncate_of(request), model=model)
         try:
             answer = await self.service.rerank(ours, "grpc", headers=headers, method=method)
         except RequestError as exc:
@@ -257,7 +277,7 @@ class TeiService:
             return request, await self.rerank(ours, headers, method)
 
         try:
-            self.need("rerank", "RerankStream")
+            self.need("rerank", "RerankStream", headers)
         except RequestError as exc:
             await svc.abort(context, exc)
         answers = [answer async for answer in self.stream(requests, context, "RerankStream", one)]
@@ -285,9 +305,9 @@ class TeiService:
             yield response
 
     async def tokenize(self, request: tei.EncodeRequest, headers, method) -> tei.EncodeResponse:
-        """The first model's tokens for the text (its prompt first, when named), with TEI's offsets:
+        """The model's tokens for the text (its prompt first, when named), with TEI's offsets:
         UTF-8 bytes into the text tokenized; special tokens have none."""
-        admission = self.models.first.admission
+        admission = (self.named(headers) or self.models.first).admission
         prompt = admission.prompt(request.prompt_name, "", admission.limit(0))
         text = prompt + request.inputs
         encoding = await admission.run(len(text), admission.tokenizer.tokenizer.encode, text, None,
@@ -306,11 +326,12 @@ class TeiService:
     async def decode(self, request: tei.DecodeRequest, headers, method) -> tei.DecodeResponse:
         if not request.ids:
             raise invalid("ids is empty")
-        vocab = self.models.first.spec.vocab_size
+        model = self.named(headers) or self.models.first
+        vocab = model.spec.vocab_size
         bad = next((i for i in request.ids if i >= vocab), None)
         if bad is not None:
             raise invalid(f"ids holds id {bad}, outside the vocabulary [0, {vocab})")
-        admission = self.models.first.admission
+        admission = model.admission
         text = await admission.run(len(request.ids), admission.tokenizer.tokenizer.decode, list(request.ids),
                                    request.skip_special_tokens)
         return tei.DecodeResponse(text=text)

@@ -132,6 +132,18 @@ def test_teis_grpc_api_is_behind_the_keys(keyed):
         assert len(calls[2](bearer(KEYS[1]))[0].embeddings) == 384
 
 
+def test_teis_routes_of_one_model_are_behind_the_keys_before_a_name_is_looked_up(keyed):
+    """/models/<name>/: 401 without a key whether the name is served or not (a 404 would tell
+    which names are); with one, the model's routes, and 404 for a name no model has."""
+    server, _ = keyed
+    name = http(server, "/v1/models", key=KEYS[0])[2]["data"][0]["id"]
+    for path in (f"/models/{name}/info", "/models/nope/info"):
+        assert http(server, path)[0] == 401, path
+    status, _, info = http(server, f"/models/{name}/info", key=KEYS[1])
+    assert status == 200 and info["model_id"] == name
+    assert http(server, "/models/nope/info", key=KEYS[0])[0] == 404
+
+
 def test_the_clients_send_the_key(keyed):
     from pollen.client import AsyncClient, Client, EmbedError
 

@@ -156,11 +156,16 @@ def test_client_classify(server):
 
     with Client(server.listen) as client:
         results = client.classify(TEXTS, text_pairs=PAIRS)
+        named = client.classify(TEXTS, model="tiny-classify")
     assert len(results) == len(TEXTS) and all(list(r) == sorted(r, key=r.get, reverse=True) for r in results)
     assert set(results[0]) == set(LABELS) and abs(sum(results[0].values()) - 1) <= 1e-5
+    logits = hf_logits(server.path, TEXTS)
+    softmax = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    assert np.abs(np.array([[row[label] for label in LABELS] for row in named]) - softmax).max() <= 1e-4
+    assert results.model == named.model == "tiny-classify"  # the classifier, though the embedder comes first
 
     async def call():
         async with AsyncClient(server.listen) as client:
-            return await client.classify(TEXTS, text_pairs=PAIRS)
+            return await client.classify(TEXTS, text_pairs=PAIRS, model="tiny-classify")
     again = asyncio.run(call())
-    assert [list(r) for r in again] == [list(r) for r in results]
+    assert [list(r) for r in again] == [list(r) for r in results] and again.model == "tiny-classify"
