@@ -111,7 +111,7 @@ class ServeConfig:
     http_unread_bytes: int = _flag(NETWORK, 256 << 20, "bytes of HTTP answers that clients have not read yet, over "
                                    "all of a frontend's connections; an answer over 64 KiB that would pass it is "
                                    "refused 503 with Retry-After", shown="256 MiB")
-    grpc_max_streams_per_connection: int = _flag(NETWORK, 256, "gRPC calls one connection may hold at once "
+    grpc_max_streams_per_connection: int = _flag(NETWORK, 512, "gRPC calls one connection may hold at once "
                                                  "(HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS), each counted until gRPC "
                                                  "has torn it down: a stream past it is refused REFUSED_STREAM, so "
                                                  "a client keeps at most about half of it in flight on one "
