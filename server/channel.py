@@ -284,19 +284,17 @@ class WorkerChannel:
         Ring.drain_signal(ring.data_fd)
         while True:
             ring.set_consumer_sleeping(False)
-            while (item := ring.read()) is not None:
-                kind, view = item
-                if kind == records.RESULT:
-                    self.answer(records.decode_result(view))
-                elif kind == records.BATCH_RESULT:
-                    report, results = records.decode_batch_result(view)  # bodies copied out
-                    self.on_batch(report)
-                    for result in results:
-                        self.answer(result)
-                elif kind == records.READY:
-                    self.on_ready(json.loads(bytes(view)))
-                del view
-            ring.release()
+            with ring.reading() as answers:
+                for kind, view in answers:
+                    if kind == records.RESULT:
+                        self.answer(records.decode_result(view))
+                    elif kind == records.BATCH_RESULT:
+                        report, results = records.decode_batch_result(view)  # bodies copied out
+                        self.on_batch(report)
+                        for result in results:
+                            self.answer(result)
+                    elif kind == records.READY:
+                        self.on_ready(json.loads(bytes(view)))
             if self.spinning:  # `spin` looks again on the next turn, and sets the flag when it stops
                 return
             if not ring.sleep_unless_data():

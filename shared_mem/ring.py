@@ -18,9 +18,9 @@ An asyncio consumer does not block in ``wait_readable``; it watches ``data_fd``:
     def on_readable():
         ring.drain_signal(ring.data_fd)
         ring.set_consumer_sleeping(False)
-        while (record := ring.read()) is not None:
-            handle(*record)            # copy the payload out: it is reused after release()
-        ring.release()
+        with ring.reading() as records:
+            for kind, payload in records:
+                handle(kind, payload)  # copy the payload out: it is reused once the block ends
         if ring.sleep_unless_data():   # committed between the last read and the flag
             loop.call_soon(on_readable)
 
@@ -46,12 +46,14 @@ Records are always published in the order their space was taken (see ``Ring``).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import select
 import struct
 import time
 from collections import deque
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -407,6 +409,15 @@ class Ring:
         self._rcur = cur + self.RECORD_HEADER + ((nbytes + 7) & ~7)
         start = self.HEADER_BYTES + offset + self.RECORD_HEADER
         return kind, self._mv[start : start + nbytes]
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[Iterator[tuple[int, memoryview]]]:
+        """The records committed so far, as ``(kind, payload)`` in order, all freed on leaving the
+        block (``release``), whatever happens in it: copy out what must outlive it."""
+        try:
+            yield iter(self.read, None)
+        finally:
+            self.release()
 
     def release(self) -> None:
         """Free all records read so far (drop their views first); wake a waiting producer."""

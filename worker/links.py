@@ -34,10 +34,9 @@ def wait_for_work(links: list[Link], control_fd: int, timeout: float) -> None:
     poll = select.poll()
     poll.register(control_fd, select.POLLIN)
     for link in links:
-        link.requests.set_consumer_sleeping(True)
         poll.register(link.requests.data_fd, select.POLLIN)
     try:
-        if any(link.requests.has_data() for link in links):
+        if any([link.requests.sleep_unless_data() for link in links]):  # every ring armed, then looked at
             return
         poll.poll(min(timeout, IDLE_SLICE) * 1000)
     finally:

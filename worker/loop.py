@@ -313,20 +313,20 @@ class Worker:
 
     def drain_requests(self) -> None:
         for link in self.links.values():
-            ring = link.requests
-            while (item := ring.read()) is not None:
-                kind, view = item
-                if kind == records.REQUEST:
-                    self.add(Job.of(records.decode_request(view), link.frontend))
-                elif kind == records.CANCEL:
-                    req_id = records.decode_cancel(view)
-                    for slot in self.slots:
-                        job = slot.batcher.cancel(req_id, link.frontend)
-                        if job is not None:
-                            self.write_error(job, status.CANCELLED_BEFORE_MODEL, records.CANCELLED)
-                            break
-                del view  # the ring may reuse these bytes after release()
-            ring.release()
+            with link.requests.reading() as requests:
+                for kind, view in requests:
+                    if kind == records.REQUEST:
+                        self.add(Job.of(records.decode_request(view), link.frontend))
+                    elif kind == records.CANCEL:
+                        self.cancel(records.decode_cancel(view), link.frontend)
+
+    def cancel(self, req_id: int, frontend: int) -> None:
+        """A CANCEL record: the request is answered CANCELLED if no batch holds it yet."""
+        for slot in self.slots:
+            job = slot.batcher.cancel(req_id, frontend)
+            if job is not None:
+                self.write_error(job, status.CANCELLED_BEFORE_MODEL, records.CANCELLED)
+                return
 
     def add(self, job: Job) -> None:
         """A request into its model's batcher (a model this worker does not hold: the frontend's bug, answered)."""
