@@ -5,7 +5,7 @@ request record (kept for a resend), the future its caller awaits, its place in t
 worker process itself belongs to the supervisor (server/supervisor.py), which hands the channel
 the rings of each (re)started worker (`attach`) and takes them back when it dies (`detach`).
 
-Flow: `submit` puts a request in the backlog, one FIFO lane per priority, and `flush` moves the
+Flow: `send` puts a request in the backlog, one FIFO lane per priority, and `flush` moves the
 backlog into the request ring while it has room (interactive first, so bulk never holds an
 interactive request back here). The worker's answers arrive on the response ring's eventfd
 (`read_answers`); each resolves its request's future. When the worker dies the channel reads the
@@ -166,7 +166,7 @@ class WorkerChannel:
 
     # ---- requests ----
 
-    def submit(self, request: Request) -> asyncio.Future:
+    def send(self, request: Request) -> asyncio.Future:
         """Send an encoded request (its record made, its req_id set); the future of its answer."""
         request.future = future = self.loop.create_future()
         self.inflight[request.req_id] = request

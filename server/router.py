@@ -91,7 +91,7 @@ class Router:
         channel = self.channels[0] if len(self.channels) == 1 else min(
             self.channels, key=lambda c: (not c.ready.is_set(), self.state.queued_on(c.index)))
         try:
-            return await channel.submit(request)
+            return await channel.send(request)
         except asyncio.CancelledError:
             # The client left (a unary call cancelled or past its gRPC deadline, a stream closed).
             deadline_ns = request.options.deadline_ns

@@ -52,7 +52,7 @@ def test_a_lone_request_is_read_by_polling_and_the_poll_stops_on_its_own():
         channel.ready.set()
         # Only polling can read the answers now: the eventfd's reader is gone.
         loop.remove_reader(responses.data_fd)
-        future = channel.submit(Request([], RequestOptions(), tokens=5, req_id=1, record=b"request one"))
+        future = channel.send(Request([], RequestOptions(), tokens=5, req_id=1, record=b"request one"))
         assert channel.spinning and not responses.consumer_sleeping  # the stand-in will not write the eventfd
         writer = answer_later(responses, 1, 0.02)
         result = await asyncio.wait_for(future, 5)
@@ -68,7 +68,7 @@ def test_a_lone_request_is_read_by_polling_and_the_poll_stops_on_its_own():
         # Another frontend has work in flight: no poll (under load nobody spins).
         loop.add_reader(responses.data_fd, channel.read_answers)
         state.publish(1, 0, queued=40, backlog=0)
-        future = channel.submit(Request([], RequestOptions(), tokens=5, req_id=2, record=b"request two"))
+        future = channel.send(Request([], RequestOptions(), tokens=5, req_id=2, record=b"request two"))
         assert not channel.spinning and responses.consumer_sleeping
         writer = answer_later(responses, 2, 0.01)
         assert (await asyncio.wait_for(future, 5)).req_id == 2  # through the eventfd
@@ -79,7 +79,7 @@ def test_a_lone_request_is_read_by_polling_and_the_poll_stops_on_its_own():
         # eventfd brings the answer.
         channel.spin_ns = 30_000_000
         began = time.monotonic()
-        future = channel.submit(Request([], RequestOptions(), tokens=5, req_id=3, record=b"request three"))
+        future = channel.send(Request([], RequestOptions(), tokens=5, req_id=3, record=b"request three"))
         assert channel.spinning
         while channel.spinning:
             await asyncio.sleep(0.005)

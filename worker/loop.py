@@ -78,7 +78,7 @@ class LinkShare:
 @dataclass(slots=True)
 class InFlight:
     """A submitted batch: its model, its lane, its links' shares, the engine's pending result (or
-    the error submit raised), and its place in launch order."""
+    the error the engine's submit raised), and its place in launch order."""
 
     slot: ModelSlot
     lane: Lane
@@ -189,7 +189,7 @@ class Worker:
             if self.in_flight() or not self.queued():
                 return False
             slot = self.next_turn()
-            self.submit(slot, slot.batcher.next_batch(), INTERACTIVE)
+            self.launch_batch(slot, slot.batcher.next_batch(), INTERACTIVE)
             return True
         launched = False
         # An engine's own work (graph captures) waits for every model's interactive work, not only
@@ -203,7 +203,7 @@ class Worker:
                 if hold and lane == INTERACTIVE:
                     continue  # its batches in flight finish first, then the engine's work
                 if batcher.lanes[lane] and len(open_[lane]) < 2:
-                    self.submit(slot, batcher.next_batch(lane), lane)
+                    self.launch_batch(slot, batcher.next_batch(lane), lane)
                     launched = True
         return launched
 
@@ -349,7 +349,7 @@ class Worker:
 
     # ---- batches ----
 
-    def submit(self, slot: ModelSlot, spans: list[tuple[Job, int, int]], lane: Lane) -> InFlight:
+    def launch_batch(self, slot: ModelSlot, spans: list[tuple[Job, int, int]], lane: Lane) -> InFlight:
         """Plan each link's share of the batch and launch it on the model's engine. Its records are
         held now and the engine copies the rows straight into them, except for a bulk batch beside
         interactive ones, and any batch of a CUDA worker with several models (module docstring):
