@@ -26,8 +26,20 @@ class Lane(IntEnum):
 
 
 LANES = tuple(Lane)  # indexed by a Priority number: Lane(n) without the enum's lookup
-# Truncate's lower-case names (HTTP, --default-truncate, the bulk embedder) to proto values.
+# The enums' lower-case names (the HTTP door's JSON, --default-truncate, the bulk embedder) to proto values.
 TRUNCATE_BY_NAME = {"none": pb.TRUNCATE_NONE, "end": pb.TRUNCATE_END, "start": pb.TRUNCATE_START}
+PRIORITY_BY_NAME = {"interactive": pb.PRIORITY_INTERACTIVE, "bulk": pb.PRIORITY_BULK}
+LONG_INPUT_BY_NAME = {"truncate": pb.LONG_INPUT_TRUNCATE, "chunk_mean": pb.LONG_INPUT_CHUNK_MEAN}
+
+
+def lane_of(priority: int) -> Lane:
+    """A request's lane from its priority field; INVALID_ARGUMENT, naming it, for a number the
+    proto does not define (every request type's check: embed, rerank and classify alike)."""
+    if not 0 <= priority < len(LANES):
+        from pollen.common.errors import invalid
+
+        raise invalid(f"priority {priority} is not a known Priority value")
+    return LANES[priority]
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ import numpy as np
 
 from pollen.common.errors import echo, invalid
 from pollen.common.model_spec import MIN_MATRYOSHKA_DIMS, ModelSpec
-from pollen.common.request import LANES, TRUNCATE_BY_NAME, RequestOptions, Task
+from pollen.common.request import LANES, TRUNCATE_BY_NAME, RequestOptions, Task, lane_of
 from pollen.server import outputs, token_vectors
 from pollen.server.request import Request
 from pollen.server.tokenizer import PROMPT_MAX_CHARS, TextTokenizer
@@ -34,7 +34,6 @@ from pollen.v1 import embedder_pb2 as pb
 _ENCODINGS = set(pb.Encoding.values())
 _TRUNCATES = set(pb.Truncate.values())
 _LONG_INPUTS = set(pb.LongInput.values())
-_PRIORITIES = set(pb.Priority.values())
 # Requests with at most this many characters are tokenized on the event loop itself: a short query
 # tokenizes in less time than the hop to the pool and back (two thread wake-ups and a loop
 # wake-up). Longer ones go to the pool, so that a big request never stalls the loop.
@@ -134,8 +133,7 @@ class Admission(ModelChecks):
             raise invalid(f"encoding {request.encoding} is not a known Encoding value")
         if request.long_input not in _LONG_INPUTS:
             raise invalid(f"long_input {request.long_input} is not a known LongInput value")
-        if request.priority not in _PRIORITIES:
-            raise invalid(f"priority {request.priority} is not a known Priority value")
+        lane_of(request.priority)
         self.check_dimensions(request.dimensions)
         wanted = outputs.wanted(request, self.spec)
         chunk_mean = request.long_input == pb.LONG_INPUT_CHUNK_MEAN

@@ -16,14 +16,12 @@ import numpy as np
 
 from pollen.common.errors import invalid
 from pollen.common.model_spec import ModelSpec
-from pollen.common.request import RequestOptions
+from pollen.common.request import RequestOptions, lane_of
 from pollen.server.admission import Admission
 from pollen.server.rerank import PairForm, head_rows
 from pollen.server.router import Router
 from pollen.server.tokenizer import TextTokenizer
 from pollen.v1 import embedder_pb2 as pb
-
-_PRIORITIES = set(pb.Priority.values())
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -78,8 +76,7 @@ class Classifier:
         if request.text_pairs and len(request.text_pairs) != len(request.texts):
             raise invalid(f"text_pairs has {len(request.text_pairs)} entries for {len(request.texts)} texts; "
                           "give one per text, or none")
-        if request.priority not in _PRIORITIES:
-            raise invalid(f"priority {request.priority} is not a known Priority value")
+        lane_of(request.priority)
         truncate = request.truncate if request.HasField("truncate") else pb.TRUNCATE_END
         if truncate not in (pb.TRUNCATE_NONE, pb.TRUNCATE_END, pb.TRUNCATE_START):
             raise invalid(f"truncate {truncate} is not a known Truncate value")

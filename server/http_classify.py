@@ -13,11 +13,9 @@ from typing import Literal
 
 import msgspec
 
-from pollen.common.request import TRUNCATE_BY_NAME
+from pollen.common.request import PRIORITY_BY_NAME, TRUNCATE_BY_NAME
 from pollen.server.http_body import Rejected, choices, decode
 from pollen.v1 import embedder_pb2 as pb
-
-_PRIORITIES = {"interactive": pb.PRIORITY_INTERACTIVE, "bulk": pb.PRIORITY_BULK}
 
 
 class ClassifyBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -44,7 +42,7 @@ def to_classify_request(body_bytes: bytes) -> pb.ClassifyRequest:
     message = pb.ClassifyRequest(
         texts=[body.input] if isinstance(body.input, str) else body.input, text_pairs=body.text_pairs or [],
         model=body.model, raw_scores=body.raw_scores, max_tokens=body.max_tokens,
-        priority=_PRIORITIES[body.priority], timeout_ms=body.timeout_ms, id=f"classify-{uuid.uuid4().hex}")
+        priority=PRIORITY_BY_NAME[body.priority], timeout_ms=body.timeout_ms, id=f"classify-{uuid.uuid4().hex}")
     if body.truncate is not None:
         message.truncate = TRUNCATE_BY_NAME[body.truncate]
     return message

@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pollen.common import encodings
 from pollen.common.errors import RequestError, cut, echo
-from pollen.common.request import TRUNCATE_BY_NAME
+from pollen.common.request import LONG_INPUT_BY_NAME, PRIORITY_BY_NAME, TRUNCATE_BY_NAME
 from pollen.server.auth import REALM
 from pollen.server.http11 import Request, Response
 from pollen.server.http_body import Rejected, choices, decode
@@ -89,8 +89,6 @@ _BODY_FIELDS = frozenset(EmbeddingsBody.__struct_fields__ + RerankBody.__struct_
 # The choices of each Literal field (`Literal[...] | None` included), named in refusals.
 _CHOICES = choices(EmbeddingsBody)
 _ENCODER = msgspec.json.Encoder()
-_LONG_INPUTS = {"truncate": pb.LONG_INPUT_TRUNCATE, "chunk_mean": pb.LONG_INPUT_CHUNK_MEAN}
-_PRIORITIES = {"interactive": pb.PRIORITY_INTERACTIVE, "bulk": pb.PRIORITY_BULK}
 _OUTPUTS = {"dense": pb.OUTPUT_DENSE, "sparse": pb.OUTPUT_SPARSE, "tokens": pb.OUTPUT_TOKENS}
 
 # gRPC statuses to HTTP, as Google's API guidelines map them, except UNIMPLEMENTED (an option this
@@ -292,8 +290,8 @@ def to_embed_request(request: Request) -> tuple[pb.EmbedRequest, str]:
     message = pb.EmbedRequest(
         dimensions=body.dimensions or 0, normalize=body.normalize, encoding=encodings.BY_NAME[body.encoding],
         max_tokens=body.max_tokens, prompt_name=body.prompt_name, prompt=body.prompt,
-        long_input=_LONG_INPUTS[body.long_input], priority=_PRIORITIES[body.priority], timeout_ms=body.timeout_ms,
-        model=body.model or "")
+        long_input=LONG_INPUT_BY_NAME[body.long_input], priority=PRIORITY_BY_NAME[body.priority],
+        timeout_ms=body.timeout_ms, model=body.model or "")
     if body.truncate is not None:  # left unset, the server's default applies (server/admission.py)
         message.truncate = TRUNCATE_BY_NAME[body.truncate]
     if body.outputs is not None:

@@ -15,11 +15,9 @@ from typing import Literal
 
 import msgspec
 
-from pollen.common.request import TRUNCATE_BY_NAME
+from pollen.common.request import PRIORITY_BY_NAME, TRUNCATE_BY_NAME
 from pollen.server.http_body import Rejected, choices, decode
 from pollen.v1 import embedder_pb2 as pb
-
-_PRIORITIES = {"interactive": pb.PRIORITY_INTERACTIVE, "bulk": pb.PRIORITY_BULK}
 
 
 class DocumentObject(msgspec.Struct):
@@ -58,7 +56,7 @@ def to_rerank_request(body_bytes: bytes) -> pb.RerankRequest:
         query=body.query, documents=[d if isinstance(d, str) else d.text for d in body.documents],
         model=body.model, return_documents=body.return_documents, instruction=body.instruction,
         raw_scores=body.raw_scores, max_tokens=body.max_tokens, max_document_tokens=body.max_tokens_per_doc or 0,
-        priority=_PRIORITIES[body.priority], timeout_ms=body.timeout_ms, id=f"rerank-{uuid.uuid4().hex}")
+        priority=PRIORITY_BY_NAME[body.priority], timeout_ms=body.timeout_ms, id=f"rerank-{uuid.uuid4().hex}")
     if body.top_n is not None:
         message.top_n = body.top_n
     if body.truncate is not None:

@@ -25,7 +25,7 @@ import numpy as np
 
 from pollen.common.errors import RequestError, invalid
 from pollen.common.model_spec import ModelSpec
-from pollen.common.request import LANES, RequestOptions, Task
+from pollen.common.request import RequestOptions, Task, lane_of
 from pollen.server.admission import Admission
 from pollen.server.request import Request
 from pollen.server.router import Router
@@ -191,7 +191,7 @@ async def head_rows(router: Router, admission: Admission, seqs: list[np.ndarray]
     """`seqs` down the embeddings' path as one Task.SCORE request: the head's float32 rows (one per
     sequence), the request as admitted (its tokens are the usage) and the answer's timing, with
     `tokenize_us`, the caller's time making `seqs`."""
-    options = RequestOptions(Task.SCORE, 0, False, pb.ENCODING_FLOAT32, LANES[priority], deadline_ns, admission.model)
+    options = RequestOptions(Task.SCORE, 0, False, pb.ENCODING_FLOAT32, lane_of(priority), deadline_ns, admission.model)
     admitted = Request(seqs, options, None, sum(map(len, seqs)))
     if span is not None:  # the request's server/otel.py span, when tracing
         span.admitted()

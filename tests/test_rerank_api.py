@@ -169,6 +169,15 @@ def test_bad_requests_are_refused_naming_the_field(reranker, body, field):
     assert len(reply.results) == 1
 
 
+def test_a_priority_the_proto_does_not_define_is_refused_naming_it(reranker):
+    with grpc.insecure_channel(reranker.listen) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.EmbedderStub(channel).Rerank(pb.RerankRequest(query=QUERY, documents=DOCS[:1], priority=7),
+                                                 timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "priority 7 is not a known Priority value"
+
+
 def test_an_embedding_request_to_a_reranker_names_what_is_served(reranker):
     with grpc.insecure_channel(reranker.listen) as channel:
         with pytest.raises(grpc.RpcError) as err:
