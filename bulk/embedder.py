@@ -1,7 +1,7 @@
 """pollen's engine in this process: texts in, the vectors `pollen serve` answers out, no server hop.
 
 The same parts as the server, in one process:
-- tokenization by server/tokenizer.py's TextTokenizer (the model's tokenizer.json, its special
+- tokenization by server/pipeline/tokenizer.py's TextTokenizer (the model's tokenizer.json, its special
   tokens, truncation, the checkpoint's default prompt), checked as admission checks a request;
 - token-budget batches packed without padding (worker/packed.py), consecutive texts in each;
 - the engine the workers run (worker/engine.py: the CPU engine, or the CUDA engine eagerly: bulk
@@ -22,8 +22,8 @@ from pollen.common.engine_options import EngineOptions
 from pollen.common.errors import RequestError
 from pollen.common.model_spec import default_model_path, read_model_spec
 from pollen.common.request import TRUNCATE_BY_NAME
-from pollen.server.admission import ModelChecks
-from pollen.server.tokenizer import TextTokenizer
+from pollen.server.pipeline.admission import ModelChecks
+from pollen.server.pipeline.tokenizer import TextTokenizer
 from pollen.v1 import embedder_pb2 as pb
 from pollen.worker.engine import make_engine
 from pollen.worker.models.loader import load_model

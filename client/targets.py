@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 # Reconnect quickly after a server restart (gRPC's default back-off grows to two minutes). No
 # channelz: per-call statistics for a debug service nobody reads from a client (the server's
-# frontends turn it off for the same reason, server/frontend.py).
+# frontends turn it off for the same reason, server/process/frontend.py).
 CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 1000),
                    ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),

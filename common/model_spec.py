@@ -175,10 +175,9 @@ class ModelSpec:
 
 def read_model_spec(path: str, pooling: str | None = None, attention: str | None = None,
                     task: str = "auto", sparse_max_terms: int = SPARSE_TERMS) -> ModelSpec:
-    """pooling ("mean", "cls", "last") and attention ("causal", "bidirectional") override what the
-    checkpoint's files say; None keeps the checkpoint's choice. task (--task: "embed", "rerank",
-    "classify") overrides what the checkpoint's files say it serves, where it can serve that;
-    "auto" keeps the checkpoint's (_read_head). sparse_max_terms (--sparse-max-terms): the width
+    """pooling ("mean", "cls", "last") and attention ("causal", "bidirectional") override the
+    checkpoint's choice (None keeps it); task (--task) what it serves, where it can serve that
+    ("auto": the checkpoint's, _read_head); sparse_max_terms (--sparse-max-terms) is the width
     of a SPLADE model's answer rows, at most its vocabulary."""
     path = os.path.abspath(os.fspath(path))
     if task not in TASK_CHOICES:
@@ -208,12 +207,7 @@ def read_model_spec(path: str, pooling: str | None = None, attention: str | None
         # sentence-transformers would leave the prompt's tokens out of the mean; pollen pools them.
         raise UnsupportedModel(f"{path}: mean pooling without the prompt's tokens (include_prompt false in the "
                                "Pooling config) is not supported")
-    if attention is not None:
-        if attention not in ATTENTION_MODES:
-            raise UnsupportedModel(f"attention {attention!r} is not one of {ATTENTION_MODES}")
-        if family in BIDIRECTIONAL_FAMILIES and attention == "causal":
-            raise UnsupportedModel(f"{path}: {family} encoders are bidirectional; causal attention is not offered")
-        causal = attention == "causal"
+    causal = _causal(path, family, causal, attention)
 
     # Usable positions: RoBERTa-style models reserve the first pad_token_id + 1 rows.
     positions = int(config["max_position_embeddings"]) - position_offset(config)
@@ -251,6 +245,17 @@ def sliding_window(path: str, config: dict) -> int | None:
     if window is not None and (type(window) is not int or window <= 0):
         raise UnsupportedModel(f"{path}: config.json sliding_window must be a positive integer or null, got {window!r}")
     return window
+
+
+def _causal(path: str, family: str, causal: bool, attention: str | None) -> bool:
+    """Whether the model attends causally: the checkpoint's way, or --attention's where offered."""
+    if attention is None:
+        return causal
+    if attention not in ATTENTION_MODES:
+        raise UnsupportedModel(f"attention {attention!r} is not one of {ATTENTION_MODES}")
+    if family in BIDIRECTIONAL_FAMILIES and attention == "causal":
+        raise UnsupportedModel(f"{path}: {family} encoders are bidirectional; causal attention is not offered")
+    return attention == "causal"
 
 
 def _read_head(path: str, config: dict, family: str, modules: list, task: str) -> tuple[dict | None, str]:

@@ -136,8 +136,8 @@ def make_contender(key: str, args, onnx: dict | None, model_dir: str):
     if key == "pollen":
         return cc.PollenContender(args.pollen_flag, args.streams, args.per_message)
     if key == "engine":
-        from pollen.server.app import auto_batch_tokens
         from pollen.server.config import CPU_WORKER_ENV, ServeConfig
+        from pollen.server.process.app import auto_batch_tokens
 
         batch_tokens = auto_batch_tokens(ServeConfig(device="cpu"))  # the server's on this machine
         return cc.ChildContender(key, "pollen-engine", {"model_dir": model_dir, "batch_tokens": batch_tokens},

@@ -16,7 +16,7 @@ one call:   one Rerank of 1 query x 100 documents, sequentially: p50 / p99, and 
             timing.inference_us, the first batch's start to the last's end; p50 each), against the
             CUDA engine's own time for that batch (the same pairs, packed, bf16, graphs as served);
             and again on a server started with --tokie off, every text through the HF tokenizers
-            library (server/tokie_ids.py). "refused at once": the same call with top_n 0, which
+            library (server/pipeline/tokie_ids.py). "refused at once": the same call with top_n 0, which
             the server refuses once it has read it, before tokenizing: what carrying the call's
             110 KB there and an answer back costs, client included. --profile DIR adds a py-spy
             summary of the frontend that served these calls.
@@ -139,7 +139,7 @@ def profile_one_calls(srv: ServerProcess, query: str, docs: list[str], folder: s
         if spy.wait() != 0 or not os.path.exists(raw[pid]):
             continue
         with open(raw[pid]) as f:
-            served = "server/rerank.py" in f.read()  # the frontend that served the calls
+            served = "server/tasks/rerank.py" in f.read()  # the frontend that served the calls
         if served:
             with open(os.path.join(folder, f"frontend-{pid}.md"), "w") as f:
                 f.write(summarize_profile(raw[pid], top=40))
@@ -148,8 +148,8 @@ def profile_one_calls(srv: ServerProcess, query: str, docs: list[str], folder: s
 
 def engine_batch_ms(path: str, query: str, docs: list[str], n: int = 40) -> float:
     from pollen.common.model_spec import read_model_spec
-    from pollen.server.rerank import PairBuilder
-    from pollen.server.tokenizer import TextTokenizer
+    from pollen.server.pipeline.tokenizer import TextTokenizer
+    from pollen.server.tasks.rerank import PairBuilder
     from pollen.worker.cuda_engine import CudaEngine
     from pollen.worker.models.loader import load_model
     from pollen.worker.packed import pack
@@ -206,7 +206,7 @@ def qwen3_recipe(path: str):
     """Qwen3-Reranker's model-card code: the prompt, left-padded batches, logit(yes) - logit(no)."""
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from pollen.server.rerank import QWEN3_DEFAULT_INSTRUCTION, QWEN3_PREFIX, QWEN3_SUFFIX
+    from pollen.server.tasks.rerank import QWEN3_DEFAULT_INSTRUCTION, QWEN3_PREFIX, QWEN3_SUFFIX
 
     tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(path, "tokenizer.json"), padding_side="left",
                                   pad_token="<|endoftext|>")
@@ -318,8 +318,8 @@ def bench_cpu(args) -> None:
     from load.bench_cpu import machine
     from load.rerank_models import make_trained_minilm_reranker
     from pollen.common.model_spec import default_model_path
-    from pollen.server.app import auto_batch_tokens
     from pollen.server.config import ServeConfig
+    from pollen.server.process.app import auto_batch_tokens
 
     path = make_trained_minilm_reranker(args.minilm or default_model_path(), args.root)
     queries, docs = workload()

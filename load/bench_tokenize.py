@@ -5,14 +5,14 @@
 
 The texts are load/bench_rerank.py's: 100 documents of about 200 tokens (about 110,000
 characters), the documents of one Rerank call. Each row times one call that makes all their pairs
-with a short query, by the frontend's own code (server/rerank.py `PairBuilder.frame`, then
+with a short query, by the frontend's own code (server/tasks/rerank.py `PairBuilder.frame`, then
 `PairFrame`; the Qwen3 tokenizer's pairs in Qwen3-Reranker's prompt):
 
   tokenizers library   PairFrame.pairs with TextTokenizer(tokie=False), on the calling thread (a
-                       frontend sets TOKENIZERS_PARALLELISM=false: server/config.py FRONTEND_ENV),
+                       frontend sets TOKENIZERS_PARALLELISM=false: server/process/supervisor.py FRONTEND_ENV),
                        as --tokie off does
   tokie                PairFrame.tokie_pairs with TextTokenizer(tokie=True): the tokie check of
-                       server/tokie_ids.py, one tokie call, the pairs in one array
+                       server/pipeline/tokie_ids.py, one tokie call, the pairs in one array
 
 tokie runs a call of many texts on as many threads as the calling thread may use cores (its CPU
 affinity), spawned for the call. `fan-out` is that many cores (0: every core the process may use),
@@ -45,10 +45,10 @@ QUERY = "how do bees make honey"  # beside every document
 
 def pair_frame(tokenizer, qwen3: bool):
     """What the pairs of a request share, as a frontend makes it for QUERY under LIMIT: a
-    cross-encoder's pair form, or Qwen3-Reranker's prompt (server/rerank.py PairBuilder.frame)."""
+    cross-encoder's pair form, or Qwen3-Reranker's prompt (server/tasks/rerank.py PairBuilder.frame)."""
     from types import SimpleNamespace
 
-    from pollen.server.rerank import PairBuilder
+    from pollen.server.tasks.rerank import PairBuilder
     from pollen.v1 import embedder_pb2 as pb
 
     spec = SimpleNamespace(reranker_template=qwen3, type_offset=0)
@@ -101,7 +101,7 @@ def timed_calls(frame, tokenizer, docs: list[str], fan_out: int, callers: int, s
 
 def main() -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # as in a frontend
-    from pollen.server.tokenizer import TextTokenizer
+    from pollen.server.pipeline.tokenizer import TextTokenizer
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bert-tokenizer", required=True, help="a BERT tokenizer directory (the MiniLM one)")
@@ -139,7 +139,7 @@ def main() -> None:
         lines.append(f"| {r['tokenizer']} | {r['library']} | {fan} | {r['callers']} | {r['p50_ms']:.2f} | "
                      f"{r['p99_ms']:.2f} | {r['mchars_per_s']:.1f} |")
     text = (f"One call tokenizes the {DOCS} documents of a Rerank call ({sum(map(len, docs)):,} characters, "
-            f"about 200 tokens each) into pairs as a frontend does (server/rerank.py PairFrame.tokie_pairs, "
+            f"about 200 tokens each) into pairs as a frontend does (server/tasks/rerank.py PairFrame.tokie_pairs, "
             f"or PairFrame.pairs for the tokenizers library); {cores} cores. "
             f"Each caller thread may use `cores a call may use` cores (its CPU affinity, a window of its own), "
             f"which is as many threads as tokie spawns for the call.\n\n" + "\n".join(lines))

@@ -4,7 +4,7 @@ pollen's own API (pollen/v1) compiles with protos/ as its root, so its files are
 pollen/v1/... in the descriptor pool. TEI's API (pollen/tei/v1/tei.proto) compiles with its own
 folder as the root, so that it is named `tei.proto` as in TEI and in its clients' stubs: a
 descriptor pool accepts the same file twice, never two files that define the same names. It
-gets no gRPC stubs (the server registers its methods from the descriptor: server/tei_service.py).
+gets no gRPC stubs (the server registers its methods from the descriptor: server/grpc_api/tei.py).
 
 The generated modules are committed; tests/test_protos_fresh.py regenerates them into a
 temporary folder and fails when the committed ones are stale. Run after editing a .proto:

@@ -48,7 +48,7 @@ def serve(argv: list[str]) -> int:
         return 2
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Every process of this server counts its metrics here, for /metrics to sum (server/metrics.py);
+    # Every process of this server counts its metrics here, for /metrics to sum (server/observe/metrics.py);
     # set before prometheus_client is imported, here and in the children that inherit it.
     # Named like a segment, so cleanup_stale_segments removes it after a kill -9 too.
     from pollen.shared_mem.segment import SHM_DIR, segment_name
@@ -58,7 +58,7 @@ def serve(argv: list[str]) -> int:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     import uvloop
 
-    from pollen.server.app import serve as run_server
+    from pollen.server.process.app import serve as run_server
 
     try:
         uvloop.run(run_server(cfg, metrics_dir))

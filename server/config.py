@@ -11,8 +11,7 @@ import textwrap
 
 from pollen.common.engine_options import EngineOptions, parse_switch
 from pollen.common.model_spec import DEFAULT_MODEL_NAME, TASK_CHOICES, default_model_path
-from pollen.server import tracing
-from pollen.server.grpc_core import GRPC_CORE_ENV
+from pollen.server.observe import tracing
 
 # --default-truncate's values: the proto's Truncate names in lower case, as the HTTP door takes them.
 TRUNCATE_NAMES = ("none", "end", "start")
@@ -406,17 +405,6 @@ class ServeConfig:
         return cls(**values)
 
 
-# A frontend's environment, unless the user's sets the same variable: gRPC core's settings, the
-# tokenizers library on the calling thread, not on a pool of its own that competes with the frontends,
-# and malloc thresholds. An answer of token vectors is megabytes (a message of 16 texts of BGE-M3's
-# ColBERT vectors: 12 MiB), copied out of the ring, into the protobuf message and into its serialized
-# bytes; glibc maps each such block anew and trims its heap top past twice its automatic threshold,
-# so every copy faulted its pages in again. With both thresholds at FRONTEND_HEAP_KEEP the heap keeps
-# such blocks for reuse, holding at most that much free memory above its top; a larger block is
-# still mapped.
-FRONTEND_HEAP_KEEP = 64 << 20
-FRONTEND_ENV = {"TOKENIZERS_PARALLELISM": "false", "MALLOC_MMAP_THRESHOLD_": str(FRONTEND_HEAP_KEEP),
-                "MALLOC_TRIM_THRESHOLD_": str(FRONTEND_HEAP_KEEP), **GRPC_CORE_ENV}
 # A CPU worker's environment, unless the user's sets the same variable. torch's OpenMP threads spin
 # after each parallel region before they sleep. GNU OpenMP's default spin outlasts the gap between
 # two queries, so a query's helper threads would burn a core through that gap (CPU a neighbour on
@@ -475,7 +463,7 @@ class FrontendConfig:
 
 def open_files_limit() -> int:
     """The open-files limit `pollen serve` runs under: the hard RLIMIT_NOFILE, to which it raises
-    the soft one at start (server/app.py), or the soft one where the hard one is unlimited."""
+    the soft one at start (server/process/app.py), or the soft one where the hard one is unlimited."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     return soft if hard == resource.RLIM_INFINITY else max(soft, hard)
 

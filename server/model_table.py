@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 from pollen.common.errors import echo, invalid
 from pollen.common.model_spec import ModelSpec
-from pollen.server.admission import Admission
-from pollen.server.classify import Classifier
 from pollen.server.config import ServeConfig
-from pollen.server.rerank import Ranker
-from pollen.server.router import Router
-from pollen.server.token_vectors import TokenLimits
-from pollen.server.tokenizer import TextTokenizer
+from pollen.server.pipeline.admission import Admission
+from pollen.server.pipeline.outputs import TokenLimits
+from pollen.server.pipeline.router import Router
+from pollen.server.pipeline.tokenizer import TextTokenizer
+from pollen.server.tasks.classify import Classifier
+from pollen.server.tasks.rerank import Ranker
 from pollen.shared_mem import records
 from pollen.shared_mem.ring import Ring
 

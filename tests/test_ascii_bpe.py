@@ -1,4 +1,4 @@
-"""tiktoken on a lone ASCII query (server/ascii_bpe.py) gives the tokenizer.json's very ids.
+"""tiktoken on a lone ASCII query (server/pipeline/ascii_bpe.py) gives the tokenizer.json's very ids.
 
 The tokenizers here are byte-level BPEs trained by the HF library itself, with each regex tiktoken
 is trusted with (Qwen3's, GPT-2's, Llama 3's), an NFC normalizer and an end-of-text token the
@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
 from pollen.common.model_spec import default_model_path
-from pollen.server.ascii_bpe import ADDED_MAX, GPT2_PATTERN, KNOWN_PATTERNS, AsciiBpe
-from pollen.server.tokenizer import TextTokenizer
+from pollen.server.pipeline.ascii_bpe import ADDED_MAX, GPT2_PATTERN, KNOWN_PATTERNS, AsciiBpe
+from pollen.server.pipeline.tokenizer import TextTokenizer
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
 from tests.conftest import ServerProcess

@@ -220,8 +220,8 @@ def test_row_cap_keeps_every_record_within_max_record():
 
 def test_a_response_ring_too_small_for_one_request_is_refused_at_start():
     from pollen.common.model_spec import default_model_path, read_model_spec
-    from pollen.server.app import check_limits
     from pollen.server.config import ServeConfig
+    from pollen.server.process.app import check_limits
 
     spec = read_model_spec(default_model_path())  # 384 values a row: 20 rows fit a 64 KiB ring's record
     check_limits(ServeConfig(response_ring_bytes=64 << 10, max_texts_per_request=16), [spec])

@@ -1,5 +1,5 @@
 """BGE-M3 (an XLM-R encoder with FlagEmbedding's sparse_linear.pt and colbert_linear.pt beside it:
-server/bge_m3.py, worker/models/bge_m3.py) through a real server, against FlagEmbedding's recipe
+server/tasks/bge_m3.py, worker/models/bge_m3.py) through a real server, against FlagEmbedding's recipe
 written out here with HF transformers' XLMRobertaModel in float32 (FlagEmbedding itself does not
 install here): dense = the normalized CLS state; sparse = relu(sparse_linear(h)) max-pooled per
 token id, the cls, eos, pad and unk ids dropped; ColBERT = the normalized colbert_linear(h) of
@@ -355,9 +355,9 @@ def test_the_token_bound_a_text_is_the_wide_rows(m3_path):
 def test_the_automatic_ring_holds_a_text_of_the_model_s_longest_as_token_rows(m3_path):
     """By default a text of BGE-M3's full length (8,192 tokens at the real width) gets its sparse
     and ColBERT vectors, a row a token of 2 x hidden + 1 values; a plain model's ring stays 16 MiB."""
-    from pollen.server.app import check_limits
     from pollen.server.config import ServeConfig
     from pollen.server.model_table import token_limits
+    from pollen.server.process.app import check_limits
 
     spec = dataclasses.replace(read_model_spec(m3_path), hidden_size=1024, max_tokens=8192)
     cfg = ServeConfig()

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (load/run_gpu.sh runs them on a GPU host)")]
 
 from pollen.common.engine_options import EngineOptions  # noqa: E402
-from pollen.server.tokenizer import TextTokenizer  # noqa: E402
+from pollen.server.pipeline.tokenizer import TextTokenizer  # noqa: E402
 from pollen.v1 import embedder_pb2 as pb  # noqa: E402
 from pollen.worker.models.loader import load_model  # noqa: E402
 from pollen.worker.models.relative_position import bias_table  # noqa: E402

@@ -1,5 +1,5 @@
 """Rerankers on a real GPU, on 1,000 STS-B sentence pairs (sentence1 as the query, sentence2 as the
-document) in the frontend's pair form (server/rerank.py), through the CUDA engine with its graphs,
+document) in the frontend's pair form (server/tasks/rerank.py), through the CUDA engine with its graphs,
 for each shape of load/rerank_models.py: fp32 scores rank as HF transformers' fp32 scores of the
 same pairs (Spearman >= 0.9999), and bf16 scores rank against fp32 at least as well as HF's own
 bf16 does (random weights score pairs within a narrow band, where bf16's rounding reorders
@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.gpu,
 from load.bench_engine import ours_rows  # noqa: E402
 from load.rerank_models import RERANK_SHAPES, make_reranker, make_trained_minilm_reranker, stsb_pairs  # noqa: E402
 from pollen.common.model_spec import default_model_path, read_model_spec  # noqa: E402
-from pollen.server.rerank import PairBuilder  # noqa: E402
-from pollen.server.tokenizer import TextTokenizer  # noqa: E402
+from pollen.server.pipeline.tokenizer import TextTokenizer  # noqa: E402
+from pollen.server.tasks.rerank import PairBuilder  # noqa: E402
 from pollen.v1 import embedder_pb2 as pb  # noqa: E402
 from pollen.worker.cuda_engine import CudaEngine  # noqa: E402
 from pollen.worker.models.loader import load_model  # noqa: E402

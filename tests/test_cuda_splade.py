@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (load/run_gpu.sh runs them on a GPU host)")]
 
 from pollen.common.model_spec import SPARSE_TERMS  # noqa: E402
-from pollen.server.sparse_vectors import finish  # noqa: E402
+from pollen.server.tasks.sparse_vectors import finish  # noqa: E402
 from pollen.worker.models.loader import load_model  # noqa: E402
 from pollen.worker.packed import pack  # noqa: E402
 from tests.st_models import texts, token_ids  # noqa: E402

@@ -1,4 +1,4 @@
-"""Per-token vectors (server/token_vectors.py: every token a one-token row) on a real GPU: the
+"""Per-token vectors (server/tasks/token_vectors.py: every token a one-token row) on a real GPU: the
 CUDA engine's rows of a BERT encoder and a Qwen3 decoder over the token row plan, in float32
 eager and in bfloat16 through the captured graphs, against HF transformers' last_hidden_state of
 each text (float32, CPU). Skipped where no GPU is visible (CI); run on the GPU machine."""

@@ -1,4 +1,4 @@
-"""A frontend's malloc thresholds (server/config.py FRONTEND_ENV): answer-sized blocks (megabytes
+"""A frontend's malloc thresholds (server/process/supervisor.py FRONTEND_ENV): answer-sized blocks (megabytes
 of token vectors, copied out of the ring, into a protobuf message and its serialized bytes) stay in
 the heap for reuse instead of being mapped and faulted in anew for every copy. What reads the
 variables (glibc) is checked in a child process; that the frontends get them under the user's
@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from pollen.server.config import FRONTEND_ENV, FRONTEND_HEAP_KEEP
+from pollen.server.process.supervisor import FRONTEND_ENV, FRONTEND_HEAP_KEEP
 
 # Two answers in flight, each a block and its bytes, freed, and again, as a frontend's
 # answers come and go; prints the page faults that cost.

@@ -1,4 +1,4 @@
-"""The frontends run gRPC core on its iomgr path (server/grpc_core.py GRPC_CORE_ENV) unless the
+"""The frontends run gRPC core on its iomgr path (server/grpc_api/grpc_core.py GRPC_CORE_ENV) unless the
 user's environment sets GRPC_EXPERIMENTS itself, and every answer is right either way.
 
 Seen from outside, in the real frontend processes while they answer real calls over TCP and a

@@ -1,5 +1,5 @@
 """--frontend-spin-us: a frontend that sent the only request in flight server-wide polls the
-response ring instead of sleeping on its eventfd (server/channel.py, `spin`), for at most the
+response ring instead of sleeping on its eventfd (server/pipeline/channel.py, `spin`), for at most the
 flag's time; a real server with it answers everything, one at a time and concurrently."""
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import grpc
 import numpy as np
 
 from pollen.common.request import RequestOptions
-from pollen.server.channel import WorkerChannel
 from pollen.server.config import ServeConfig
-from pollen.server.request import Request
+from pollen.server.pipeline.channel import WorkerChannel
+from pollen.server.pipeline.request import Request
 from pollen.shared_mem import records
 from pollen.shared_mem.ring import Ring
 from pollen.shared_mem.server_state import ServerState

@@ -1,8 +1,8 @@
 """A frontend tokenizes with the tokenizers library on its event loop and its --tokenizer-threads,
-never on that library's own thread pool (server/config.py FRONTEND_ENV), unless the user's
+never on that library's own thread pool (server/process/supervisor.py FRONTEND_ENV), unless the user's
 environment turns that pool on: counted as the threads a real frontend gains while it serves.
 The servers here run with --tokie off, so that every text goes to the tokenizers library
-(tokie, on by default, encodes a group of texts on a pool of its own: server/tokie_ids.py)."""
+(tokie, on by default, encodes a group of texts on a pool of its own: server/pipeline/tokie_ids.py)."""
 from __future__ import annotations
 
 import os

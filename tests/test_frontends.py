@@ -11,7 +11,7 @@ import time
 import grpc
 import numpy as np
 
-from pollen.server.metrics import FLUSH_S
+from pollen.server.observe.metrics import FLUSH_S
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
 from tests.conftest import ServerProcess, cosine_rows, vectors
@@ -62,7 +62,7 @@ def test_frontends_share_the_connections_and_answer_everything_once(reference):
         got = np.stack([vectors(a)[0] for a in answers])
         assert cosine_rows(got, reference(texts)).min() >= 0.9999
         # The scraped frontend writes its own counts out first; the others' wait at most
-        # FLUSH_S in their memory (server/metrics.py), so the sums are whole by then.
+        # FLUSH_S in their memory (server/observe/metrics.py), so the sums are whole by then.
         time.sleep(FLUSH_S + 0.3)
         metrics = scrape(server)
         assert sample(metrics, "pollen_requests_total", door="grpc", outcome="ok", task="embed") == len(texts)
@@ -160,7 +160,7 @@ def test_pollens_clients_spread_their_calls_over_the_frontends(reference):
                 return np.concatenate(await asyncio.gather(*(aclient.embed([t]) for t in texts)))
 
         assert cosine_rows(asyncio.run(use_async()), reference(texts)).min() >= 0.9999
-        time.sleep(FLUSH_S + 0.3)  # every frontend's counts written out (server/metrics.py)
+        time.sleep(FLUSH_S + 0.3)  # every frontend's counts written out (server/observe/metrics.py)
         assert sample(scrape(server), "pollen_requests_total", door="grpc", outcome="ok", task="embed") == 2 * len(texts)
     finally:
         assert server.terminate() == 0

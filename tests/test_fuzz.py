@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from pollen.common.errors import RequestError
 from pollen.common.model_spec import default_model_path, read_model_spec
 from pollen.common.request import Lane, RequestOptions, Task
-from pollen.server.admission import Admission
-from pollen.server.http_door import Rejected, to_embed_request
-from pollen.server.tokenizer import TextTokenizer
+from pollen.server.http_api.door import Rejected, to_embed_request
+from pollen.server.pipeline.admission import Admission
+from pollen.server.pipeline.tokenizer import TextTokenizer
 from pollen.shared_mem import records
 from pollen.v1 import embedder_pb2 as pb
 
@@ -103,7 +103,7 @@ def test_batch_result_records_decode(data, figures, hidden, entries):
         == [tuple(e) for e in entries]
 
 
-# --- the frontend's request admission (server/admission.py), with the real tokenizer ---
+# --- the frontend's request admission (server/pipeline/admission.py), with the real tokenizer ---
 
 FIELDS = ("texts", "token_ids", "chunks", "encoding", "truncate", "long_input", "priority", "dimensions",
           "max_tokens", "prompt", "prompt_name", "inputs in one request")
@@ -165,7 +165,7 @@ def test_admission_admits_or_names_the_field(admission, request):
     assert outputs == len(request.texts) + len(request.token_ids) + len(request.chunks)
 
 
-# --- the HTTP door's JSON mapping (server/http_door.py) ---
+# --- the HTTP door's JSON mapping (server/http_api/door.py) ---
 
 NAMES = ["input", "model", "dimensions", "encoding_format", "user", "encoding", "normalize", "truncate",
          "max_tokens", "prompt_name", "prompt", "long_input", "chunks", "priority", "timeout_ms"]

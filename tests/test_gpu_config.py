@@ -12,7 +12,7 @@ import pytest
 from pollen.common.engine_options import EngineOptions
 from pollen.common.worker_config import WorkerConfig
 from pollen.server.config import ServeConfig, visible_device
-from pollen.server.supervisor import core_share, frontend_cores, worker_cores
+from pollen.server.process.supervisor import core_share, frontend_cores, worker_cores
 from pollen.worker.sm_partition import bulk_sm_count
 
 

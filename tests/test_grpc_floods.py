@@ -4,7 +4,7 @@ reset as fast as the socket takes them), 20,000 streams left open, and PING floo
 the good client sees no error (its latencies, quiet and under the flood, are printed: a latency
 is a benchmark's to judge, not a unit test's); the frontend's peak RSS stays within RSS_BOUND_MB of what it was before the
 flood; and the flooding connection is closed by the frontend's flood guard
-(server/flood_guard.py). A rapid reset that opens a new connection each time the guard closes
+(server/grpc_api/flood_guard.py). A rapid reset that opens a new connection each time the guard closes
 one fails no call of well-behaved clients (its latencies are printed, not checked). Clients that
 send much, or reset calls, but whose bytes are calls, are never closed."""
 from __future__ import annotations
@@ -183,7 +183,7 @@ def test_open_streams_past_the_bound_are_refused(server):
 
 def test_stream_and_pending_bounds_are_flags():
     from pollen.server.config import ServeConfig
-    from pollen.server.frontend import grpc_options
+    from pollen.server.process.frontend import grpc_options
 
     cfg = ServeConfig.from_args([], environ={})
     assert (cfg.grpc_max_streams_per_connection, cfg.grpc_max_pending_calls) == (512, 4096)
@@ -244,7 +244,7 @@ def test_clients_whose_bytes_are_calls_are_never_closed(server):
     once on one connection each, for longer than the guard needs to close a flood: no error but
     the deadlines', and the guard closes nothing. (Megabytes a second of calls whose deadline
     passes while their message is still being sent are not credited, and can be taken for a
-    flood: server/flood_guard.py.)"""
+    flood: server/grpc_api/flood_guard.py.)"""
     from concurrent.futures import ThreadPoolExecutor
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc

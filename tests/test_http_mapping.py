@@ -6,8 +6,8 @@ import json
 import msgspec
 import pytest
 
-from pollen.server.http11 import Request
-from pollen.server.http_door import EmbeddingsBody, Rejected, to_embed_request
+from pollen.server.http_api.door import EmbeddingsBody, Rejected, to_embed_request
+from pollen.server.http_api.http11 import Request
 from pollen.v1 import embedder_pb2 as pb
 
 # EmbedRequest fields whose HTTP name differs, or that HTTP has no use for.

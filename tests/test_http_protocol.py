@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from pollen.server.http11 import Request
-from pollen.server.http_door import Rejected, to_embed_request
+from pollen.server.http_api.door import Rejected, to_embed_request
+from pollen.server.http_api.http11 import Request
 from tests.test_http_door import assert_openai_error, post, raw_exchange
 
 UINT32_PAST = 2**32

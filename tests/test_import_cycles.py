@@ -88,3 +88,43 @@ def test_cycles_are_found_and_named():
 def test_no_import_cycle_among_product_modules():
     found = cycles(import_graph())
     assert not found, "import cycles: " + "; ".join(" -> ".join(cycle) for cycle in found)
+
+
+# server/'s layers (each subpackage's docstring says the same): what each part of the frontend may
+# import of the others. The doors translate and nothing else, so they reach the pipeline and the
+# tasks only through the core, and never each other.
+SERVER_LAYERS = {
+    "observe": set(),
+    "config": {"observe"},
+    "auth": set(),
+    "tei": set(),
+    "pipeline": {"observe", "config"},
+    "tasks": {"pipeline", "observe", "config"},
+    "model_table": {"pipeline", "tasks", "observe", "config"},
+    "core": {"pipeline", "tasks", "model_table", "observe", "config", "auth"},
+    "grpc_api": {"core", "model_table", "observe", "config", "auth", "tei"},
+    "http_api": {"core", "model_table", "observe", "config", "auth", "tei"},
+    "process": {"pipeline", "tasks", "model_table", "core", "grpc_api", "http_api", "observe", "config", "auth",
+                "tei"},
+    "cli": {"process", "config"},
+}
+
+
+def server_part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["pollen", "server"] and len(parts) > 2 else None
+
+
+def test_each_part_of_server_imports_only_the_layers_below_it():
+    graph = import_graph()
+    parts = {server_part(m) for m in graph} - {None}
+    assert parts == set(SERVER_LAYERS), "a part of server/ has no layer here (or a layer no part)"
+    wrong = sorted(f"{module} imports {target}" for module, targets in graph.items() for target in targets
+                   if (part := server_part(module)) and (theirs := server_part(target)) and theirs != part
+                   and theirs not in SERVER_LAYERS[part])
+    assert wrong == []
+
+
+def test_the_layer_check_catches_a_door_that_reaches_past_the_core():
+    assert server_part("pollen.server.http_api.door") == "http_api"
+    assert "pipeline" not in SERVER_LAYERS["http_api"] and "grpc_api" not in SERVER_LAYERS["http_api"]

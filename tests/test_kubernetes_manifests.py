@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from pollen.client import Client
-from pollen.server.app import shm_need, worker_rings_need
 from pollen.server.config import ServeConfig
+from pollen.server.process.app import shm_need, worker_rings_need
 from tests.conftest import ServerProcess, free_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -113,7 +113,7 @@ def quantity(text: str) -> int:
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
 def test_each_dev_shm_volume_holds_its_pollen_and_one_worker_restart(path):
-    """The memory emptyDir on /dev/shm is at least what pollen checks at start (server/app.py,
+    """The memory emptyDir on /dev/shm is at least what pollen checks at start (server/process/app.py,
     shm_need) from the container's POLLEN_* settings, plus a second set of one worker's rings (a
     restarted worker's new rings exist while the old ones are still mapped)."""
     for doc in documents(path):

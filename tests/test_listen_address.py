@@ -1,4 +1,4 @@
-"""What `pollen serve` does with the addresses it is told to listen on (server/address.py): it
+"""What `pollen serve` does with the addresses it is told to listen on (server/process/address.py): it
 removes only a stale socket at a unix path, never a file; and nobody who could not take an
 address can keep pollen from it, while two pollen servers still never share one."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pollen.server.address import AddressInUse, claim
+from pollen.server.process.address import AddressInUse, claim
 from tests.conftest import POLLEN, ServerProcess, free_port
 
 NOBODY = 65534

@@ -1,4 +1,4 @@
-"""server/metrics.py's Deferred: counts kept in memory and written out at once give the very
+"""server/observe/metrics.py's Deferred: counts kept in memory and written out at once give the very
 exposition that prometheus_client's own inc() and observe() give, and are written FLUSH_S later."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pollen.server import metrics
-from pollen.server.metrics import Deferred
+from pollen.server.observe import metrics
+from pollen.server.observe.metrics import Deferred
 
 BOUNDS = (0.001, 0.01, 0.1, 1.0)
 

@@ -5,7 +5,7 @@ like ModernBERT's ([CLS] text [SEP], NFC, GPT-2's regex) and the sentence-transf
 files (Pooling, and Normalize where asked). The windows are small (local_attention 8 or 16) and
 most texts are longer, so the sliding-window layers see only part of each text; a test shows the
 comparison fails when the window is dropped. Texts go through pollen's own tokenizer path
-(server/tokenizer.py); sentence-transformers is the reference, never pollen.
+(server/pipeline/tokenizer.py); sentence-transformers is the reference, never pollen.
 """
 
 import os
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pollen.common.model_spec import UnsupportedModel, read_model_spec
-from pollen.server.tokenizer import TextTokenizer
+from pollen.server.pipeline.tokenizer import TextTokenizer
 from pollen.v1 import embedder_pb2 as pb
 from pollen.worker.engine import EagerEngine
 from pollen.worker.models.attention import VarlenAttention

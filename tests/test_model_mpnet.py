@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pollen.common.model_spec import UnsupportedModel, default_model_path, read_model_spec
-from pollen.server.tokenizer import TextTokenizer
+from pollen.server.pipeline.tokenizer import TextTokenizer
 from pollen.v1 import embedder_pb2 as pb
 from pollen.worker.engine import EagerEngine
 from pollen.worker.models.loader import load_model

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-FRONTEND_MODULES = ("pollen.server.app", "pollen.server.service", "pollen.server.admission",
-                    "pollen.server.config", "pollen.server.cli", "pollen.server.http_door",
-                    "pollen.server.supervisor", "pollen.server.channel", "pollen.server.router", "pollen.server.frontend", "pollen.server.tokenizer", "pollen.client")
+FRONTEND_MODULES = ("pollen.server.process.app", "pollen.server.grpc_api.service", "pollen.server.pipeline.admission",
+                    "pollen.server.config", "pollen.server.cli", "pollen.server.http_api.door",
+                    "pollen.server.process.supervisor", "pollen.server.pipeline.channel", "pollen.server.pipeline.router", "pollen.server.process.frontend", "pollen.server.pipeline.tokenizer", "pollen.client")
 
 
 def run_python(code: str, cwd) -> subprocess.CompletedProcess:
@@ -23,7 +23,7 @@ def test_repository_folders_are_not_top_level_modules_outside_the_checkout(tmp_p
 
 
 def test_pollen_parts_import_from_outside_the_checkout(tmp_path):
-    code = ("import pollen.server.app, pollen.worker.main, pollen.shared_mem.ring, pollen.client, "
+    code = ("import pollen.server.process.app, pollen.worker.main, pollen.shared_mem.ring, pollen.client, "
             "pollen.common.encodings, pollen.v1.embedder_pb2")
     result = run_python(code, cwd=tmp_path)
     assert result.returncode == 0, result.stderr

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from pollen.common.errors import RequestError
 from pollen.common.model_spec import default_model_path
-from pollen.server.tokenizer import PROMPT_MAX_CHARS, TextTokenizer
+from pollen.server.pipeline.tokenizer import PROMPT_MAX_CHARS, TextTokenizer
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
 from tests.conftest import ServerProcess

@@ -10,9 +10,9 @@ import grpc
 import numpy as np
 
 from pollen.common.model_spec import default_model_path, read_model_spec
-from pollen.server.admission import INLINE_CHARS, Admission
 from pollen.server.config import ServeConfig
-from pollen.server.tokenizer import TextTokenizer
+from pollen.server.pipeline.admission import INLINE_CHARS, Admission
+from pollen.server.pipeline.tokenizer import TextTokenizer
 from pollen.v1 import embedder_pb2 as pb
 from pollen.v1 import embedder_pb2_grpc as pb_grpc
 from tests.conftest import ServerProcess, cosine_rows, vectors

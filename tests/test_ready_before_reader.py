@@ -3,7 +3,7 @@
 The producer writes the eventfd only while the consumer says it sleeps, so a worker that is ready
 (its READY record written) before the frontend sets that flag leaves no signal behind: the
 frontend must look at the ring after arming, at start and after every worker restart, or the
-server stays NOT_SERVING forever (server/channel.py `attach`, shared_mem/ring.py
+server stays NOT_SERVING forever (server/pipeline/channel.py `attach`, shared_mem/ring.py
 `sleep_unless_data`).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from pollen.server.channel import WorkerChannel
+from pollen.server.pipeline.channel import WorkerChannel
 from pollen.shared_mem import records
 from pollen.shared_mem.ring import Ring
 from pollen.shared_mem.server_state import ServerState

@@ -147,7 +147,7 @@ def test_long_documents_are_cut_never_the_query(reranker):
 @pytest.mark.parametrize("body, field", [
     ({"query": QUERY, "documents": []}, "documents"),
     ({"query": QUERY, "documents": ["fine", ""]}, "documents[1]"),
-    # a document tokie does not encode (DEL: server/tokie_ids.py) is tokenized apart: the index stays the request's
+    # a document tokie does not encode (DEL: server/pipeline/tokie_ids.py) is tokenized apart: the index stays the request's
     ({"query": QUERY, "documents": ["fine \x7f", "fine", ""]}, "documents[2]"),
     ({"query": QUERY, "documents": ["fine", "\x7f " + "honey " * 500], "truncate": "none"}, "documents[1]"),
     ({"query": QUERY, "documents": ["fine \x7f", "fine", "honey " * 500], "truncate": "none"}, "documents[2]"),
@@ -252,7 +252,7 @@ def test_a_cross_encoder_of_trained_weights_scores_as_cross_encoder(tmp_path, to
     """all-MiniLM-L6-v2's trained encoder under a random head (load/rerank_models.py
     make_trained_minilm_reranker), served: its scores spread as a real model's do, and equal
     CrossEncoder's in fp32 on the CPU. Every other document holds a character tokie leaves to the
-    tokenizers library (DEL: server/tokie_ids.py), so the two groups are tokenized apart and must
+    tokenizers library (DEL: server/pipeline/tokie_ids.py), so the two groups are tokenized apart and must
     come back in their places; with --tokie off, every document goes to the tokenizers library."""
     from sentence_transformers import CrossEncoder
 

@@ -1,10 +1,10 @@
-"""A rerank pair's token ids (server/rerank.py) against the HF tokenizer's own encoding of the
+"""A rerank pair's token ids (server/tasks/rerank.py) against the HF tokenizer's own encoding of the
 pair (transformers' fast tokenizer of the real all-MiniLM-L6-v2 files, `truncation="only_second"`:
 the document is cut, never the query), and Qwen3-Reranker's against its model card's recipe (a
 Qwen3-regex byte-level BPE trained here, and the real Qwen3 file where POLLEN_QWEN3_TOKENIZER
 names it), with tokie on and off.
 
-The documents include ones tokie is given whole in one call (server/tokenizer.py
+The documents include ones tokie is given whole in one call (server/pipeline/tokenizer.py
 first_ids_flat), ones it holds back (DEL), ones cut to the room, and ones of words too long for
 the vocabulary (one [UNK] each, far more characters a token than the first piece tokenized
 assumes, so they take the longer pieces)."""
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from pollen.common.errors import RequestError
-from pollen.server.rerank import PairBuilder
-from pollen.server.tokenizer import TextTokenizer
+from pollen.server.pipeline.tokenizer import TextTokenizer
+from pollen.server.tasks.rerank import PairBuilder
 from pollen.v1 import embedder_pb2 as pb
 from tests.st_models import copy_bert_tokenizer
 
@@ -110,7 +110,7 @@ def test_qwen3_reranker_pairs_are_the_model_cards_prompt(qwen3_folder, tokie):
     `<Instruct>: ...\\n<Query>: ...\\n<Document>: doc` cut to what the limit leaves, the suffix's."""
     from tokenizers import Tokenizer
 
-    from pollen.server.rerank import QWEN3_DEFAULT_INSTRUCTION, QWEN3_PREFIX, QWEN3_SUFFIX
+    from pollen.server.tasks.rerank import QWEN3_DEFAULT_INSTRUCTION, QWEN3_PREFIX, QWEN3_SUFFIX
 
     tok = Tokenizer.from_file(f"{qwen3_folder}/tokenizer.json")
     prefix, suffix = (tok.encode(t, add_special_tokens=False).ids for t in (QWEN3_PREFIX, QWEN3_SUFFIX))

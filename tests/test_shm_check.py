@@ -1,4 +1,4 @@
-"""`pollen serve` refuses to start when /dev/shm cannot hold its rings (server/app.py, check_shm),
+"""`pollen serve` refuses to start when /dev/shm cannot hold its rings (server/process/app.py, check_shm),
 instead of dying of SIGBUS later, when a ring page is first written."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from pollen.server import config
-from pollen.server.app import SHM_METRICS_PER_PROCESS, check_shm, shm_need, worker_rings_need
 from pollen.server.config import ServeConfig
+from pollen.server.process.app import SHM_METRICS_PER_PROCESS, check_shm, shm_need, worker_rings_need
 from pollen.shared_mem.ring import Ring
 from pollen.shared_mem.segment import SHM_DIR
 from pollen.shared_mem.server_state import ServerState

@@ -1,4 +1,4 @@
-"""SPLADE sparse embedders (BertForMaskedLM, DistilBertForMaskedLM: server/sparse_vectors.py,
+"""SPLADE sparse embedders (BertForMaskedLM, DistilBertForMaskedLM: server/tasks/sparse_vectors.py,
 worker/models/splade.py) through a real server, against the transformers recipe: the MLM logits
 of every token, log(1 + relu(.)), max-pooled over the sequence (special tokens included); over
 gRPC, the Python client, the OpenAI route, TEI's /embed_sparse and tei.v1 EmbedSparse (tei-client's
@@ -301,7 +301,7 @@ def test_a_row_past_the_bound_keeps_its_largest_weights(tmp_path):
     """A positive MLM bias makes every vocabulary weight positive: the row holds SPARSE_TERMS
     (1,024) of its 30,522, the largest, exactly as the recipe weighs them."""
     from pollen.common.model_spec import SPARSE_TERMS
-    from pollen.server.sparse_vectors import finish
+    from pollen.server.tasks.sparse_vectors import finish
     from pollen.worker.engine import EagerEngine
     from pollen.worker.models.loader import load_model
     from pollen.worker.packed import pack

@@ -235,7 +235,7 @@ def test_a_task_no_model_serves_is_a_failed_precondition(embedder, reranker):
 
 
 def test_tei_client_over_http_gets_pollens_answers(embedder, reranker):
-    """tei-client's HttpClient, unchanged, against TEI's HTTP routes (server/http_tei.py): health,
+    """tei-client's HttpClient, unchanged, against TEI's HTTP routes (server/http_api/tei.py): health,
     info, embed, tokenize and rerank give what pollen.v1 gives for the same texts."""
     client = tei_client.HttpClient(f"http://{embedder.http_listen}")
     assert client.health()

@@ -1,4 +1,4 @@
-"""TEI's HTTP API (server/http_tei.py) through a real `pollen serve` of an embedder (the bundled
+"""TEI's HTTP API (server/http_api/tei.py) through a real `pollen serve` of an embedder (the bundled
 all-MiniLM-L6-v2), a tiny reranker and a tiny classifier, requests shaped as TEI's documentation
 shows them: every route's answer against pollen's own pollen.v1 answer for the same texts (or
 sentence-transformers and the tokenizer), each route's refusal in TEI's error body and status,

@@ -1,5 +1,5 @@
 """TEI's clients, unchanged, against one server of three tiny models, a reranker first, then an
-embedder and a classifier (server/http_tei.py, server/tei_service.py): POST / follows the body's
+embedder and a classifier (server/http_api/tei.py, server/grpc_api/tei.py): POST / follows the body's
 shape (huggingface_hub's InferenceClient on the server's base URL embeds, compares and
 classifies); every TEI route is served for one model under /models/<name>/ (tei-client's
 HttpClient and huggingface_hub with that base URL, /info describing that model); tei.v1 calls

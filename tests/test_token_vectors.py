@@ -1,4 +1,4 @@
-"""Per-token vectors (outputs OUTPUT_TOKENS, server/token_vectors.py) through a real server, against
+"""Per-token vectors (outputs OUTPUT_TOKENS, server/tasks/token_vectors.py) through a real server, against
 HF transformers' last hidden state of the same tokens (special tokens included) and
 sentence-transformers' pooled vector from the same pass; over gRPC, the Python client, the OpenAI
 route's `outputs`, TEI's /embed_all and tei.v1 EmbedAll (tei-client); and their bounds and refusals."""
@@ -14,7 +14,7 @@ import pytest
 
 from pollen.client import Client
 from pollen.common.model_spec import default_model_path
-from pollen.server.app import response_ring_for
+from pollen.server.process.app import response_ring_for
 from pollen.shared_mem import records
 from pollen.shared_mem.ring import Ring
 from pollen.v1 import embedder_pb2 as pb

@@ -1,4 +1,4 @@
-"""tokie in front of the tokenizer.json (server/tokie_ids.py) gives the HF tokenizers library's very ids.
+"""tokie in front of the tokenizer.json (server/pipeline/tokie_ids.py) gives the HF tokenizers library's very ids.
 
 The tokenizers here: all-MiniLM-L6-v2's real BERT WordPiece file, and files the HF library trains
 itself on multilingual text (a byte-level BPE on Qwen3's regex, a SentencePiece-style Unigram with
@@ -15,8 +15,8 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from load import corpus as load_corpus
 from pollen.common.model_spec import default_model_path
-from pollen.server.tokenizer import TextTokenizer
-from pollen.server.tokie_ids import PRESENT_MAX, PROBED_RANGES, TokieIds, encode_flat, split_flat
+from pollen.server.pipeline.tokenizer import TextTokenizer
+from pollen.server.pipeline.tokie_ids import PRESENT_MAX, PROBED_RANGES, TokieIds, encode_flat, split_flat
 from pollen.v1 import embedder_pb2 as pb
 from tests.test_ascii_bpe import QWEN3
 from tests.test_ascii_bpe import train as train_bpe
@@ -210,7 +210,7 @@ print(chars, len(flat), (status("VmHWM") - before) * 1024)
 
 
 def test_one_tokie_call_holds_a_small_multiple_of_its_text():
-    """A rerank request's documents that tokie takes go to it in one call (server/tokenizer.py
+    """A rerank request's documents that tokie takes go to it in one call (server/pipeline/tokenizer.py
     first_ids_flat), bounded by the request's size: the call's peak memory, on some 20 M
     characters, stays within a few bytes a character (the HF library's encodings of the same
     texts hold several times that)."""

@@ -192,8 +192,8 @@ def test_spans_go_to_an_otlp_grpc_collector(grpc_collector):
     assert resource["service.name"] == "emb"
 
 
-FRONTEND_IMPORTS = ("pollen.server.frontend", "pollen.server.service", "pollen.server.http_door",
-                    "pollen.server.tracing", "pollen.server.config")
+FRONTEND_IMPORTS = ("pollen.server.process.frontend", "pollen.server.grpc_api.service", "pollen.server.http_api.door",
+                    "pollen.server.observe.tracing", "pollen.server.config")
 
 
 def run_python(code: str, tmp_path) -> subprocess.CompletedProcess:
@@ -202,7 +202,7 @@ def run_python(code: str, tmp_path) -> subprocess.CompletedProcess:
 
 def test_without_the_flag_nothing_of_opentelemetry_is_imported(tmp_path):
     code = (f"import sys\nfor m in {FRONTEND_IMPORTS!r}: __import__(m)\n"
-            "from pollen.server import tracing\nfrom pollen.server.config import ServeConfig\n"
+            "from pollen.server.observe import tracing\nfrom pollen.server.config import ServeConfig\n"
             "cfg = ServeConfig(http_listen='')\n"
             "assert cfg.otlp_endpoint == '' and tracing.start(cfg.otlp_endpoint, 0) is None\n"
             "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n"

@@ -138,7 +138,7 @@ def test_metrics_count_requests_by_task(server):
         with pytest.raises(grpc.RpcError):
             stub.Rerank(pb.RerankRequest(query=QUERY, documents=[]), timeout=30)
         embed(stub)
-    time.sleep(1.5)  # each frontend writes its counts out at most half a second later (server/metrics.py)
+    time.sleep(1.5)  # each frontend writes its counts out at most half a second later (server/observe/metrics.py)
     after = scrape()
     assert count(after, "ok", "rerank") - count(before, "ok", "rerank") == 1
     assert count(after, "INVALID_ARGUMENT", "rerank") - count(before, "INVALID_ARGUMENT", "rerank") == 1

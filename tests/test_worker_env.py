@@ -63,8 +63,8 @@ def test_auto_batch_tokens_by_device():
     import dataclasses
 
     from pollen.common.model_spec import default_model_path, read_model_spec
-    from pollen.server.app import check_limits
     from pollen.server.config import ServeConfig
+    from pollen.server.process.app import check_limits
 
     spec = read_model_spec(default_model_path())
     for threads in (1, 2, 3):  # on the CPU, 1,024 tokens per worker thread: each thread's piece holds several texts

@@ -8,7 +8,7 @@ from pollen.shared_mem.ring import Ring
 from pollen.shared_mem.ring_pair import RingPair
 
 # An idle worker sleeps in long slices: a frontend re-signals a lost wake-up every few ms while
-# it has requests out (server/channel.py, tick), so a laptop stays quiet.
+# it has requests out (server/pipeline/channel.py, tick), so a laptop stays quiet.
 IDLE_SLICE = 0.5
 
 

@@ -4,8 +4,8 @@ float32 values (common/model_spec.py, ModelSpec.bge_m3).
 
 A dense request's row is the text's <s> token (pooling "cls"): the frontend keeps its first
 `hidden` values. A request for sparse or ColBERT vectors has a row per token (the token row plan,
-server/token_vectors.py), and the frontend makes FlagEmbedding's outputs from them
-(server/bge_m3.py). The ColBERT vectors leave L2-normalized, as the model always answers them
+server/tasks/token_vectors.py), and the frontend makes FlagEmbedding's outputs from them
+(server/tasks/bge_m3.py). The ColBERT vectors leave L2-normalized, as the model always answers them
 (a negligible cost on the device, where in a frontend it is a pass over every token's vector); h
 leaves raw, and the frontend normalizes the dense vector when the request asks.
 
