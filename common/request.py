@@ -18,7 +18,7 @@ class Task(IntEnum):
 
 
 class Lane(IntEnum):
-    """The batcher's and the engine's queues (docs/architecture.md, "Priority lanes"); the numbers
+    """The batcher's and the engine's queues (docs/design/requests.md, "Priority lanes"); the numbers
     are the protobuf Priority values."""
 
     INTERACTIVE = pb.PRIORITY_INTERACTIVE

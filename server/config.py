@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import resource
+import sys
 import textwrap
 
 from pollen.common.engine_options import EngineOptions, parse_switch
@@ -23,9 +24,12 @@ FD_RESERVE = 256
 DESCRIPTION = ("Serve embedding, reranking and classification models over gRPC (pollen.v1.Embedder and TEI's tei.v1, "
                "with health and reflection) and HTTP (OpenAI-compatible /v1/embeddings, Cohere-shaped /v1/rerank), "
                "in the foreground until SIGTERM or Ctrl-C. Every flag "
-               "is also a variable: POLLEN_ and its name in capitals (POLLEN_MAX_BATCH_TOKENS); a flag given wins.")
-MODEL, NETWORK, PROCESSES, LIMITS, GPU, OBSERVABILITY, ENGINE = (
-    "model", "network", "processes", "limits", "GPU (--device cuda)", "observability", "engine switches")
+               "is also a variable: POLLEN_ and its name in capitals (POLLEN_MAX_BATCH_TOKENS); a flag given wins. "
+               "The tuning knobs, left out here, are listed by --help-all.")
+MODEL, NETWORK, PROCESSES, LIMITS, GPU, OBSERVABILITY, TUNING, ENGINE = (
+    "model", "network", "processes", "limits", "GPU (--device cuda)", "observability", "tuning", "engine switches")
+TUNING_TEXT = ("knobs whose defaults are what serving wants: for measuring, or for a host unlike most; "
+               "pollen serve --help-all lists them, docs/configuration.md says each")
 ENGINE_TEXT = ("the engine's kernel switches (EngineOptions, common/engine_options.py) are flags and variables "
                "too, left out here: they are for measuring and debugging, and their defaults are what serving wants")
 # Field annotations (strings, under `from __future__ import annotations`) to argparse types; their metavars.
@@ -46,13 +50,16 @@ def _flag(group: str, default, text: str, *, shown: str | None = None, words: di
         (("on" if default else "off") if isinstance(default, bool) else str(default))
     return dataclasses.field(default=default, repr=not secret, metadata={
         "group": group, "help": f"{text} (default: {shown})", "words": words, "choices": choices,
+        "hidden": group == TUNING,
         "metavar": metavar or "|".join(choices) or None, "secret": secret, "repeat": repeat})
 
 
 def _engine_flag(name: str, words: dict | None = None):
     """A field for EngineOptions.<name>: a flag and a variable like the others, hidden from --help."""
-    return dataclasses.field(default=EngineOptions.__dataclass_fields__[name].default,
-                             metadata={"group": ENGINE, "hidden": True, "words": words or {}})
+    default = EngineOptions.__dataclass_fields__[name].default
+    return dataclasses.field(default=default, metadata={
+        "group": ENGINE, "hidden": True, "words": words or {},
+        "help": f"EngineOptions.{name} (common/engine_options.py) (default: {default})"})
 
 
 @dataclasses.dataclass(slots=True)
@@ -90,24 +97,24 @@ class ServeConfig:
                               "moves (docs/performance.md measures both); attention, norms and pooling stay "
                               "bfloat16, and batches too short to gain stay on bfloat16 products; repeated, each "
                               "of --model's models in order", metavar="none|fp8", repeat=True)
-    tiktoken: bool = _flag(MODEL, True, "tokenize a lone ASCII query with tiktoken where the tokenizer.json is "
+    tiktoken: bool = _flag(TUNING, True, "tokenize a lone ASCII query with tiktoken where the tokenizer.json is "
                            "byte-level BPE and tiktoken gives its very ids (checked at start)")
-    tokie: bool = _flag(MODEL, True, "tokenize texts with tokie, many times faster than the tokenizers "
+    tokie: bool = _flag(TUNING, True, "tokenize texts with tokie, many times faster than the tokenizers "
                         "library, where it gives the tokenizer.json's very ids: a text goes to it only when each "
                         "of its characters was encoded alike by both at start (docs/architecture.md)")
     listen: str = _flag(NETWORK, "127.0.0.1:50051", "the gRPC address (a unix path is served by one frontend: "
                         "Linux cannot share one between listeners)", metavar="HOST:PORT|unix:PATH")
-    listen_mode: str = _flag(NETWORK, "0660", "the file mode of a unix:PATH socket, in octal", metavar="MODE")
+    listen_mode: str = _flag(TUNING, "0660", "the file mode of a unix:PATH socket, in octal", metavar="MODE")
     http_listen: str = _flag(NETWORK, "127.0.0.1:8080", "the HTTP address (/v1/embeddings, /health, /metrics); "
                              "empty: no HTTP", metavar="HOST:PORT")
-    http_max_connections: int = _flag(NETWORK, 0, "HTTP connections open at once; past it a new one is answered 503 "
+    http_max_connections: int = _flag(TUNING, 0, "HTTP connections open at once; past it a new one is answered 503 "
                                       "and closed", words={"auto": 0},
                                       shown=f"auto, min(1024, the open-files limit - {FD_RESERVE})")
-    http_write_timeout: float = _flag(NETWORK, 30.0, "how long an HTTP answer may wait unread (over 64 KiB in the "
+    http_write_timeout: float = _flag(TUNING, 30.0, "how long an HTTP answer may wait unread (over 64 KiB in the "
                                       "connection's buffer) before the connection is reset")
-    http_first_byte_timeout: float = _flag(NETWORK, 5.0, "how long a new HTTP connection may wait before it sends "
+    http_first_byte_timeout: float = _flag(TUNING, 5.0, "how long a new HTTP connection may wait before it sends "
                                            "its first byte; past it the connection is closed")
-    http_unread_bytes: int = _flag(NETWORK, 256 << 20, "bytes of HTTP answers that clients have not read yet, over "
+    http_unread_bytes: int = _flag(TUNING, 256 << 20, "bytes of HTTP answers that clients have not read yet, over "
                                    "all of a frontend's connections; an answer over 64 KiB that would pass it is "
                                    "refused 503 with Retry-After", shown="256 MiB")
     grpc_max_streams_per_connection: int = _flag(NETWORK, 512, "gRPC calls one connection may hold at once "
@@ -116,10 +123,10 @@ class ServeConfig:
                                                  "a client keeps at most about half of it in flight on one "
                                                  "connection; a rapid reset parks at most this many calls ahead of "
                                                  "other clients' calls")
-    grpc_max_pending_calls: int = _flag(NETWORK, 4096, "gRPC calls a frontend holds that it has not yet begun to "
+    grpc_max_pending_calls: int = _flag(TUNING, 4096, "gRPC calls a frontend holds that it has not yet begun to "
                                         "handle, over all connections; past it gRPC ends a new one CANCELLED; at "
                                         "least twice --grpc-max-streams-per-connection")
-    grpc_flood_bytes: int = _flag(NETWORK, 128 << 10, "bytes per second a gRPC connection may send that carry no "
+    grpc_flood_bytes: int = _flag(TUNING, 128 << 10, "bytes per second a gRPC connection may send that carry no "
                                   "call while the server answers it a quarter of that (resets, ping acks): past "
                                   "both the connection is closed", words={"off": 0}, shown="128 KiB")
     api_key: str | None = _flag(NETWORK, None, "API keys, comma-separated, that clients present as Bearer KEY (HTTP "
@@ -134,73 +141,73 @@ class ServeConfig:
                                    "model's")
     device: str = _flag(PROCESSES, "cpu", "where workers run the model (cuda: one worker per GPU)",
                         choices=("cpu", "cuda"))
-    workers: int = _flag(PROCESSES, 1, "CPU worker processes (they share the cores)")
+    workers: int = _flag(TUNING, 1, "CPU worker processes (they share the cores)")
     frontends: int = _flag(PROCESSES, 0, "frontend processes, serving gRPC and HTTP on the shared addresses",
                            words={"auto": 0}, shown="auto, 1 on cpu; with cuda 3 for every 4 cores the workers "
                            "leave, at most 16")
     worker_threads: int = _flag(PROCESSES, 0, "torch threads per CPU worker", words={"auto": 0},
                                 shown="auto, the cores divided among the workers")
-    adapt_worker_threads: bool = _flag(PROCESSES, True, "a CPU worker runs each batch on one thread or on "
+    adapt_worker_threads: bool = _flag(TUNING, True, "a CPU worker runs each batch on one thread or on "
                                        "--worker-threads, whichever its recent batches measured faster: on cores other "
                                        "processes keep busy, one thread; off, always --worker-threads")
-    tokenizer_threads: int = _flag(PROCESSES, 0, "threads per frontend that tokenize requests over 2,048 "
+    tokenizer_threads: int = _flag(TUNING, 0, "threads per frontend that tokenize requests over 2,048 "
                                    "characters (shorter ones are tokenized on the event loop); a rerank request's "
                                    "documents that tokie leaves to the tokenizers library are spread over them",
                                    words={"auto": 0},
                                    shown="auto: 2 on cpu; with cuda half the cores, from 2 to 8")
-    worker_spin_us: int = _flag(PROCESSES, -1, "microseconds an idle worker polls its request rings before it "
+    worker_spin_us: int = _flag(TUNING, -1, "microseconds an idle worker polls its request rings before it "
                                 "sleeps: a query skips a wake-up, a core stays busy", words={"auto": -1, "off": 0},
                                 shown="auto, 5000 with cuda, where each GPU's worker owns its cores, and off on cpu")
-    frontend_spin_us: int = _flag(PROCESSES, -1, "microseconds a frontend polls a worker's response ring after it "
+    frontend_spin_us: int = _flag(TUNING, -1, "microseconds a frontend polls a worker's response ring after it "
                                   "sends a request while no other frontend has one in flight, so that a lone "
                                   "query's answer is read without a wake-up", words={"auto": -1, "off": 0},
                                   shown="auto, 5000 with cuda and off on cpu")
     shutdown_grace: float = _flag(PROCESSES, 30.0, "how long SIGTERM waits for the work in flight before it cancels it")
-    worker_hang_timeout: float = _flag(PROCESSES, 60.0, "how long a worker may go without progress before it is "
+    worker_hang_timeout: float = _flag(TUNING, 60.0, "how long a worker may go without progress before it is "
                                        "killed and restarted, its requests sent again")
     max_batch_tokens: int = _flag(LIMITS, 0, "tokens in one model batch (sequences are packed, never padded)",
                                   words={"auto": 0},
                                   shown="auto: 8192 with cuda, 1024 per --worker-threads on cpu, or the model's "
                                         "limit where that is larger")
-    bulk_batch_tokens: int = _flag(LIMITS, 0, "tokens of PRIORITY_BULK work in one batch: lower keeps queries fast "
+    bulk_batch_tokens: int = _flag(TUNING, 0, "tokens of PRIORITY_BULK work in one batch: lower keeps queries fast "
                                    "under bulk load, higher gives bulk throughput", words={"auto": 0},
                                    shown="auto: --graph-max-tokens on cuda; on cpu 512 per --worker-threads, at least "
                                          "1024, at most --max-batch-tokens")
     max_queued_tokens: int = _flag(LIMITS, 2_000_000, "tokens admitted but not yet answered, over all workers; past "
                                    "it requests get RESOURCE_EXHAUSTED")
     max_texts_per_request: int = _flag(LIMITS, 512, "texts (or token-id lists) in one request")
-    max_openai_inputs: int = _flag(LIMITS, 2048, "inputs in one OpenAI /v1/embeddings request (OpenAI's own limit); "
+    max_openai_inputs: int = _flag(TUNING, 2048, "inputs in one OpenAI /v1/embeddings request (OpenAI's own limit); "
                                    "past --max-texts-per-request they travel to the workers as several records")
     max_documents_per_request: int = _flag(LIMITS, 1000, "documents in one rerank request (as Cohere's API)")
-    sparse_max_terms: int = _flag(LIMITS, 1024, "vocabulary weights a SPLADE model's answer row holds (each costs 8 "
+    sparse_max_terms: int = _flag(TUNING, 1024, "vocabulary weights a SPLADE model's answer row holds (each costs 8 "
                                   "bytes in the response ring); a text with more positive weights is refused "
                                   "unless its request asks for the largest (sparse_top_k)")
-    max_token_vectors: int = _flag(LIMITS, 16384, "token vectors (outputs tokens: one per token of every text) "
+    max_token_vectors: int = _flag(TUNING, 16384, "token vectors (outputs tokens: one per token of every text) "
                                    "in one request; each costs the model's width in float32s")
     max_stream_in_flight: int = _flag(LIMITS, 256, "EmbedStream or RerankStream messages one stream may have "
                                       "unanswered; past it the stream is not read until the client reads answers")
     max_request_bytes: int = _flag(LIMITS, 8 << 20, "the largest gRPC message or HTTP body; a larger one gets "
                                    "RESOURCE_EXHAUSTED (on a stream, up to twice this size, as that message's "
                                    "answer) or HTTP 413", shown="8 MiB")
-    request_ring_bytes: int = _flag(LIMITS, 8 << 20, "each request ring's size (one per frontend and worker, in "
+    request_ring_bytes: int = _flag(TUNING, 8 << 20, "each request ring's size (one per frontend and worker, in "
                                     "shared memory); a request over half of it travels as several records",
                                     shown="8 MiB")
-    response_ring_bytes: int = _flag(LIMITS, 0, "each response ring's size (one per frontend and worker, in shared "
+    response_ring_bytes: int = _flag(TUNING, 0, "each response ring's size (one per frontend and worker, in shared "
                                      "memory)", words={"auto": 0}, shown="auto, one batch of "
                                      "--max-texts-per-request answers of the model's width, at least 16 MiB; "
                                      "BGE-M3: one text of its longest as token rows")
     devices: str = _flag(GPU, "", "the GPUs to serve on, numbered as this process sees them (within "
                          "CUDA_VISIBLE_DEVICES)", shown="every visible GPU", metavar="0,1,...")
-    cuda_graphs: str = _flag(GPU, "on", "replay whole-model CUDA graphs captured per token bucket",
+    cuda_graphs: str = _flag(TUNING, "on", "replay whole-model CUDA graphs captured per token bucket",
                              choices=("on", "off"))
-    graph_max_tokens: int = _flag(GPU, 8192, "the largest token bucket captured as a CUDA graph (all: "
+    graph_max_tokens: int = _flag(TUNING, 8192, "the largest token bucket captured as a CUDA graph (all: "
                                   "--max-batch-tokens); larger batches run eagerly, where the GPU, not the launches, "
                                   "sets the pace", words={"all": 0})
-    bulk_sms: int = _flag(GPU, -1, "SMs of each GPU that PRIORITY_BULK batches may use (a CUDA green context); the "
+    bulk_sms: int = _flag(TUNING, -1, "SMs of each GPU that PRIORITY_BULK batches may use (a CUDA green context); the "
                           "rest stay free for queries", words={"auto": -1, "all": 0},
                           shown="auto, all but an eighth, at least 8 kept, where torch has green contexts")
-    warmup_seconds: float = _flag(GPU, -1.0, "how long a CUDA worker captures the likely query graphs before it says "
-                                  "READY, so that no client waits for a capture", words={"auto": -1.0, "off": 0.0},
+    warmup_seconds: float = _flag(TUNING, -1.0, "how long a CUDA worker captures the likely query graphs before it "
+                                  "says READY, so that no client waits for a capture", words={"auto": -1.0, "off": 0.0},
                                   shown="auto, 30 with cuda and off on cpu")
     log_level: str = _flag(OBSERVABILITY, "INFO", "the logging level", metavar="LEVEL")
     otlp_endpoint: str = _flag(OBSERVABILITY, "", "an OpenTelemetry collector for a span per embedding request: "
@@ -396,7 +403,9 @@ class ServeConfig:
         parser = argparse.ArgumentParser(prog="pollen serve", usage="pollen serve [flags]", description=DESCRIPTION,
                                          formatter_class=_Help)
         environ = environ if environ is not None else os.environ
-        add_flags(parser, environ)
+        show_all = "--help-all" in (argv if argv is not None else sys.argv[1:])
+        parser.add_argument("--help-all", action="help", help="every flag, the tuning knobs and engine switches too")
+        add_flags(parser, environ, show_all)
         values = vars(parser.parse_args(argv))
         for field in dataclasses.fields(cls):
             if field.init and field.metadata.get("repeat"):
@@ -522,25 +531,29 @@ def visible_gpus() -> int:
     return count
 
 
-def add_flags(parser: argparse.ArgumentParser, environ) -> None:
-    """ServeConfig's fields as flags, in their groups, each defaulting to its POLLEN_* variable."""
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    for field in dataclasses.fields(ServeConfig):
-        if not field.init:  # derived, not a flag
-            continue
+def add_flags(parser: argparse.ArgumentParser, environ, show_all: bool = False) -> None:
+    """ServeConfig's fields as flags, in their groups, each defaulting to its POLLEN_* variable;
+    the tuning knobs and the engine switches in --help only with `show_all` (--help-all)."""
+    fields = [f for f in dataclasses.fields(ServeConfig) if f.init]  # the others are derived, not flags
+    shown = [f for f in fields if show_all or not f.metadata.get("hidden")]
+    groups = {}
+    for name in (MODEL, NETWORK, PROCESSES, LIMITS, GPU, OBSERVABILITY, TUNING, ENGINE):
+        if any(f.metadata["group"] == name for f in shown):
+            groups[name] = parser.add_argument_group(name, {ENGINE: ENGINE_TEXT, TUNING: TUNING_TEXT}.get(name))
+    for field in fields:
         meta, kind = field.metadata, _TYPES[field.type]
-        group = groups.get(meta["group"]) or groups.setdefault(
-            meta["group"], parser.add_argument_group(meta["group"], ENGINE_TEXT if meta["group"] == ENGINE else None))
         parse = _with_words(kind, meta["words"]) if meta["words"] else kind
         value = environ.get("POLLEN_" + field.name.upper(), field.default)
         # A switch given alone (--metrics-auth) is on; --metrics-auth 0 and the variable still work.
         alone = {"nargs": "?", "const": True} if kind is parse_switch else {}
         if meta.get("repeat"):  # each use appends; from_args joins them, or takes the variable when none
             alone, value = {"action": "append"}, None
-        group.add_argument("--" + field.name.replace("_", "-"), dest=field.name, type=parse,
-                           metavar=meta.get("metavar") or "|".join([_METAVARS.get(kind, "TEXT"), *meta["words"]]),
-                           default=None if value is None else parse(value), **alone,
-                           help=argparse.SUPPRESS if meta.get("hidden") else meta["help"])
+        listed = field in shown
+        (groups[meta["group"]] if listed else parser).add_argument(
+            "--" + field.name.replace("_", "-"), dest=field.name, type=parse,
+            metavar=meta.get("metavar") or "|".join([_METAVARS.get(kind, "TEXT"), *meta["words"]]),
+            default=None if value is None else parse(value), **alone,
+            help=meta["help"] if listed else argparse.SUPPRESS)
 
 
 def _with_words(kind, words: dict):

@@ -1,4 +1,4 @@
-"""A request's tokenization is bounded by what the model can see (docs/architecture.md, "Bounds"):
+"""A request's tokenization is bounded by what the model can see (docs/design/bounds.md, "Bounds"):
 prompts are capped, long texts are cut before they are tokenized, and the ids stay exactly
 those of tokenizing the prompt and the whole text together."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pollen.v1 import embedder_pb2_grpc as pb_grpc
 from tests.conftest import ServerProcess
 
 # The frontend's peak RSS may grow by at most this much while it serves the requests below
-# (docs/architecture.md, "Bounds").
+# (docs/design/bounds.md, "Bounds").
 RSS_BOUND_MB = 100
 ANSWER_WITHIN_S = 10.0
 

@@ -13,7 +13,7 @@ arrival order.
 A lane holding one request that fits whole skips the passes (they would give the same batch):
 the lone query's case.
 
-Lanes (docs/architecture.md, "Priority lanes"). On CUDA the engine runs the two lanes side by
+Lanes (docs/design/requests.md, "Priority lanes"). On CUDA the engine runs the two lanes side by
 side, each on a stream of its own priority, and asks for one lane's batch at a time
 (`next_batch(lane)`; bulk batches up to `bulk_batch_tokens`). An engine that runs one batch at a
 time (the CPU) takes mixed batches (`next_batch()`): interactive work goes first, and a batch

@@ -55,7 +55,8 @@ INTERACTIVE, BULK = LANES  # Lane's members, bound once: each Lane.X costs an en
 CONTROL_EVERY_NS = 5_000_000  # how often a busy loop looks at the control link
 # With several models on one GPU, an interactive request of more tokens than this (a rerank of
 # 100 documents) is batched in its model's bulk lane: its batches then run on the low-priority
-# stream and SM partition, so another model's queries never wait behind them (docs/architecture.md).
+# stream and SM partition, so another model's queries never wait behind them
+# (docs/design/requests.md, "Several models").
 SHARED_GPU_INTERACTIVE_TOKENS = 4096
 
 

@@ -3,7 +3,7 @@
 Encoded rows are written straight into the caller's buffer (a slice of the response ring), so
 the embeddings leave the worker with no copy beyond this one.
 
-int8 comes in two kinds (docs/architecture.md, "Encodings"):
+int8 comes in two kinds (docs/design/requests.md, "Encodings"):
 - a model whose own output is int8 (pplx-embed, `spec.native_int8`): q = round(127 * tanh(x)),
   x being the pooled vector cut to `dims` and never normalized (tanh of a unit vector would throw
   the model's scale away; the model's int8 vectors are compared by cosine anyway). The scale

@@ -1,12 +1,12 @@
 """Check an EmbedRequest against the model and the limits; turn it into token-id sequences.
 
 Every refusal names the field and the problem, so a client can fix its request from the message.
-The request options resolve here (docs/architecture.md, "Request options"):
+The request options resolve here (docs/design/requests.md, "Request options"):
 - prompt_name / prompt: prepended to every text before tokenization; the default prompt name
   (--default-prompt-name, else the checkpoint's default_prompt_name) applies when a request
   names neither. Refused with token_ids (those are the complete model input) and the default is
   not applied to them. At most PROMPT_MAX_CHARS characters and fewer tokens than the limit leaves
-  for text (docs/architecture.md, "Bounds").
+  for text (docs/design/bounds.md, "Bounds").
 - truncate: an unset one (proto3 `optional`: no field presence; over HTTP, no "truncate" key)
   is the server's --default-truncate; one the request sets, TRUNCATE_NONE included, is kept.
 - max_tokens: the limit per sequence, at most the model's.

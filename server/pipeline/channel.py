@@ -18,7 +18,7 @@ request still in the ring, or in the backlog, was never held and does not count)
 The channel publishes its queued tokens and backlog in the server state (shared_mem/server_state.py),
 where admission and routing read them summed over every frontend.
 
-Drops (docs/architecture.md, "Deadlines and cancellation"): a request whose deadline passed or
+Drops (docs/design/requests.md, "Deadlines and cancellation"): a request whose deadline passed or
 whose client left is dropped before it reaches the model: here while it waits in the backlog, or
 in the worker (the deadline travels in the record; a CANCEL record forgets a request not yet
 batched), which answers it DEADLINE_EXCEEDED or CANCELLED. Each drop is counted once in
