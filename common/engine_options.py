@@ -46,7 +46,7 @@ class EngineOptions:
     kernels. Off: queries take the general path: to measure or rule out the query kernels."""
 
     skinny_configs: str | None = None
-    """A tile table written by load/bench_skinny_linear.py (its JSON), laid over the committed one
+    """A tile table written by worker/kernels/tune_skinny.py (its JSON), laid over the committed one
     (worker/kernels/skinny_configs.py): for a GPU other than the one that table was measured on."""
 
     flash_attn: bool = True

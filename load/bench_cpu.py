@@ -87,7 +87,7 @@ def make_queries(n: int, seed: int) -> list[str]:
 
 
 def machine() -> str:
-    """`<cpu model>, <n> cores` (load/bench_http.py's device line too)."""
+    """`<cpu model>, <n> cores`."""
     m = machine_details()
     return f"{m['cpu']}, {m['cores']} cores"
 

@@ -10,6 +10,8 @@ clients in turn (and again for each --server-flags given: an A/B in one run, in 
   sync    grpc's blocking stub (the calling thread waits on the call itself)
   aio     grpc.aio's stub on uvloop, as load/load_clients.py sends (the concurrency benchmark)
   pollen  pollen.client.Client.embed (several connections, see client/connections.py)
+  http    POST /v1/embeddings on one HTTP/1.1 keep-alive connection, from a minimal client on a
+          raw socket (so the figures are the server's): the HTTP door beside gRPC's
 
 Each row gives the wall time's p50 and p99 and, for the stubs, the server's own share from the
 answer's Timing (queue_us + inference_us: admission to the last batch's end, each given too), so
@@ -35,7 +37,7 @@ from load.results_file import add_out_argument, device_kind, write_result  # noq
 from tests.conftest import ServerProcess  # noqa: E402
 
 WARM_CALLS = 200
-CLIENTS = ("sync", "aio", "pollen")
+CLIENTS = ("sync", "aio", "pollen", "http")
 
 
 def figures(wall_s: list[float], timings: list[tuple[int, int]]) -> dict:
@@ -51,14 +53,14 @@ def figures(wall_s: list[float], timings: list[tuple[int, int]]) -> dict:
     return out
 
 
-def sync_client(target: str, texts: list[str], calls: int) -> dict:
+def sync_client(server, texts: list[str], calls: int) -> dict:
     import grpc
 
     from pollen.v1 import embedder_pb2 as pb
     from pollen.v1 import embedder_pb2_grpc as pb_grpc
 
-    wall, server = [], []
-    with grpc.insecure_channel(target) as channel:
+    wall, shares = [], []
+    with grpc.insecure_channel(server.listen) as channel:
         stub = pb_grpc.EmbedderStub(channel)
         for n in range(WARM_CALLS + calls):
             request = pb.EmbedRequest(texts=[texts[n % len(texts)]], normalize=True)
@@ -66,11 +68,11 @@ def sync_client(target: str, texts: list[str], calls: int) -> dict:
             answer = stub.Embed(request, timeout=60)
             if n >= WARM_CALLS:
                 wall.append(time.perf_counter() - began)
-                server.append((answer.timing.queue_us, answer.timing.inference_us))
-    return figures(wall, server)
+                shares.append((answer.timing.queue_us, answer.timing.inference_us))
+    return figures(wall, shares)
 
 
-def aio_client(target: str, texts: list[str], calls: int) -> dict:
+def aio_client(server, texts: list[str], calls: int) -> dict:
     import grpc
     import uvloop
 
@@ -79,7 +81,7 @@ def aio_client(target: str, texts: list[str], calls: int) -> dict:
 
     async def run() -> dict:
         wall, server = [], []
-        async with grpc.aio.insecure_channel(target) as channel:
+        async with grpc.aio.insecure_channel(server.listen) as channel:
             stub = pb_grpc.EmbedderStub(channel)
             for n in range(WARM_CALLS + calls):
                 request = pb.EmbedRequest(texts=[texts[n % len(texts)]], normalize=True)
@@ -93,11 +95,11 @@ def aio_client(target: str, texts: list[str], calls: int) -> dict:
     return uvloop.run(run())
 
 
-def pollen_client(target: str, texts: list[str], calls: int) -> dict:
+def pollen_client(server, texts: list[str], calls: int) -> dict:
     from pollen.client import Client
 
     wall = []
-    with Client(target) as client:
+    with Client(server.listen) as client:
         for n in range(WARM_CALLS + calls):
             began = time.perf_counter()
             client.embed(texts[n % len(texts)])
@@ -106,7 +108,37 @@ def pollen_client(target: str, texts: list[str], calls: int) -> dict:
     return figures(wall, [])
 
 
-RUN = {"sync": sync_client, "aio": aio_client, "pollen": pollen_client}
+def http_client(server, texts: list[str], calls: int) -> dict:
+    import json
+    import socket
+
+    sock = socket.create_connection(("127.0.0.1", server.http_port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buffer, wall = b"", []
+    try:
+        for n in range(WARM_CALLS + calls):
+            body = json.dumps({"input": texts[n % len(texts)], "encoding_format": "float"}).encode()
+            began = time.perf_counter()
+            sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            while b"\r\n\r\n" not in buffer:
+                buffer += sock.recv(1 << 20)
+            head, _, buffer = buffer.partition(b"\r\n\r\n")
+            length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:")))
+            while len(buffer) < length:
+                buffer += sock.recv(1 << 20)
+            if head.split(b" ", 2)[1] != b"200":
+                raise RuntimeError(f"HTTP {head.split(b' ', 2)[1].decode()}: {buffer[:200]!r}")
+            buffer = buffer[length:]
+            if n >= WARM_CALLS:
+                wall.append(time.perf_counter() - began)
+    finally:
+        sock.close()
+    return figures(wall, [])
+
+
+RUN = {"sync": sync_client, "aio": aio_client, "pollen": pollen_client, "http": http_client}
 
 
 def main() -> None:
@@ -132,7 +164,7 @@ def main() -> None:
         try:
             started = server_info(server.listen)["frontends"]
             for client in args.clients.split(","):
-                row = {"frontends": started, "flags": flags, "client": client} | RUN[client](server.listen, texts,
+                row = {"frontends": started, "flags": flags, "client": client} | RUN[client](server, texts,
                                                                                              args.calls)
                 result["rows"].append(row)
                 print(row, flush=True)

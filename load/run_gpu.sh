@@ -6,11 +6,11 @@
 #   POLLEN_QWEN3_TOKENIZER=/path/to/tokenizer.json bash load/run_gpu.sh
 #   STEPS="engine e2e" bash load/run_gpu.sh
 #
-# Steps, all by default, in this order: tests engine e2e concurrency mixed one_client http tokenize
+# Steps, all by default, in this order: tests engine e2e concurrency mixed one_client tokenize
 # rerank two_models models sparse fp8.
 # The models are random weights in the real shapes (load/gpu_models.py, load/arch_models.py, written once under
 # /tmp/pollen-ckpt); the servers tokenize with the real Qwen3 tokenizer.json, which
-# POLLEN_QWEN3_TOKENIZER names (concurrency, mixed, one_client, http, tokenize, rerank, two_models and
+# POLLEN_QWEN3_TOKENIZER names (concurrency, mixed, one_client, tokenize, rerank, two_models and
 # models need it; tokenize, rerank and two_models also a BERT tokenizer directory, POLLEN_BERT_TOKENIZER_DIR, which
 # models and sparse use too; sparse needs no Qwen3
 # tokenizer: its SPLADE and bge-m3 shapes take the BERT one; fp8 needs the Qwen3 tokenizer and reads
@@ -20,10 +20,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-$(command -v python || command -v python3)}
-steps=" ${STEPS:-tests engine e2e concurrency mixed one_client http tokenize rerank two_models models sparse fp8} "
+steps=" ${STEPS:-tests engine e2e concurrency mixed one_client tokenize rerank two_models models sparse fp8} "
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 tok=(--tokenizer "${POLLEN_QWEN3_TOKENIZER:-}")
-for name in concurrency mixed one_client http tokenize rerank two_models models fp8; do
+for name in concurrency mixed one_client tokenize rerank two_models models fp8; do
     if [[ $steps == *" $name "* && ! -f ${POLLEN_QWEN3_TOKENIZER:-} ]]; then
         echo "$name needs POLLEN_QWEN3_TOKENIZER, the real Qwen3 tokenizer.json" >&2
         exit 2
@@ -46,8 +46,7 @@ step engine "$py" load/bench_engine.py --shapes qwen3-0.6b,qwen3-4b,bert-base
 step e2e "$py" load/bench_e2e.py --shape qwen3-0.6b
 step concurrency "$py" load/bench_concurrency.py "${tok[@]}" --clients 1,128,512 --kinds "$kinds" --seconds 4 --skip-engine
 step mixed "$py" load/bench_mixed.py "${tok[@]}" --seconds 6 --interactive-clients 1
-step one_client "$py" load/bench_one_client.py "${tok[@]}" --frontends 0 --calls 1500 --clients sync,aio
-step http "$py" load/bench_http.py --device cuda "${tok[@]}"
+step one_client "$py" load/bench_one_client.py "${tok[@]}" --frontends 0 --calls 1500 --clients sync,aio,http
 step tokenize "$py" load/bench_tokenize.py --bert-tokenizer "${POLLEN_BERT_TOKENIZER_DIR:-}" \
     --qwen3-tokenizer "${POLLEN_QWEN3_TOKENIZER:-}"
 step rerank "$py" load/bench_rerank.py --bert-tokenizer "${POLLEN_BERT_TOKENIZER_DIR:-}" \

@@ -102,7 +102,7 @@ def _epilogue(acc, acc_up, b_ptr, y_ptr, r_ptr, parts_in_ptr, parts_out_ptr, blo
         tl.store(out, acc.to(dt), mask=row_ok[:, None])
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT) by (kind, K, N, BLOCK_M); see load/bench_skinny_linear.py.
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT) by (kind, K, N, BLOCK_M); see worker/kernels/tune_skinny.py.
 CONFIGS: dict[tuple[str, int, int, int], tuple[int, int, int, int, int]] = {}
 DEFAULT_CONFIG = (16, 256, 4, 4, 1)
 # (hidden, BLOCK_M) -> whether the five-kernel layer beat the eight separate kernels when measured;
@@ -111,7 +111,7 @@ LAYER_WINS: dict[tuple[int, int], bool] = {}
 
 
 def load_configs(path: str) -> None:
-    """Take the table a run of load/bench_skinny_linear.py wrote (EngineOptions.skinny_configs)."""
+    """Take the table a run of worker/kernels/tune_skinny.py wrote (EngineOptions.skinny_configs)."""
     import json
 
     with open(path) as f:

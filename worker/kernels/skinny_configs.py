@@ -1,4 +1,4 @@
-"""Tile configurations of worker/kernels/skinny.py, tuned by `python load/bench_skinny_linear.py` on the
+"""Tile configurations of worker/kernels/skinny.py, tuned by worker/kernels/tune_skinny.py on the
 GPU docs/performance.md names.
 
 Keys: "kind,K,N,BLOCK_M" -> (BLOCK_N, BLOCK_K, num_warps, num_stages, split K); "layer,hidden,0,BLOCK_M" ->

@@ -2,32 +2,28 @@
 against the kernels they replace, at query sizes, timed inside CUDA graphs with distinct weights per
 layer (as in the model); it picks the best tile configuration of each product on this GPU.
 
-    python load/bench_skinny_linear.py [--configs TABLE.json]
+    python -m pollen.worker.kernels.tune_skinny [--configs TABLE.json]
 
 For the products of a Qwen3 layer (0.6B and 4B shapes) it times
   separate  the unfused kernels: add+RMSNorm, cuBLAS product (and SiLU-gate)
   skinny    our one kernel, at each tile configuration (the best is kept)
 and then a whole layer without its attention: the 7 separate kernels against the 4 skinny ones.
-It writes load/results/skinny_linear-<kind>.md (load/results_file.py) and, with --configs, the best
-configuration per product as a JSON table that EngineOptions.skinny_configs takes (for a GPU other
-than the one worker/kernels/skinny_configs.py was measured on).
+It prints both tables and, with --configs, writes the best configuration per product as a JSON
+table that EngineOptions.skinny_configs (--skinny-configs) takes: for a GPU other than the one
+worker/kernels/skinny_configs.py was measured on.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
-import os
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from load.results_file import add_out_argument, device_kind, write_result  # noqa: E402
-from pollen.worker.kernels import activations, norms  # noqa: E402
-from pollen.worker.kernels import skinny as sk  # noqa: E402
+from pollen.worker.kernels import activations, norms
+from pollen.worker.kernels import skinny as sk
 
 ALL_SHAPES = {"qwen3-0.6b": (1024, 4096, 2048, 3072), "qwen3-4b": (2560, 6144, 4096, 9728)}  # hidden, qkv, attn, inter
 LAYERS = 28
@@ -62,7 +58,8 @@ def graph_us(fns, per=1) -> float:
 class Layer:
     def __init__(self, hidden, qkv, attn, inter):
         w = lambda n, k: torch.randn(n, k, device="cuda", dtype=DT) * 0.02  # noqa: E731
-        self.qkv, self.o, self.gate_up, self.down = w(qkv, hidden), w(hidden, attn), w(2 * inter, hidden), w(hidden, inter)
+        self.qkv, self.o = w(qkv, hidden), w(hidden, attn)
+        self.gate_up, self.down = w(2 * inter, hidden), w(hidden, inter)
         self.g = torch.ones(hidden, device="cuda", dtype=DT)
 
 
@@ -109,7 +106,6 @@ def layer_chain(m, shape, layers):
 
 def main():
     p = argparse.ArgumentParser()
-    add_out_argument(p, "skinny_linear")
     p.add_argument("--configs", default=None, help="also write the tile table here, for EngineOptions.skinny_configs")
     p.add_argument("--shapes", default="qwen3-0.6b,qwen3-4b")
     p.add_argument("--rows", default="16,32,64", help="row counts (the graph buckets of one query)")
@@ -156,12 +152,10 @@ def main():
         lines.append(f"| {name} | {m} | {r['separate_us']:.2f} | {r['skinny_us']:.2f} |")
     header = (f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}. Mean µs inside a "
               f"CUDA graph over {LAYERS} layers with distinct weights.\n\n")
-    figures = {"meta": meta, "results": results, "layer": chains, "configs": configs}
     if args.configs:
         with open(args.configs, "w") as f:
             json.dump({"meta": meta, "configs": configs}, f, indent=1)
-    write_result("skinny_linear", device_kind(), "Skinny products at query sizes", header + "\n".join(lines),
-                 figures, args.out)
+    print(header + "\n".join(lines))
 
 
 if __name__ == "__main__":
