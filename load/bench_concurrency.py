@@ -286,9 +286,10 @@ def table(result: dict, args) -> str:
         f"{key} {cpu_per_query(r, 'frontends'):,.0f} / {cpu_per_query(r, 'workers'):,.0f} / "
         f"{cpu_per_query(r, 'frontends') + cpu_per_query(r, 'workers'):,.0f} / {cpu_per_query(r, 'clients'):,.0f}"
         for key, r in result["levels"].items() if r["queries_per_s"]) + "."]
-    if any(r["errors"] for r in result["levels"].values()):
+    if any(r.get("errors") for r in result["levels"].values()):
         busy += ["", "Calls that failed at each level (of those completed and failed): " + "; ".join(
-            f"{key} {r['errors']:,} of {r['errors'] + r['completed']:,}" for key, r in result["levels"].items()) + "."]
+            f"{key} {r.get('errors', 0):,} of {r.get('errors', 0) + r.get('completed', 0):,}"
+            for key, r in result["levels"].items()) + "."]
     if any("threads" in r["cores_busy"] for r in result["levels"].values()):
         busy += ["", "Threads at the end of each level (frontends / worker): " + "; ".join(
             f"{key} {t['frontends']} / {t['workers']}"

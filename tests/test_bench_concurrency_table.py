@@ -24,7 +24,7 @@ def test_the_table_gives_each_levels_cpu_per_query():
     text = bench.table(result, argparse.Namespace(kinds="unary", clients="128,512"))
     assert "| 128 | 10,000 | 5.00 | 9.00 |" in text
     assert "unary-128 8.0 / 1.0 / 3.0" in text
-    assert "CPU a query, µs (frontends / clients), at each level: unary-128 800 / 300." in text
+    assert "CPU a query, µs (frontends / worker / the whole server / clients), at each level: unary-128 800 / 100 / 900 / 300." in text
     assert "unary-512 0 /" not in text  # a level that answered nothing has no figure per query
 
 

@@ -155,7 +155,6 @@ def test_long_documents_are_cut_never_the_query(reranker):
     ({"query": QUERY, "documents": DOCS, "top_n": 0}, "top_n"),
     ({"query": "bee " * 200, "documents": DOCS}, "query"),
     ({"query": "", "documents": DOCS}, "query"),
-    ({"query": QUERY, "documents": DOCS, "model": "nope"}, "model"),
     ({"query": QUERY, "documents": DOCS, "instruction": "be helpful"}, "instruction"),
     ({"query": QUERY}, "documents"),
     ({"query": QUERY, "documents": "not a list"}, "documents"),
