@@ -233,7 +233,7 @@ class HttpDoor:
         self.first_for_unknown(message)
         try:
             answer = await self.core.embed(message, DOOR, headers=request.headers,
-                                              max_inputs=self.core.cfg.max_openai_inputs)
+                                           max_inputs=self.core.cfg.max_openai_inputs)
         except RequestError as exc:
             return self.refused(exc, "embeddings")
         return Response(200, _ENCODER.encode(to_openai(answer, encoding_format, answer.model,
@@ -241,30 +241,29 @@ class HttpDoor:
 
 
     async def rerank(self, request: Request) -> Response:
-        try:
-            message = to_rerank_request(request.body)
-        except Rejected as exc:
-            count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name, task="rerank")
-            return error_response(400, exc.message, code="invalid_request", param=exc.param)
-        self.first_for_unknown(message)
-        try:
-            answer = await self.core.rerank(message, DOOR, headers=request.headers, route=request.path)
-        except RequestError as exc:
-            return self.refused(exc, "rerank")
-        return Response(200, _ENCODER.encode(to_rerank_answer(answer, message)))
+        return await self.translated(request, "rerank", to_rerank_request, to_rerank_answer, lambda message: (
+            self.core.rerank(message, DOOR, headers=request.headers, route=request.path)))
 
     async def classify(self, request: Request) -> Response:
+        return await self.translated(request, "classify", to_classify_request,
+                                     lambda answer, _: to_classify_answer(answer), lambda message: (
+                                         self.core.classify(message, DOOR, headers=request.headers)))
+
+    async def translated(self, request: Request, task: str, decode, encode, call) -> Response:
+        """A JSON route of the core's: the body decoded into its pollen.v1 request (or refused 400
+        naming the field), `call` the core with it, its answer encoded (`encode(answer, request)`)
+        or its refusal in HTTP's terms."""
         try:
-            message = to_classify_request(request.body)
+            message = decode(request.body)
         except Rejected as exc:
-            count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name, task="classify")
+            count_request(DOOR, grpc.StatusCode.INVALID_ARGUMENT.name, task=task)
             return error_response(400, exc.message, code="invalid_request", param=exc.param)
         self.first_for_unknown(message)
         try:
-            answer = await self.core.classify(message, DOOR, headers=request.headers)
+            answer = await call(message)
         except RequestError as exc:
-            return self.refused(exc, "classify")
-        return Response(200, _ENCODER.encode(to_classify_answer(answer)))
+            return self.refused(exc, task)
+        return Response(200, _ENCODER.encode(encode(answer, message)))
 
     def first_for_unknown(self, message) -> None:
         """A model name no served model has gets the first model of the route's task: OpenAI's and
