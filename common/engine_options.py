@@ -65,7 +65,7 @@ class EngineOptions:
 
     cpu_pieces: bool = True
     """On the CPU: a batch of many texts is cut at sequence bounds into one piece per worker thread,
-    and the pieces run at once, each on one thread (worker/engine.py, EagerEngine). Off: the whole
+    and the pieces run at once, each on one thread (worker/cpu_engine.py, CpuEngine). Off: the whole
     batch on torch's intra-op pool (or one thread, as worker/thread_choice.py chooses): to measure
     what the pieces give."""
 

@@ -8,7 +8,8 @@ import inspect
 import pytest
 
 from pollen.worker.cuda_engine import CudaEngine
-from pollen.worker.engine import EagerEngine, Engine
+from pollen.worker.eager_engine import EagerEngine
+from pollen.worker.engine import Engine
 
 METHODS = [name for name, value in vars(Engine).items() if not name.startswith("_") and callable(value)]
 
