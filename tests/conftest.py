@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import grpc
@@ -30,10 +33,27 @@ SERVING_WITHIN_S = 15.0
 # Every server a test started, so that none outlives the run whatever path its test took.
 STARTED: list[ServerProcess] = []
 
+# The servers' ONNX exports (--onnx-cache) go to a folder of this run unless the environment names
+# one, so that a run neither reads a user's exports nor leaves its tiny checkpoints' in their cache.
+if not os.environ.get("POLLEN_ONNX_CACHE"):
+    os.environ["POLLEN_ONNX_CACHE"] = tempfile.mkdtemp(prefix="pollen-test-onnx-")
+
+
+@functools.cache
+def default_model_exported() -> None:
+    """The default model's export in the run's cache, made before the first server that serves it
+    starts its clock: a first start's one-time export is not what SERVING_WITHIN_S bounds."""
+    from pollen.common.model_spec import default_model_path, read_model_spec
+    from pollen.common.onnx_cache import pollen_exports
+
+    pollen_exports([read_model_spec(default_model_path())], os.environ["POLLEN_ONNX_CACHE"])
+
 
 def pytest_sessionfinish(session, exitstatus):
     for server in STARTED:
         server.kill()
+    if os.path.basename(os.environ["POLLEN_ONNX_CACHE"]).startswith("pollen-test-onnx-"):
+        shutil.rmtree(os.environ["POLLEN_ONNX_CACHE"], ignore_errors=True)
 
 
 def free_port() -> int:
@@ -57,6 +77,8 @@ class ServerProcess:
         self.log = log  # a file for the server's stderr (its log); None: this process's stderr
 
     def start(self, timeout: float = SERVING_WITHIN_S) -> ServerProcess:
+        if "--model" not in self.args and "POLLEN_MODEL" not in self.env:
+            default_model_exported()
         t0 = time.monotonic()
         with open(self.log, "ab") if self.log else contextlib.nullcontext() as stderr:
             self.proc = subprocess.Popen([POLLEN, *self.args], env=self.env, stderr=stderr)
