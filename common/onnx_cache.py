@@ -13,6 +13,9 @@ is renamed into place once every file and the stamp are written. Two starts that
 checkpoint at once each write their own; the first rename wins and the other start takes the
 winner's folder. A read-only model directory is only read; the cache (--onnx-cache, default
 $XDG_CACHE_HOME/pollen/onnx, else ~/.cache/pollen/onnx) must be writable for a first export.
+The cache holds one export per checkpoint (by content), task and set of versions, and pollen
+removes none: a folder no start names any more is deleted by hand (each holds the model's float32
+weights and a stamp.json that names the checkpoint it was made from).
 Nothing here imports torch or ONNX Runtime: the supervisor computes keys, the export runs in a
 process of its own.
 """
@@ -49,6 +52,11 @@ class Export:
 
 
 def default_folder() -> str:
+    """The cache where none is named: POLLEN_ONNX_CACHE (--onnx-cache's variable, so that `pollen
+    bulk` and BulkEmbedder share the server's), else $XDG_CACHE_HOME/pollen/onnx, else
+    ~/.cache/pollen/onnx."""
+    if os.environ.get("POLLEN_ONNX_CACHE"):
+        return os.environ["POLLEN_ONNX_CACHE"]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "pollen", "onnx")
 

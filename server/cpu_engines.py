@@ -21,14 +21,14 @@ log = logging.getLogger("pollen")
 ONNX_FAMILIES = ("bert", "mpnet")
 
 
-def onnx_refusal(cfg: ServeConfig, spec: ModelSpec) -> str | None:
-    """Why ONNX Runtime cannot run the model; None where it can."""
+def onnx_refusal(spec: ModelSpec, dtype: str) -> str | None:
+    """Why ONNX Runtime cannot run the model in `dtype` (the worker's); None where it can."""
     if spec.family not in ONNX_FAMILIES:
         return f"pollen exports the BERT and MPNet families to ONNX, and this model is of the {spec.family} family"
     if spec.bge_m3:
         return "BGE-M3's heads (sparse and ColBERT outputs) are not exported"
-    if cfg.worker_dtype() != "float32":
-        return f"the export is float32, and --dtype is {cfg.worker_dtype()}"
+    if dtype != "float32":
+        return f"the export is float32, and --dtype is {dtype}"
     return None
 
 
@@ -41,7 +41,7 @@ def prepare(cfg: ServeConfig, specs: list[ModelSpec]) -> None:
     wanted = cfg.cpu_engines()
     candidates = []  # (index, spec) of the models ONNX Runtime can run
     for index, (spec, engine) in enumerate(zip(specs, wanted)):
-        refusal = "--cpu-engine torch" if engine == "torch" else onnx_refusal(cfg, spec)
+        refusal = "--cpu-engine torch" if engine == "torch" else onnx_refusal(spec, cfg.worker_dtype())
         if refusal and engine == "onnx":
             raise UnsupportedModel(f"{spec.path}: --cpu-engine onnx is refused: {refusal}")
         if refusal:
