@@ -257,8 +257,7 @@ def test_a_cross_encoder_of_trained_weights_scores_as_cross_encoder(tmp_path, to
     path = make_trained_minilm_reranker(minilm, str(tmp_path))
     docs = [d + " \x7f" if i % 2 else d for i, d in enumerate(DOCS)]
     scored = CrossEncoder(path, device="cpu").predict([(QUERY, d) for d in docs])
-    # A fresh checkpoint of full size: its start includes its one-time ONNX export.
-    srv = ServerProcess("--model", path, "--tokie", tokie).start(timeout=60)
+    srv = ServerProcess("--model", path, "--tokie", tokie).start()
     try:
         with grpc.insecure_channel(srv.listen) as channel:
             reply = pb_grpc.EmbedderStub(channel).Rerank(pb.RerankRequest(query=QUERY, documents=docs), timeout=30)
