@@ -223,6 +223,7 @@ class ServeConfig:
     fold_norms: bool = _engine_flag("fold_norms")
     cpu_prepack: bool = _engine_flag("cpu_prepack")
     cpu_pieces: bool = _engine_flag("cpu_pieces")
+    onnx_spin: bool = _engine_flag("onnx_spin")
     fp8_min_tokens: int = _engine_flag("fp8_min_tokens", {"auto": 0})
     # Not a flag: --frontends was left at auto and pollen chose the count (check_shm may lower it).
     frontends_automatic: bool = dataclasses.field(default=False, init=False, repr=False)

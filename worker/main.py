@@ -46,7 +46,7 @@ def load_onnx(cfg: WorkerConfig, index: int, path: str, models: int) -> ModelSlo
     spec = read_model_spec(path, pooling=cfg.pooling, attention=cfg.attention, task=cfg.task_of(index))
     before = resident_bytes()
     engine = OnnxEngine(spec, cfg.onnx_export_of(index), cfg.threads, cfg.adapt_worker_threads,
-                        cfg.engine_options.cpu_pieces)
+                        cfg.engine_options.cpu_pieces, cfg.engine_options.onnx_spin)
     engine.warm_up(cfg.warmup_seconds / models)
     memory = resident_bytes() - before
     print(f"pollen-worker[{cfg.index}]: model {index} ({os.path.basename(path)}) holds {memory / 2**20:.0f} MiB "

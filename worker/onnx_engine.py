@@ -31,12 +31,14 @@ from pollen.worker.packed import PackedBatch
 from pollen.worker.postprocess import normalize_rows
 
 
-def session(file: str, threads: int) -> ort.InferenceSession:
+def session(file: str, threads: int, spin: bool = False) -> ort.InferenceSession:
     """An InferenceSession on the CPU with an intra-op pool of `threads` (the caller's thread
-    among them), every graph optimization on (ONNX Runtime fuses the LayerNorms, GELUs and bias
-    additions at load), and its log held to errors."""
+    among them) whose threads spin after a parallel region only with `spin` (EngineOptions.onnx_spin),
+    every graph optimization on (ONNX Runtime fuses the LayerNorms, GELUs and bias additions at
+    load), and its log held to errors."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -47,12 +49,13 @@ def session(file: str, threads: int) -> ort.InferenceSession:
 class OnnxEngine(CpuEngine):
     """ONNX Runtime on the CPU, from the export in `folder` of the model `spec` describes."""
 
-    def __init__(self, spec: ModelSpec, folder: str, threads: int, adapt_threads: bool = True, pieces: bool = True):
+    def __init__(self, spec: ModelSpec, folder: str, threads: int, adapt_threads: bool = True, pieces: bool = True,
+                 spin: bool = False):
         super().__init__(threads, adapt_threads, pieces)
         self.spec, self.folder = spec, folder
         encoder = os.path.join(folder, ENCODER_FILE)
         counts = {threads} | ({1} if adapt_threads or pieces else set())
-        self.encoders = {count: session(encoder, count) for count in sorted(counts)}
+        self.encoders = {count: session(encoder, count, spin) for count in sorted(counts)}
         head = os.path.join(folder, HEAD_FILE)
         self.head = session(head, 1) if os.path.exists(head) else None
         # An embedder's rows are normalized where flagged; a head's (scores, sparse terms) never
