@@ -11,8 +11,9 @@ Dense modules (head.onnx) and, for an embedder, the flagged ones are L2-normaliz
 Two sessions of the encoder serve the two thread counts: one on a single thread (the pieces run in
 it at once, one call per thread, which ONNX Runtime allows) and one with an intra-op pool of every
 worker thread. ONNX Runtime fixes a session's pool when it is made, so a count cannot be chosen
-per call. Each session holds its own copy of the weights (packed for its kernels) and keeps the
-largest batch's activations in its arena: the batch budget (--max-batch-tokens) bounds those.
+per call. Each session holds the weights in the form its kernels take, and keeps the largest
+batch's activations in its arena: the batch budget (--max-batch-tokens) bounds those. The pool's
+threads sleep when a parallel region ends, unless EngineOptions.onnx_spin.
 
 Nothing here imports torch.
 """
@@ -83,5 +84,5 @@ class OnnxEngine(CpuEngine):
         return rows
 
     def weights_bytes(self) -> int:
-        """The export's files: the weights each session reads (and packs for its kernels)."""
+        """The export's files on disk (its weights, and the graph)."""
         return sum(os.path.getsize(os.path.join(self.folder, name)) for name in os.listdir(self.folder))
