@@ -36,13 +36,16 @@ def session(file: str, threads: int, spin: bool = False) -> ort.InferenceSession
     """An InferenceSession on the CPU with an intra-op pool of `threads` (the caller's thread
     among them) whose threads spin after a parallel region only with `spin` (EngineOptions.onnx_spin),
     every graph optimization on (ONNX Runtime fuses the LayerNorms, GELUs and bias additions at
-    load), and its log held to errors."""
+    load), no memory patterns, and its log held to errors."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # A memory pattern is planned and kept for every input shape, and padded groups come in
+    # thousands of shapes: that map would grow without bound. The arena reuses its blocks anyway.
+    options.enable_mem_pattern = False
     options.log_severity_level = 3
     return ort.InferenceSession(file, options, providers=["CPUExecutionProvider"])
 
