@@ -22,7 +22,7 @@ from pollen.worker.packed import PackedBatch
 
 # A run's fixed cost in tokens of work: what one text's run costs beyond its tokens (reading every
 # weight, the ops' dispatch), as a query's time over the time a token takes in a large batch.
-RUN_TOKENS = 32
+RUN_TOKENS = 16
 
 
 @dataclass(slots=True)
