@@ -77,14 +77,22 @@ COPY . /src
 # scikit-learn, about 300 MB), yet pollen only reads its files. Last, `--check cpu` fails the build
 # on a CUDA torch or any nvidia-* package (deploy/image_requirements.py does all three).
 RUN python /src/deploy/image_requirements.py install cpu /src "${TORCH_VERSION}"
+# The default model's ONNX export (the CPU's default engine), made once here: a first start would
+# make it in --onnx-cache, which a read-only root filesystem forbids. The runtime stage points
+# POLLEN_ONNX_CACHE at it; the export's key holds these very versions, so the image finds it.
+RUN python -c "import sys; from pollen.common.model_spec import default_model_path, read_model_spec; \
+from pollen.common.onnx_cache import pollen_exports; \
+sys.exit(pollen_exports([read_model_spec(default_model_path())], '/opt/pollen-onnx')[0].error)"
 
 FROM cpu-base AS cpu
 RUN groupadd --system --gid 10001 pollen \
  && useradd --system --uid 10001 --gid pollen --create-home --home-dir /home/pollen --shell /usr/sbin/nologin pollen
 COPY --from=cpu-build /opt/venv /opt/venv
+COPY --from=cpu-build /opt/pollen-onnx /opt/pollen-onnx
 ENV PATH=/opt/venv/bin:$PATH \
     POLLEN_LISTEN=0.0.0.0:50051 \
-    POLLEN_HTTP_LISTEN=0.0.0.0:8080
+    POLLEN_HTTP_LISTEN=0.0.0.0:8080 \
+    POLLEN_ONNX_CACHE=/opt/pollen-onnx
 WORKDIR /home/pollen
 USER 10001:10001
 EXPOSE 50051 8080

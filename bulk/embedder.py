@@ -4,8 +4,9 @@ The same parts as the server, in one process:
 - tokenization by server/pipeline/tokenizer.py's TextTokenizer (the model's tokenizer.json, its special
   tokens, truncation, the checkpoint's default prompt), checked as admission checks a request;
 - token-budget batches packed without padding (worker/packed.py), consecutive texts in each;
-- the engine the workers run (worker/engine.py: the CPU engine, or the CUDA engine eagerly: bulk
-  batches are large enough that the device, not kernel launches, sets the pace);
+- the engine the workers run (on the CPU ONNX Runtime's or torch's, chosen as `pollen serve
+  --cpu-engine` chooses: server/process/cpu_engines.py; on CUDA the CUDA engine, eagerly: bulk batches are
+  large enough that the device, not kernel launches, sets the pace);
 - L2 normalization on the device, or, with a Matryoshka cut, worker/postprocess.py's finish.
 
 On CUDA, batch N+1 is tokenized, packed and submitted before batch N's rows are read back, so
@@ -18,20 +19,42 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
+from pollen.common import onnx_cache
 from pollen.common.engine_options import EngineOptions
 from pollen.common.errors import RequestError
-from pollen.common.model_spec import default_model_path, read_model_spec
+from pollen.common.model_spec import ModelSpec, default_model_path, read_model_spec
 from pollen.common.request import TRUNCATE_BY_NAME
+from pollen.server.config import CPU_ENGINES, usable_cores
 from pollen.server.pipeline.admission import ModelChecks
 from pollen.server.pipeline.tokenizer import TextTokenizer
+from pollen.server.process.cpu_engines import onnx_refusal
 from pollen.v1 import embedder_pb2 as pb
 from pollen.worker.engine import make_engine
 from pollen.worker.models.loader import load_model
+from pollen.worker.onnx_engine import OnnxEngine
 from pollen.worker.packed import pack
 from pollen.worker.postprocess import finish
 
 # Texts tokenized at a time: small enough that tokenizing overlaps the device's work on a batch.
 TOKENIZE_GROUP = 64
+
+
+def onnx_engine(spec: ModelSpec, cpu_engine: str, dtype: str, threads: int, cache: str | None) -> OnnxEngine | None:
+    """The ONNX Runtime engine of the model where `cpu_engine` and the model allow it, its export
+    made where the cache lacks it; None for torch. ValueError where "onnx" cannot be had."""
+    if cpu_engine not in CPU_ENGINES:
+        raise ValueError(f"cpu_engine must be one of {', '.join(CPU_ENGINES)}, got {cpu_engine!r}")
+    if cpu_engine == "torch":
+        return None
+    refusal = onnx_refusal(spec, dtype)
+    if refusal is None:
+        export = onnx_cache.pollen_exports([spec], cache or onnx_cache.default_folder())[0]
+        refusal = export.error and f"its ONNX export failed: {export.error}"
+    if refusal is None:
+        return OnnxEngine(spec, export.path, threads or usable_cores())
+    if cpu_engine == "onnx":
+        raise ValueError(f"{spec.path}: cpu_engine onnx is refused: {refusal}")
+    return None
 
 
 class BulkEmbedder:
@@ -41,13 +64,16 @@ class BulkEmbedder:
     "none" (a text over the model's limit is an error). prompt_name / prompt: as EmbedRequest's (the
     checkpoint's default prompt applies without either). dimensions: a Matryoshka prefix (0: full).
     max_batch_tokens: tokens per engine batch (0: 16384 on cuda, 8192 on cpu, or the model's limit
-    when larger). threads: torch's CPU threads (0: as they are; a Ray actor's are its num_cpus).
+    when larger). threads: the CPU engine's threads (0: torch's as they are, ONNX Runtime's the
+    usable cores; a Ray actor's are its num_cpus). cpu_engine: "auto", "onnx" or "torch", as
+    `pollen serve --cpu-engine` (an export is made once into onnx_cache, default pollen's cache).
     """
 
     def __init__(self, model: str | None = None, *, device: str = "cpu", dtype: str = "auto",
                  truncate: str = "end", prompt_name: str = "", prompt: str = "", dimensions: int = 0,
                  normalize: bool = True, max_batch_tokens: int = 0, threads: int = 0,
-                 pooling: str | None = None, attention: str | None = None):
+                 pooling: str | None = None, attention: str | None = None, cpu_engine: str = "auto",
+                 onnx_cache: str | None = None):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {device!r}")
         if truncate not in TRUNCATE_BY_NAME:
@@ -68,13 +94,15 @@ class BulkEmbedder:
         if self.max_batch_tokens < self.spec.max_tokens:
             raise ValueError(f"max_batch_tokens {self.max_batch_tokens} is below the model's limit of "
                              f"{self.spec.max_tokens} tokens: one long text could never be batched")
-        if threads:
-            torch.set_num_threads(threads)
         if dtype == "auto":
             dtype = "bfloat16" if device == "cuda" else "float32"
-        weights = load_model(self.spec.path, device=device, dtype=getattr(torch, dtype), pooling=pooling,
-                             attention=attention, options=EngineOptions())
-        self.engine = make_engine(weights, device, max_batch_tokens=self.max_batch_tokens, cuda_graphs=False)
+        self.engine = onnx_engine(self.spec, cpu_engine, dtype, threads, onnx_cache) if device == "cpu" else None
+        if self.engine is None:
+            if threads:
+                torch.set_num_threads(threads)
+            weights = load_model(self.spec.path, device=device, dtype=getattr(torch, dtype), pooling=pooling,
+                                 attention=attention, options=EngineOptions())
+            self.engine = make_engine(weights, device, max_batch_tokens=self.max_batch_tokens, cuda_graphs=False)
 
     @property
     def dims(self) -> int:

@@ -65,9 +65,15 @@ class EngineOptions:
 
     cpu_pieces: bool = True
     """On the CPU: a batch of many texts is cut at sequence bounds into one piece per worker thread,
-    and the pieces run at once, each on one thread (worker/engine.py, EagerEngine). Off: the whole
+    and the pieces run at once, each on one thread (worker/cpu_engine.py, CpuEngine). Off: the whole
     batch on torch's intra-op pool (or one thread, as worker/thread_choice.py chooses): to measure
     what the pieces give."""
+
+    onnx_spin: bool = False
+    """On the CPU's ONNX Runtime engine: the intra-op pool's threads spin after each parallel region
+    before they sleep (ONNX Runtime's own default). Off: they sleep at once, leaving the cores to
+    the neighbours; a batch on the pool then wakes them for each region. To measure what spinning
+    gives (load/bench_cpu.py, quiet and busy)."""
 
     fp8_min_tokens: int = 0
     """With --quantization fp8: the batch size (tokens) from which the fp8 products run, in place

@@ -615,7 +615,7 @@ def _check_rope(path: str, config: dict) -> None:
         raise UnsupportedModel(f"{path}: RoPE 'llama3' needs high_freq_factor above low_freq_factor")
 
 
-def _weight_files(path: str) -> list[str]:
+def weight_files(path: str) -> list[str]:
     """The safetensors files the loader opens: those model.safetensors.index.json names, or else
     every *.safetensors in the directory."""
     index = _read_json(path, "model.safetensors.index.json")
@@ -641,7 +641,7 @@ def _check_weights(path: str, config: dict) -> None:
         stored_quantization(config)
     except ValueError as exc:
         raise UnsupportedModel(f"{path}: {exc}") from None
-    files = _weight_files(path)
+    files = weight_files(path)
     if not files:
         if glob.glob(os.path.join(path, "*.bin")) or glob.glob(os.path.join(path, "*.pt")):
             raise UnsupportedModel(f"{path}: only PyTorch .bin/.pt weights found; .bin-only checkpoints are "

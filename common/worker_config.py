@@ -40,6 +40,9 @@ class WorkerConfig:
     spin_us: int = 0  # microseconds the loop polls the request rings before it sleeps
     adapt_worker_threads: bool = True  # cpu: one thread or `threads` per batch, measured (worker/thread_choice.py)
     warmup_seconds: float = 0.0  # seconds of graph captures before READY
+    # cpu: per model, comma-separated in --model's order, the folder of the ONNX export ONNX Runtime
+    # runs it from, or "" where torch runs it (ServeConfig.onnx_exports, server/process/cpu_engines.py)
+    onnx_exports: str = ""
     engine_options: EngineOptions = dataclasses.field(default_factory=EngineOptions)  # the kernels' switches
 
     def __post_init__(self) -> None:
@@ -68,6 +71,10 @@ class WorkerConfig:
     def task_of(self, index: int) -> str:
         """Model `index`'s --task."""
         return self.task.split(",")[index]
+
+    def onnx_export_of(self, index: int) -> str:
+        """Model `index`'s ONNX export folder; "" where torch runs it."""
+        return self.onnx_exports.split(",")[index] if self.onnx_exports else ""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -1,18 +1,22 @@
-"""The CPU benchmark (issue 34): `pollen serve` on the CPU against sentence-transformers, ONNX Runtime and
-(when it imports) fastembed, on the same texts and the same model (all-MiniLM-L6-v2, the default), in
-alternating rounds, on a quiet machine and under a stated background load.
+"""The CPU benchmark: `pollen serve` on the CPU against sentence-transformers, ONNX Runtime and (when it
+imports) fastembed, on the same texts and the same model (all-MiniLM-L6-v2, the default), in alternating
+rounds, on a quiet machine and under a stated background load; pollen on its default engine (ONNX
+Runtime on an export of its own model code) and on its torch engine.
 
     python load/bench_cpu.py                        # the full run: writes load/results/cpu-cpu.md
     python load/bench_cpu.py --smoke [--out FILE]   # tiny sizes, about a minute; no file without --out
 
-Contenders (load/cpu_contenders.py; --contenders picks them, default pollen,engine,st,ort,fastembed):
-  pollen     `pollen serve` on its defaults plus each --pollen-flag (e.g. --pollen-flag=--worker-threads=1);
-             queries by unary Embed from this process, docs over EmbedStream on --streams streams (a
-             connection each) of --per-message texts per message.
+Contenders (load/cpu_contenders.py; --contenders picks them, default pollen,pollen-torch,engine,st,ort,fastembed):
+  pollen     `pollen serve` on its defaults plus each --pollen-flag (e.g. --pollen-flag=--worker-threads=1):
+             the model on ONNX Runtime (worker/onnx_engine.py), its export made once at the benchmark's
+             start into --onnx-dir (--onnx-cache); queries by unary Embed from this process, docs over
+             EmbedStream on --streams streams (a connection each) of --per-message texts per message.
+  pollen-torch  the same with --cpu-engine torch: pollen's torch engine (worker/eager_engine.py).
   engine     pollen's CPU engine without the server (bulk/'s BulkEmbedder: the server's tokenizer, packing
-             and engine with the worker's thread choice), in a child process with the worker's environment;
-             a query is one packed batch, docs are packed in order into batches of the server's CPU budget
-             (1,024 tokens per worker thread). pollen's figures less these are what the server's trip costs.
+             and engine, ONNX Runtime's as the server's, with the worker's thread choice), in a child process
+             with the worker's environment; a query is one packed batch, docs are packed in order into
+             batches of the server's CPU budget (1,024 tokens per worker thread). pollen's figures less
+             these are what the server's trip costs.
   st         SentenceTransformer(folder, device="cpu") in a child process: a query is encode([text]),
              docs are encode(docs, batch_size=--batch-size) (sentence-transformers sorts them by length).
   ort        the checkpoint exported to ONNX at start (torch.onnx.export, TorchScript exporter, dynamic
@@ -57,6 +61,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -70,7 +75,7 @@ from load import cpu_contenders as cc  # noqa: E402
 from load.results_file import add_out_argument, write_result  # noqa: E402
 from tests.texts import stsb_pairs  # noqa: E402
 
-NAMES = {"pollen": "pollen", "engine": "pollen engine", "st": "sentence-transformers", "ort": "ONNX Runtime",
+NAMES = {"pollen": "pollen", "pollen-torch": "pollen (torch engine)", "engine": "pollen engine", "st": "sentence-transformers", "ort": "ONNX Runtime",
          "fastembed": "fastembed"}
 MIN_COSINE = 0.9999
 BUSY_CODE = "while True: pass"
@@ -133,14 +138,18 @@ class BusyLoad:
 
 def make_contender(key: str, args, onnx: dict | None, model_dir: str):
     threads = args.threads or os.cpu_count()
+    cache = ["--onnx-cache", args.onnx_dir] if args.onnx_dir else []
     if key == "pollen":
-        return cc.PollenContender(args.pollen_flag, args.streams, args.per_message)
+        return cc.PollenContender([*cache, *args.pollen_flag], args.streams, args.per_message)
+    if key == "pollen-torch":
+        return cc.PollenContender([*args.pollen_flag, "--cpu-engine", "torch"], args.streams, args.per_message, key)
     if key == "engine":
         from pollen.server.config import CPU_WORKER_ENV, ServeConfig
         from pollen.server.process.app import auto_batch_tokens
 
-        batch_tokens = auto_batch_tokens(ServeConfig(device="cpu"))  # the server's on this machine
-        return cc.ChildContender(key, "pollen-engine", {"model_dir": model_dir, "batch_tokens": batch_tokens},
+        serve = ServeConfig(device="cpu")
+        return cc.ChildContender(key, "pollen-engine", {"model_dir": model_dir, "batch_tokens": auto_batch_tokens(serve),
+                                                        "threads": serve.worker_threads, "onnx_cache": args.onnx_dir},
                                  env=CPU_WORKER_ENV, library=False)
     if key == "st":
         return cc.ChildContender(key, "st", {"model_dir": model_dir, "batch_size": args.batch_size})
@@ -278,6 +287,10 @@ def ratio(rows: list[dict], runs: list[dict], metric: str, a: tuple[str, str], b
 
 
 RATIOS = [  # (name, metric, numerator, denominator, target: (op, bound) or None)
+    ("pollen / pollen (torch engine) query p50, quiet", "query_p50_ms", ("pollen", "quiet"), ("pollen-torch", "quiet"), None),
+    ("pollen / pollen (torch engine) docs texts/s, quiet", "docs_texts_per_s", ("pollen", "quiet"), ("pollen-torch", "quiet"), None),
+    ("pollen / pollen (torch engine) query p50, busy", "query_p50_ms", ("pollen", "busy"), ("pollen-torch", "busy"), None),
+    ("pollen / pollen (torch engine) docs texts/s, busy", "docs_texts_per_s", ("pollen", "busy"), ("pollen-torch", "busy"), None),
     ("pollen / ORT query p50, quiet", "query_p50_ms", ("pollen", "quiet"), ("ort", "quiet"), None),
     ("pollen / ORT docs texts/s, quiet", "docs_texts_per_s", ("pollen", "quiet"), ("ort", "quiet"), None),
     ("pollen / ORT CPU seconds per query, quiet", "cpu_ms_per_query", ("pollen", "quiet"), ("ort", "quiet"), ("<=", 1.2)),
@@ -339,9 +352,9 @@ def markdown(rows: list[dict], ratios: dict, skipped: dict, figures: dict) -> st
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--contenders", default="pollen,engine,st,ort,fastembed",
-                        help="comma-separated, of pollen, engine, st, ort, fastembed (default: all; fastembed if it "
-                        "imports)")
+    parser.add_argument("--contenders", default="pollen,pollen-torch,engine,st,ort,fastembed",
+                        help="comma-separated, of pollen, pollen-torch, engine, st, ort, fastembed (default: all; "
+                        "fastembed if it imports)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--busy", type=int, default=2, help="background busy processes in the busy condition (0: none)")
     parser.add_argument("--queries", type=int, default=200)
@@ -354,7 +367,8 @@ def main() -> int:
     parser.add_argument("--ort-unsorted", action="store_true", help="ORT's docs batches in the given order, unsorted")
     parser.add_argument("--pollen-flag", action="append", default=[],
                         help="a flag for `pollen serve`, repeated: --pollen-flag=--worker-threads=1")
-    parser.add_argument("--onnx-dir", default=None, help="where the ONNX export is kept (default <tmp>/pollen-bench-cpu-onnx)")
+    parser.add_argument("--onnx-dir", default=None, help="where the ONNX exports are kept, ORT's and pollen's "
+                        "(default <tmp>/pollen-bench-cpu-onnx)")
     parser.add_argument("--fastembed-site", default=None, help="a folder fastembed is installed in (pip --target)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes (10 queries, 32 docs, 1 round, busy 1); writes a file only with --out")
@@ -393,9 +407,18 @@ def main() -> int:
             skipped["fastembed"] = "not installed (it would need huggingface_hub<2 here: see --fastembed-site)"
             keys.remove("fastembed")
     onnx = None
+    args.onnx_dir = args.onnx_dir or os.path.join(tempfile.gettempdir(), "pollen-bench-cpu-onnx")
     if {"ort", "fastembed"} & set(keys):
         onnx = cc.export_onnx(model_dir, args.onnx_dir)
         print(f"ONNX export: {onnx['path']} ({'reused, stamp matches' if onnx['reused'] else 'exported'})", flush=True)
+    if {"pollen", "engine"} & set(keys):  # made once here: every start of theirs finds it
+        from pollen.common.model_spec import read_model_spec
+        from pollen.common.onnx_cache import pollen_exports
+
+        ours = pollen_exports([read_model_spec(model_dir)], args.onnx_dir)[0]
+        if ours.error:
+            raise SystemExit(f"pollen's ONNX export failed: {ours.error}")
+        print(f"pollen's ONNX export: {ours.path} ({'exported' if ours.made else 'reused'})", flush=True)
 
     # The reference: sentence-transformers on every text, once.
     ref = cc.ChildContender("reference", "st", {"model_dir": model_dir, "batch_size": 64}).start()

@@ -63,7 +63,7 @@ def token_ids(folder: str, texts: list[str], limit: int) -> list[np.ndarray]:
 def rows(path: str, ids: list[np.ndarray], device: str, fp8: bool) -> np.ndarray:
     """Every text's pooled row from the model in bfloat16, its layers' products in fp8 at every
     batch size when `fp8`; normalized."""
-    from pollen.worker.engine import EagerEngine
+    from pollen.worker.eager_engine import EagerEngine
     from pollen.worker.models import fp8 as fp8_products
     from pollen.worker.models.loader import load_model
     from pollen.worker.packed import pack

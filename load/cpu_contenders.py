@@ -6,9 +6,10 @@ timed as a whole) and `close()`. Both embed methods answer a dict: `vectors` (fl
 one row per text, in order), `seconds` (wall time of the workload) and, for queries, `latencies_ms`.
 
   pollen                 `pollen serve` (tests.conftest.ServerProcess) on its defaults plus the
-                         flags given; queries by unary Embed from this process, docs over EmbedStream
-                         on several streams, each on its own connection. Its processes: the server's
-                         supervisor and every descendant (frontends, workers).
+                         flags given (--cpu-engine torch: its torch engine); queries by unary Embed
+                         from this process, docs over EmbedStream on several streams, each on its own
+                         connection. Its processes: the server's supervisor and every descendant
+                         (frontends, workers).
   sentence-transformers  SentenceTransformer(folder, device="cpu") in a child process: a query is
                          encode([text]); docs are encode(docs, batch_size=B) (which sorts by length).
   ONNX Runtime           the same checkpoint exported to ONNX (export_onnx), an InferenceSession on the
@@ -26,8 +27,6 @@ stderr), so this process's imports (grpc, pytest) never weigh on a child's memor
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import importlib.metadata
 import json
 import os
 import pathlib
@@ -42,6 +41,7 @@ import traceback
 import numpy as np
 
 from load import library_defaults
+from pollen.common import onnx_cache
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -140,54 +140,36 @@ EXPORT_VERSION = 1  # raise when _export changes: every cached export is then st
 OPSET = 17
 
 
-def _sha256(path: pathlib.Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return onnx_cache.versions(name)[name]
 
 
 def export_onnx(model_dir: str, folder: str | None = None) -> dict:
-    """The checkpoint as model.onnx in `folder` (default: <tmp>/pollen-bench-cpu-onnx), with the
-    folder's tokenizer files beside it. Exported again unless the folder's stamp names this very
-    checkpoint (sha256 of its weights and config), the same torch and transformers, this exporter
-    version and the file's size: a stale export is never used. Answers the stamp."""
+    """The checkpoint as model.onnx, with the folder's tokenizer files beside it, in pollen's cache
+    of exports (common/onnx_cache.py) at `folder` (default: <tmp>/pollen-bench-cpu-onnx): keyed by
+    the checkpoint's weights and config and the exporter with its torch, transformers and onnx
+    versions, so a stale export is never used. Answers its stamp, the path and whether it was reused."""
     model = pathlib.Path(model_dir)
-    out = pathlib.Path(folder or os.path.join(tempfile.gettempdir(), "pollen-bench-cpu-onnx"))
-    want = {"export_version": EXPORT_VERSION, "opset": OPSET, "model_dir": str(model.resolve()),
-            "weights_sha256": _sha256(model / "model.safetensors"), "config_sha256": _sha256(model / "config.json"),
-            "torch": _version("torch"), "transformers": _version("transformers"), "onnx": _version("onnx"),
-            "exporter": "torch.onnx.export(dynamo=False) of transformers.AutoModel (eager attention), "
-                        "inputs input_ids/attention_mask/token_type_ids, output last_hidden_state, "
-                        "batch and sequence axes dynamic"}
-    stamp_path, onnx_path = out / "stamp.json", out / "model.onnx"
-    try:
-        have = json.loads(stamp_path.read_text())
-        if {k: have.get(k) for k in want} == want and onnx_path.stat().st_size == have.get("onnx_bytes"):
-            return {**have, "path": str(onnx_path), "reused": True}
-    except (OSError, ValueError):
-        pass
-    out.mkdir(parents=True, exist_ok=True)
-    stamp_path.unlink(missing_ok=True)
-    part = out / f"model.onnx.{os.getpid()}.part"
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import sys; from load.cpu_contenders import _export; _export(*sys.argv[1:])",
-                    str(model), str(part)], cwd=REPO, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    os.replace(part, onnx_path)
-    for name in TOKENIZER_FILES:
-        if (model / name).exists():
-            shutil.copyfile(model / name, out / name)
-    stamp = {**want, "onnx_bytes": onnx_path.stat().st_size, "export_s": round(time.perf_counter() - t0, 1)}
-    stamp_path.write_text(json.dumps(stamp, indent=1))
-    return {**stamp, "path": str(onnx_path), "reused": False}
+    maker = {"exporter": "torch.onnx.export(dynamo=False) of transformers.AutoModel (eager attention), "
+                         "inputs input_ids/attention_mask/token_type_ids, output last_hidden_state, "
+                         "batch and sequence axes dynamic",
+             "export_version": EXPORT_VERSION, "opset": OPSET, **onnx_cache.versions("torch", "transformers", "onnx")}
+    place = onnx_cache.slot(folder or os.path.join(tempfile.gettempdir(), "pollen-bench-cpu-onnx"), maker,
+                            [str(model / "config.json"), str(model / "model.safetensors")])
+
+    def make(works: list[str]) -> list[str | None]:
+        subprocess.run([sys.executable, "-c", "import sys; from load.cpu_contenders import _export; _export(*sys.argv[1:])",
+                        str(model), os.path.join(works[0], "model.onnx")], cwd=REPO, check=True,
+                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        for name in TOKENIZER_FILES:
+            if (model / name).exists():
+                shutil.copyfile(model / name, os.path.join(works[0], name))
+        return [None]
+
+    export = onnx_cache.fill([place], make)[0]
+    with open(os.path.join(export.path, onnx_cache.STAMP)) as f:
+        stamp = json.load(f)
+    return {**stamp, "path": os.path.join(export.path, "model.onnx"), "reused": not export.made}
 
 
 def _export(model_dir: str, path: str) -> None:
@@ -336,18 +318,21 @@ class FastEmbedEngine:
 
 class PollenEngine:
     """pollen's CPU engine without the server: bulk/'s BulkEmbedder (the server's tokenizer, packing
-    and engine, with the worker's thread choice) in this process, with the worker's environment
-    (the parent passes CPU_WORKER_ENV) and the server's CPU batch budget. What `pollen serve` adds
-    to it is the trip through the client, gRPC, the frontend and the rings."""
+    and engine, chosen as `pollen serve --cpu-engine` chooses, with the worker's thread choice) in
+    this process, with the worker's environment (the parent passes CPU_WORKER_ENV) and the server's
+    CPU batch budget and threads. What `pollen serve` adds to it is the trip through the client,
+    gRPC, the frontend and the rings."""
 
-    def __init__(self, model_dir: str, batch_tokens: int):
-        import torch
-
+    def __init__(self, model_dir: str, batch_tokens: int, threads: int, cpu_engine: str = "auto",
+                 onnx_cache: str | None = None):
         from pollen.bulk.embedder import BulkEmbedder
         from pollen.server.config import CPU_WORKER_ENV
 
-        self.embedder = BulkEmbedder(model_dir, device="cpu", max_batch_tokens=batch_tokens)
-        self.info = {"torch": torch.__version__, "threads": torch.get_num_threads(), "batch_tokens": batch_tokens,
+        self.embedder = BulkEmbedder(model_dir, device="cpu", max_batch_tokens=batch_tokens, threads=threads,
+                                     cpu_engine=cpu_engine, onnx_cache=onnx_cache)
+        engine = type(self.embedder.engine).__name__
+        self.info = {"engine": engine, "threads": threads, "batch_tokens": batch_tokens,
+                     **engine_versions(engine),
                      "environment": {k: os.environ.get(k) for k in sorted(CPU_WORKER_ENV)},
                      "docs_order": "as given, packed into batches of at most batch_tokens (the server's CPU default)"}
 
@@ -356,6 +341,11 @@ class PollenEngine:
 
     def embed_docs(self, texts: list[str]) -> dict:
         return _timed_docs(self.embedder.embed, texts)
+
+
+def engine_versions(engine: str) -> dict:
+    """The versions of what runs an engine of that class."""
+    return onnx_cache.versions("onnxruntime" if engine == "OnnxEngine" else "torch")
 
 
 ENGINES = {"st": STEngine, "ort": ORTEngine, "fastembed": FastEmbedEngine, "pollen-engine": PollenEngine}
@@ -461,9 +451,8 @@ class ChildContender:
 class PollenContender:
     """`pollen serve`, driven over gRPC from this process."""
 
-    key = "pollen"
-
-    def __init__(self, flags: list[str], streams: int, per_message: int):
+    def __init__(self, flags: list[str], streams: int, per_message: int, key: str = "pollen"):
+        self.key = key
         self.flags, self.streams, self.per_message = list(flags), streams, per_message
         self.server = None
         self.channel = None

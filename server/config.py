@@ -14,6 +14,9 @@ from pollen.common.engine_options import EngineOptions, parse_switch
 from pollen.common.model_spec import DEFAULT_MODEL_NAME, TASK_CHOICES, default_model_path
 from pollen.server.observe import tracing
 
+# --cpu-engine's values (server/process/cpu_engines.py).
+CPU_ENGINES = ("auto", "onnx", "torch")
+
 # --default-truncate's values: the proto's Truncate names in lower case, as the HTTP door takes them.
 TRUNCATE_NAMES = ("none", "end", "start")
 
@@ -97,6 +100,17 @@ class ServeConfig:
                               "moves (docs/performance.md measures both); attention, norms and pooling stay "
                               "bfloat16, and batches too short to gain stay on bfloat16 products; repeated, each "
                               "of --model's models in order", metavar="none|fp8", repeat=True)
+    cpu_engine: str | None = _flag(MODEL, None, "what runs the model on --device cpu: onnx (ONNX Runtime, on an "
+                                   "export of pollen's model code made once per checkpoint and kept in --onnx-cache), "
+                                   "torch, or auto: onnx for the BERT, RoBERTa, XLM-R, DistilBERT and MPNet encoders "
+                                   "in float32 (heads and Dense modules included), torch for the rest and for a model "
+                                   "whose export fails; the log says which runs each model and why. Repeated, each "
+                                   "of --model's models in order", shown="auto", metavar="auto|onnx|torch",
+                                   repeat=True)
+    onnx_cache: str | None = _flag(MODEL, None, "the folder that keeps the ONNX exports, one subfolder per "
+                                   "checkpoint and exporter (a changed checkpoint is exported again); writable for "
+                                   "a first export", shown="$XDG_CACHE_HOME/pollen/onnx, else ~/.cache/pollen/onnx",
+                                   metavar="DIR")
     tiktoken: bool = _flag(TUNING, True, "tokenize a lone ASCII query with tiktoken where the tokenizer.json is "
                            "byte-level BPE and tiktoken gives its very ids (checked at start)")
     tokie: bool = _flag(TUNING, True, "tokenize texts with tokie, many times faster than the tokenizers "
@@ -221,9 +235,13 @@ class ServeConfig:
     fold_norms: bool = _engine_flag("fold_norms")
     cpu_prepack: bool = _engine_flag("cpu_prepack")
     cpu_pieces: bool = _engine_flag("cpu_pieces")
+    onnx_spin: bool = _engine_flag("onnx_spin")
     fp8_min_tokens: int = _engine_flag("fp8_min_tokens", {"auto": 0})
     # Not a flag: --frontends was left at auto and pollen chose the count (check_shm may lower it).
     frontends_automatic: bool = dataclasses.field(default=False, init=False, repr=False)
+    # Not a flag: each model's ONNX export folder, or "" where torch runs it, comma-separated in
+    # --model's order (server/process/cpu_engines.py sets it before the workers start; they get it).
+    onnx_exports: str = dataclasses.field(default="", init=False, repr=False)
     # Not a flag: the size an automatic response ring grown for BGE-M3's token rows may fall back
     # to where /dev/shm cannot hold it (check_limits sets it, check_shm uses it); 0: none.
     response_ring_floor: int = dataclasses.field(default=0, init=False, repr=False)
@@ -236,12 +254,8 @@ class ServeConfig:
         for name in ("revision", "served_model_name", "default_prompt_name"):  # an empty variable means unset
             setattr(self, name, getattr(self, name) or None)
         self.check_models()
-        self.quantization = self.quantization or "none"  # a repeated flag left unset reads as None
-        self.check_quantization()
-        self.task = self.task or "auto"
-        for value in self.tasks():
-            if value not in TASK_CHOICES:
-                raise ValueError(f"--task must be {_either(TASK_CHOICES)}, got {value!r}")
+        self.check_per_model()
+        self.onnx_cache = self.onnx_cache or None
         cuda = self.device == "cuda"
         if cuda:
             # Resolved once, here: asking nvidia-smi again at each worker (re)start would be waste.
@@ -286,6 +300,21 @@ class ServeConfig:
         self.engine_options()  # names a bad engine option here rather than in each worker
         tracing.check_endpoint(self.otlp_endpoint)
 
+    def check_per_model(self) -> None:
+        """The flags that give each model a value of its own (a repeated flag left unset reads as None)."""
+        self.quantization = self.quantization or "none"
+        self.check_quantization()
+        self.task = self.task or "auto"
+        for value in self.tasks():
+            if value not in TASK_CHOICES:
+                raise ValueError(f"--task must be {_either(TASK_CHOICES)}, got {value!r}")
+        self.cpu_engine = self.cpu_engine or "auto"
+        for value in self.cpu_engines():
+            if value not in CPU_ENGINES:
+                raise ValueError(f"--cpu-engine must be {_either(CPU_ENGINES)}, got {value!r}")
+            if value == "onnx" and self.device != "cpu":
+                raise ValueError("--cpu-engine onnx runs models on the CPU; it needs --device cpu")
+
     def model_paths(self) -> list[str]:
         """--model's models, in order (the first of each task serves the requests that name none)."""
         return self.model.split(",")
@@ -322,6 +351,10 @@ class ServeConfig:
     def quantizations(self) -> list[str]:
         """--quantization by model, in --model's order."""
         return self.per_model("quantization")
+
+    def cpu_engines(self) -> list[str]:
+        """--cpu-engine by model, in --model's order."""
+        return self.per_model("cpu_engine")
 
     def tasks(self) -> list[str]:
         """--task by model, in --model's order."""

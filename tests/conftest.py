@@ -4,10 +4,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import grpc
@@ -30,10 +32,49 @@ SERVING_WITHIN_S = 15.0
 # Every server a test started, so that none outlives the run whatever path its test took.
 STARTED: list[ServerProcess] = []
 
+# The servers' ONNX exports (--onnx-cache) go to a folder of this run unless the environment names
+# one, so that a run neither reads a user's exports nor leaves its tiny checkpoints' in their cache.
+if not os.environ.get("POLLEN_ONNX_CACHE"):
+    os.environ["POLLEN_ONNX_CACHE"] = tempfile.mkdtemp(prefix="pollen-test-onnx-")
+
+
+def flag_values(args: list[str], flag: str) -> list[str]:
+    """Every value a flag is given in `args` (--flag V and --flag=V)."""
+    values = [v for a, v in zip(args, args[1:]) if a == flag]
+    return values + [a.split("=", 1)[1] for a in args if a.startswith(flag + "=")]
+
+
+def exports_made(args: list[str], env: dict) -> None:
+    """The ONNX exports this server's start would make, made first, in the run's cache: a first
+    start's one-time export of a fresh checkpoint is not what SERVING_WITHIN_S bounds. A model that
+    cannot be read or exported is left to the server, which says why (so is a server given a
+    cache of its own)."""
+    from pollen.common.model_spec import default_model_path, read_model_spec
+    from pollen.common.onnx_cache import pollen_exports
+    from pollen.server.process.cpu_engines import onnx_refusal
+
+    if ("cuda" in flag_values(args, "--device") or "torch" in flag_values(args, "--cpu-engine")
+            or flag_values(args, "--onnx-cache")):  # a test of its own cache sees the server export
+        return
+    models = flag_values(args, "--model") or (env.get("POLLEN_MODEL") or str(default_model_path())).split(",")
+    tasks = flag_values(args, "--task") or ["auto"]
+    specs = []
+    for path, task in zip(models, tasks * len(models) if len(tasks) == 1 else tasks):
+        try:
+            spec = read_model_spec(path, task=task)
+        except Exception:  # noqa: BLE001 - a test of a refusal: the server says it
+            continue
+        if onnx_refusal(spec, "float32") is None:
+            specs.append(spec)
+    if specs:
+        pollen_exports(specs, env["POLLEN_ONNX_CACHE"])
+
 
 def pytest_sessionfinish(session, exitstatus):
     for server in STARTED:
         server.kill()
+    if os.path.basename(os.environ["POLLEN_ONNX_CACHE"]).startswith("pollen-test-onnx-"):
+        shutil.rmtree(os.environ["POLLEN_ONNX_CACHE"], ignore_errors=True)
 
 
 def free_port() -> int:
@@ -57,6 +98,7 @@ class ServerProcess:
         self.log = log  # a file for the server's stderr (its log); None: this process's stderr
 
     def start(self, timeout: float = SERVING_WITHIN_S) -> ServerProcess:
+        exports_made(self.args, self.env)
         t0 = time.monotonic()
         with open(self.log, "ab") if self.log else contextlib.nullcontext() as stderr:
             self.proc = subprocess.Popen([POLLEN, *self.args], env=self.env, stderr=stderr)

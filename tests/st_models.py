@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pollen.common.model_spec import default_model_path
-from pollen.worker.engine import EagerEngine
+from pollen.worker.eager_engine import EagerEngine
 from pollen.worker.packed import pack
 
 BERT_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")

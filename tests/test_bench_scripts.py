@@ -200,17 +200,16 @@ def test_bench_fp8_smoke_run_measures_fidelity_of_every_shape_and_minilm(tmp_pat
 
 @pytest.mark.slow
 def test_bench_cpu_smoke_run_measures_each_contender_quiet_and_busy(tmp_path):
-    """load/bench_cpu.py --smoke: pollen, its engine without the server, sentence-transformers and ONNX
-    Runtime (the checkpoint exported to ONNX) on the same texts, quiet and under one busy process; every figure measured, every vector
-    within 0.9999 cosine of sentence-transformers', memory per process, and the issue's ratios."""
-    pytest.importorskip("onnxruntime")
-    pytest.importorskip("onnx")
+    """load/bench_cpu.py --smoke: pollen (on ONNX Runtime, and on its torch engine), its engine without the
+    server, sentence-transformers and ONNX Runtime (the checkpoint exported to ONNX) on the same texts, quiet
+    and under one busy process; every figure measured, every vector within 0.9999 cosine of
+    sentence-transformers', memory per process, and the issue's ratios."""
     out = tmp_path / "cpu.md"
     run = smoke_run("bench_cpu.py", "--smoke", "--out", str(out), "--onnx-dir", str(tmp_path / "onnx"), timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     figures = results_file.read_figures(out)
     rows = {(r["contender"], r["condition"]): r for r in figures["rows"]}
-    for key in ("pollen", "engine", "st", "ort"):
+    for key in ("pollen", "pollen-torch", "engine", "st", "ort"):
         for condition in ("quiet", "busy"):
             row = rows[(key, condition)]
             for metric in ("query_p50_ms", "query_p99_ms", "cpu_ms_per_query", "docs_texts_per_s", "docs_tokens_per_s",
@@ -223,12 +222,16 @@ def test_bench_cpu_smoke_run_measures_each_contender_quiet_and_busy(tmp_path):
     assert all(r["min_cosine"] >= 0.9999 for r in figures["runs"])
     assert {"pollen / ORT query p50, quiet", "pollen / ORT docs texts/s, quiet", "pollen / ORT CPU seconds per query, quiet",
             "pollen docs texts/s, busy / quiet", "pollen / sentence-transformers docs texts/s, busy",
-            "pollen query p50, busy / quiet", "pollen / pollen engine query p50, quiet"} <= set(figures["ratios"])
+            "pollen query p50, busy / quiet", "pollen / pollen engine query p50, quiet",
+            "pollen / pollen (torch engine) docs texts/s, quiet"} <= set(figures["ratios"])
+    engines = {r["contender"]: r["info"].get("engine") for r in figures["runs"]}
+    assert engines["engine"] == "OnnxEngine"  # the engine the server runs by default
     assert figures["runs"] and all(r["info"]["environment"]["GOMP_SPINCOUNT"] is not None
                                    for r in figures["runs"] if r["contender"] == "engine")  # the worker's
     assert figures["onnx_export"]["reused"] is False  # a fresh folder: exported by this run
     text = out.read_text()
     assert "| pollen | busy |" in text and "| ONNX Runtime | quiet |" in text and "while True: pass" in text
+    assert "| pollen (torch engine) | quiet |" in text
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """The CPU engine's batches of many texts, cut at sequence bounds into one piece per thread that run
-at once (worker/engine.py, EagerEngine; worker/packed.py, split): the cut keeps every row whole
+at once (worker/cpu_engine.py, CpuEngine; worker/packed.py, split): the cut keeps every row whole
 and in order, and the rows equal HF transformers' on the same texts, contextual chunks included."""
 
 import os
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pollen.worker.engine import EagerEngine
+from pollen.worker.eager_engine import EagerEngine
 from pollen.worker.models.loader import load_model
 from pollen.worker.packed import RowSpans, pack, split
 from pollen.worker.thread_choice import LEARN_TOKENS

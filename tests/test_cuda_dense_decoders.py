@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (load/run_gpu.sh runs them on a GPU host)")]
 
 from pollen.common.engine_options import EngineOptions  # noqa: E402
-from pollen.worker.engine import EagerEngine  # noqa: E402
+from pollen.worker.eager_engine import EagerEngine  # noqa: E402
 from pollen.worker.models import ops  # noqa: E402
 from pollen.worker.models.loader import load_model  # noqa: E402
 from pollen.worker.packed import pack  # noqa: E402

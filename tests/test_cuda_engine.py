@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu,
 
 from pollen.common.engine_options import EngineOptions  # noqa: E402
 from pollen.common.request import Lane  # noqa: E402
-from pollen.worker.engine import EagerEngine  # noqa: E402
+from pollen.worker.eager_engine import EagerEngine  # noqa: E402
 from pollen.worker.models import ops  # noqa: E402
 from pollen.worker.models.loader import load_model  # noqa: E402
 from pollen.worker.packed import RowSpans, pack  # noqa: E402

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
 from pollen.shared_mem import records  # noqa: E402
 from pollen.shared_mem.ring import Ring  # noqa: E402
 from pollen.v1 import embedder_pb2 as pb  # noqa: E402
-from pollen.worker.engine import EagerEngine  # noqa: E402
+from pollen.worker.eager_engine import EagerEngine  # noqa: E402
 from pollen.worker.models.loader import load_model  # noqa: E402
 from pollen.worker.packed import pack  # noqa: E402
 from pollen.worker.postprocess import finish  # noqa: E402

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pollen.v1 import embedder_pb2 as pb
-from pollen.worker.engine import EagerEngine
+from pollen.worker.eager_engine import EagerEngine
 from pollen.worker.models.loader import load_model
 from pollen.worker.models.pooling import normalize_rows
 from pollen.worker.packed import RowSpans, pack

@@ -1,4 +1,4 @@
-"""Both engines are what the worker loop asks of one (worker/engine.py, Engine): every method
+"""Every engine is what the worker loop asks of one (worker/engine.py, Engine): every method
 of the Protocol, with its parameters, and its attributes. Runs without a GPU (the CUDA engine's
 class is read, not built)."""
 from __future__ import annotations
@@ -8,7 +8,9 @@ import inspect
 import pytest
 
 from pollen.worker.cuda_engine import CudaEngine
-from pollen.worker.engine import EagerEngine, Engine
+from pollen.worker.eager_engine import EagerEngine
+from pollen.worker.engine import Engine
+from pollen.worker.onnx_engine import OnnxEngine
 
 METHODS = [name for name, value in vars(Engine).items() if not name.startswith("_") and callable(value)]
 
@@ -19,13 +21,15 @@ def test_the_protocol_names_what_the_loop_uses():
     assert set(Engine.__annotations__) == {"side_by_side", "bulk_sms"}
 
 
-@pytest.mark.parametrize("engine", [EagerEngine, CudaEngine])
+@pytest.mark.parametrize("engine", [EagerEngine, OnnxEngine, CudaEngine])
 def test_each_engine_has_every_method_with_the_protocol_s_parameters(engine):
     for name in METHODS:
         assert list(inspect.signature(getattr(engine, name)).parameters) == \
             list(inspect.signature(getattr(Engine, name)).parameters), f"{engine.__name__}.{name}"
 
 
-def test_the_cpu_engine_is_an_engine():
-    assert isinstance(object.__new__(EagerEngine), Engine)
-    assert EagerEngine.side_by_side is False and CudaEngine.side_by_side is True
+def test_the_cpu_engines_are_engines():
+    for engine in (EagerEngine, OnnxEngine):
+        assert isinstance(object.__new__(engine), Engine)
+        assert engine.side_by_side is False
+    assert CudaEngine.side_by_side is True

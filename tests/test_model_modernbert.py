@@ -23,7 +23,7 @@ import torch
 from pollen.common.model_spec import UnsupportedModel, read_model_spec
 from pollen.server.pipeline.tokenizer import TextTokenizer
 from pollen.v1 import embedder_pb2 as pb
-from pollen.worker.engine import EagerEngine
+from pollen.worker.eager_engine import EagerEngine
 from pollen.worker.models.attention import VarlenAttention
 from pollen.worker.models.loader import load_model
 from pollen.worker.packed import pack

@@ -19,7 +19,7 @@ import torch
 from pollen.common.model_spec import UnsupportedModel, default_model_path, read_model_spec
 from pollen.server.pipeline.tokenizer import TextTokenizer
 from pollen.v1 import embedder_pb2 as pb
-from pollen.worker.engine import EagerEngine
+from pollen.worker.eager_engine import EagerEngine
 from pollen.worker.models.loader import load_model
 from pollen.worker.models.relative_position import MAX_DISTANCE, bias_table, relative_buckets
 from pollen.worker.packed import pack

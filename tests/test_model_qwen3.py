@@ -18,7 +18,7 @@ import torch
 
 from pollen.common.engine_options import EngineOptions
 from pollen.common.model_spec import UnsupportedModel, read_model_spec
-from pollen.worker.engine import EagerEngine
+from pollen.worker.eager_engine import EagerEngine
 from pollen.worker.models import ops
 from pollen.worker.models.loader import load_model
 from pollen.worker.models.ops import reference_ops

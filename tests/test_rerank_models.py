@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pollen.common.model_spec import UnsupportedModel, read_model_spec
-from pollen.worker.engine import EagerEngine
+from pollen.worker.eager_engine import EagerEngine
 from pollen.worker.models.loader import load_model
 from pollen.worker.packed import pack
 

@@ -302,7 +302,7 @@ def test_a_row_past_the_bound_keeps_its_largest_weights(tmp_path):
     (1,024) of its 30,522, the largest, exactly as the recipe weighs them."""
     from pollen.common.model_spec import SPARSE_TERMS
     from pollen.server.tasks.sparse_vectors import finish
-    from pollen.worker.engine import EagerEngine
+    from pollen.worker.eager_engine import EagerEngine
     from pollen.worker.models.loader import load_model
     from pollen.worker.packed import pack
     from tests.st_models import token_ids

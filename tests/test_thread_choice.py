@@ -4,25 +4,13 @@ other one probed every PROBE_EVERY batches of the class; and the flag that turns
 to the worker."""
 from __future__ import annotations
 
-import pytest
-import torch
-
 from pollen.worker.thread_choice import LEARN_TOKENS, PROBE_EVERY, SMALL_MIN_SPEEDUP, ThreadChoice
-
-
-@pytest.fixture(autouse=True)
-def torch_threads():
-    """ThreadChoice sets torch's process-wide thread count: give the next test the count it had."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 def drive(choice: ThreadChoice, seconds_per_token: dict[int, float], batches: int, tokens: int = 1024) -> list[int]:
     used = []
     for _ in range(batches):
         count = choice.threads_for(tokens)
-        assert torch.get_num_threads() == count
         used.append(count)
         choice.ran(count, tokens, seconds_per_token[count] * tokens)
     return used

@@ -7,6 +7,7 @@ its end of each frontend's ring pair (the control socket brings them).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -21,17 +22,43 @@ from pollen.worker.model_slot import ModelSlot
 
 def load(cfg: WorkerConfig) -> list[ModelSlot]:
     """Every model on this worker's device, each with the engine that runs it, warmed up, in
-    --model's order; each model's memory is logged (and the READY record reports it)."""
-    import torch
+    --model's order; each model's memory is logged (and the READY record reports it). torch is
+    imported only where a model runs on it: a CPU worker whose models all run on ONNX Runtime
+    never loads it."""
+    paths = cfg.model.split(",")
+    if any(not cfg.onnx_export_of(index) for index in range(len(paths))):
+        import torch
 
-    torch.set_num_threads(cfg.threads)
+        torch.set_num_threads(cfg.threads)
     # cuda: main() narrowed CUDA_VISIBLE_DEVICES to our one GPU, so it is always cuda:0 here.
     device = "cuda:0" if cfg.device == "cuda" else "cpu"
-    slots = []
-    paths = cfg.model.split(",")
-    for index, path in enumerate(paths):
-        slots.append(load_one(cfg, index, path, device, several=len(paths) > 1))
-    return slots
+    return [load_onnx(cfg, index, path, len(paths)) if cfg.onnx_export_of(index) else
+            load_one(cfg, index, path, device, several=len(paths) > 1) for index, path in enumerate(paths)]
+
+
+def load_onnx(cfg: WorkerConfig, index: int, path: str, models: int) -> ModelSlot:
+    """One model on ONNX Runtime, from the export the supervisor made (server/process/cpu_engines.py),
+    warmed up; its memory: what the process's resident set grew by while its sessions were made
+    and warmed (their weights, packed for the kernels, and the warm-up's activations)."""
+    from pollen.common.model_spec import read_model_spec
+    from pollen.worker.onnx_engine import OnnxEngine
+
+    spec = read_model_spec(path, pooling=cfg.pooling, attention=cfg.attention, task=cfg.task_of(index))
+    before = resident_bytes()
+    engine = OnnxEngine(spec, cfg.onnx_export_of(index), cfg.threads, cfg.adapt_worker_threads,
+                        cfg.engine_options.cpu_pieces, cfg.engine_options.onnx_spin)
+    engine.warm_up(cfg.warmup_seconds / models)
+    memory = resident_bytes() - before
+    print(f"pollen-worker[{cfg.index}]: model {index} ({os.path.basename(path)}) holds {memory / 2**20:.0f} MiB "
+          f"on cpu, ONNX Runtime ({engine.weights_bytes() / 2**20:.0f} MiB export, "
+          f"{len(engine.encoders)} session(s))", file=sys.stderr, flush=True)
+    return ModelSlot(index, spec, engine, memory)
+
+
+def resident_bytes() -> int:
+    """This process's resident set (VmRSS)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
 
 
 def load_one(cfg: WorkerConfig, index: int, path: str, device: str, several: bool = False) -> ModelSlot:
@@ -97,8 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     names = " ".join(os.path.basename(path) for path in cfg.model.split(","))
     bootstrap(f"pollen-worker[{cfg.index}] {where} {names}", cfg.cpu_cores,
               ignore=(signal.SIGINT, signal.SIGTERM))
-    import torch
-
     from pollen.worker.loop import Worker
 
     try:
@@ -108,13 +133,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     worker = Worker(cfg, loaded)
     try:
-        # One inference mode around the whole loop: entering it for each batch costs every batch
-        # time, the more on a core that had idled.
-        with torch.inference_mode():
+        with loop_context():
             worker.run()
     finally:
         worker.close()
     return 0
+
+
+def loop_context():
+    """One torch inference mode around the whole loop where a model runs on torch: entering it for
+    each batch costs every batch time, the more on a core that had idled. None where no model
+    does (load imported torch only then)."""
+    torch = sys.modules.get("torch")
+    return torch.inference_mode() if torch is not None else contextlib.nullcontext()
 
 
 if __name__ == "__main__":

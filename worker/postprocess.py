@@ -34,6 +34,16 @@ def combine(pooled: np.ndarray, out_index: np.ndarray, weights: np.ndarray, n_ou
     return (sums / totals[:, None]).astype(np.float32)
 
 
+def normalize_rows(rows: np.ndarray, flags: np.ndarray | None = None) -> np.ndarray:
+    """rows [R, H] L2-normalized, x / max(|x|, 1e-12) (a zero row stays zero rather than becoming
+    NaN); with `flags` [R], only the rows whose flag is non-zero. The device's normalization
+    (worker/models/pooling.py, normalize_rows) rounds as this does."""
+    norms = np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), np.float32(1e-12))
+    if flags is None:
+        return rows / norms
+    return np.where(np.asarray(flags)[:, None] != 0, rows / norms, rows)
+
+
 def finish(pooled: np.ndarray, dims: int, normalize: bool, encoding: int, out: memoryview,
            native_int8: bool = False) -> None:
     """Cut pooled [rows, hidden] float32 to its first `dims` values, normalize, encode into `out`."""
@@ -42,9 +52,7 @@ def finish(pooled: np.ndarray, dims: int, normalize: bool, encoding: int, out: m
         write_int8(np.round(127 * np.tanh(x.astype(np.float64))), np.full(len(x), 1 / 127), out)
         return
     if normalize:
-        norms = np.linalg.norm(x, axis=1, keepdims=True)
-        # A zero vector stays zero rather than becoming NaN.
-        x = x / np.maximum(norms, np.float32(1e-12))
+        x = normalize_rows(x)
     x = np.ascontiguousarray(x, dtype=np.float32)
     if encoding == pb.ENCODING_FLOAT32:
         np.copyto(np.frombuffer(out, dtype="<f4").reshape(x.shape), x)

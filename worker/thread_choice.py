@@ -1,7 +1,7 @@
-"""How many threads the CPU engine's batches run on, chosen by what the batches measure.
+"""How many threads the CPU engines' batches run on, chosen by what the batches measure.
 
-A CPU sidecar shares its cores with the service it serves. On idle cores, torch's intra-op pool
-of one thread per core is fastest, for docs and for a query's forward alike, though for a query
+A CPU sidecar shares its cores with the service it serves. On idle cores, an intra-op pool (torch's,
+or ONNX Runtime's) of one thread per core is fastest, for docs and for a query's forward alike, though for a query
 on few cores it buys little for its CPU (SMALL_MIN_SPEEDUP). When other processes keep the cores
 busy, each parallel region waits at its barrier for the thread that lost its core, and a layer
 has dozens of regions: the same batches then run several times slower on two threads than on
@@ -21,8 +21,6 @@ figure for that count by the same factor (and brings that class's next probe clo
 it), so docs arriving after queries saw the cores taken start on the right count.
 """
 from __future__ import annotations
-
-import torch
 
 LEARN_TOKENS = 256
 PROBE_EVERY = 24
@@ -107,11 +105,8 @@ class ThreadChoice:
         return self.large if tokens >= LEARN_TOKENS else self.small
 
     def threads_for(self, tokens: int) -> int:
-        """The count the next batch of `tokens` runs on (set on torch's pool)."""
-        count = self._class(tokens).next_count()
-        if torch.get_num_threads() != count:
-            torch.set_num_threads(count)
-        return count
+        """The count the next batch of `tokens` runs on (the engine sets its pool to it)."""
+        return self._class(tokens).next_count()
 
     def ran(self, count: int, tokens: int, seconds: float) -> None:
         """A batch of `tokens` took `seconds` on `count` threads. A step in one class's figure

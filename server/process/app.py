@@ -14,7 +14,7 @@ import signal
 from pollen.common.model_spec import ModelSpec
 from pollen.server import auth
 from pollen.server.config import ServeConfig, open_files_limit
-from pollen.server.process import served_model
+from pollen.server.process import cpu_engines, served_model
 from pollen.server.process.supervisor import Supervisor
 from pollen.shared_mem import records
 from pollen.shared_mem.ring import Ring
@@ -211,6 +211,7 @@ async def serve(cfg: ServeConfig, metrics_dir: str | None = None) -> None:
     specs = served_model.prepare(cfg)  # a Hub id becomes its local snapshot here, once (server/process/served_model.py)
     check_limits(cfg, specs)
     check_shm(cfg)
+    cpu_engines.prepare(cfg, specs)  # each CPU model's engine, and its ONNX export, made here once
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -52,6 +52,11 @@ class EmbeddingModel(torch.nn.Module):
                       max_seqlen: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def last(self, x: torch.Tensor) -> torch.Tensor:
+        """What the model answers of its last layer's states [..., hidden]: those states (a SPLADE
+        model's are each token's vocabulary weights, worker/models/bert.py)."""
+        return x
+
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
         """Convenience for tests and tools: one output row per sequence (pooled and, for a model
         with a head, through it), float32, not normalized."""

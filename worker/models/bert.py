@@ -47,6 +47,12 @@ class BertLayer(nn.Module):
         tokens = x.shape[0]
         q, k, v = self.qkv(x).view(tokens, 3, self.heads, -1).unbind(1)
         attn = self.attention(q, k, v, cu_seqlens, max_seqlen, causal=False).reshape(tokens, -1)
+        return self.after_attention(x, attn)
+
+    def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer past its attention (`attn`: the heads' outputs side by side, x's shape): the
+        output product, the residual norm and the MLP. Any leading shape: the ONNX export runs it
+        on padded [batch, length, hidden] (worker/export.py)."""
         x = self.attn_norm(x + self.attn_out(attn))
         up = self.up(x) if self.up_applies_gelu else F.gelu(self.up(x), approximate=self.gelu)
         return self.mlp_norm(x + self.down(up))
@@ -103,14 +109,25 @@ class BertEncoder(EmbeddingModel):
         if max_seqlen > self.max_positions:
             # Checked on the host int: an out-of-range position is a device assert on CUDA.
             raise ValueError(f"sequence of {max_seqlen} tokens exceeds {self.max_positions} positions")
+        x = self.embed(input_ids, positions)
+        for layer in self.layers:
+            x = layer(x, cu_seqlens, max_seqlen)
+        return self.last(x)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The first layer's input: word, token type and position rows, summed in HF's order, then
+        the LayerNorm. Any shape of ids whose positions broadcast to it (the export's [batch, L]
+        beside positions [L])."""
         pos = positions + self.position_offset
         if self.typed_words or self.token_type is None:  # the ids carry the token type, or there are none
             x = self.word(input_ids) + self.position(pos)
         else:  # every token has type 0 (single-text input); same summation order as HF
             x = self.word(input_ids) + self.token_type.weight[0] + self.position(pos)
-        x = self.emb_norm(x)
-        for layer in self.layers:
-            x = layer(x, cu_seqlens, max_seqlen)
+        return self.emb_norm(x)
+
+    def last(self, x: torch.Tensor) -> torch.Tensor:
+        """What the model answers of its last layer's states: those states, or a SPLADE model's
+        vocabulary weights of each token."""
         return x if self.splade is None else self.splade(x, self.word.weight)
 
     @torch.no_grad()

@@ -54,10 +54,14 @@ class MPNetEncoder(EmbeddingModel):
         if max_seqlen > self.max_positions:
             # Checked on the host int: an out-of-range position is a device assert on CUDA.
             raise ValueError(f"sequence of {max_seqlen} tokens exceeds {self.max_positions} positions")
-        x = self.emb_norm(self.word(input_ids) + self.position(positions + self.position_offset))
+        x = self.embed(input_ids, positions)
         for layer in self.layers:
             x = layer(x, cu_seqlens, max_seqlen)
         return x
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Word and position rows, then the LayerNorm (any shapes that broadcast, as BertEncoder.embed)."""
+        return self.emb_norm(self.word(input_ids) + self.position(positions + self.position_offset))
 
     @torch.no_grad()
     def after_load(self, options: EngineOptions) -> None:

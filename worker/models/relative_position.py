@@ -85,6 +85,15 @@ class RelativeAttention:
         return sdpa_loop(q, k, v, cu_seqlens, self.table)
 
 
+def sequence_bias(table: torch.Tensor, length) -> torch.Tensor:
+    """The bias of one sequence of `length` tokens, [heads, length, length]: the table's column of
+    each key's position minus its query's, clamped to ±MAX_DISTANCE. `length` may be a traced size
+    (the ONNX export's padded length)."""
+    at = torch.arange(length, device=table.device)
+    relative = (at[None, :] - at[:, None]).clamp(-MAX_DISTANCE, MAX_DISTANCE) + MAX_DISTANCE
+    return table[:, relative]
+
+
 def sdpa_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
               table: torch.Tensor) -> torch.Tensor:
     """One SDPA per sequence, the bias as its float mask [heads, L, L] (in q's dtype, as HF adds it)."""
@@ -93,9 +102,7 @@ def sdpa_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end == start:
             continue
-        at = torch.arange(end - start, device=q.device)
-        relative = (at[None, :] - at[:, None]).clamp(-MAX_DISTANCE, MAX_DISTANCE) + MAX_DISTANCE
-        mask = table[:, relative].to(q.dtype)
+        mask = sequence_bias(table, end - start).to(q.dtype)
         qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))
         out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1)
     return out
