@@ -76,11 +76,12 @@ COPY . /src
 # dependencies: the model package declares sentence-transformers (transformers, scipy and
 # scikit-learn, about 300 MB), yet pollen only reads its files. Last, `--check cpu` fails the build
 # on a CUDA torch or any nvidia-* package (deploy/image_requirements.py does all three).
-RUN python /src/deploy/image_requirements.py install cpu /src "${TORCH_VERSION}"
-# The default model's ONNX export (the CPU's default engine), made once here: a first start would
-# make it in --onnx-cache, which a read-only root filesystem forbids. The runtime stage points
-# POLLEN_ONNX_CACHE at it; the export's key holds these very versions, so the image finds it.
-RUN python -c "import sys; from pollen.common.model_spec import default_model_path, read_model_spec; \
+# In the same layer, the default model's ONNX export (the CPU's default engine), made once: a
+# first start would make it in --onnx-cache, which a read-only root filesystem forbids. The runtime
+# stage points POLLEN_ONNX_CACHE at it; the export's key holds these very versions, so the image
+# finds it.
+RUN python /src/deploy/image_requirements.py install cpu /src "${TORCH_VERSION}" \
+ && python -c "import sys; from pollen.common.model_spec import default_model_path, read_model_spec; \
 from pollen.common.onnx_cache import pollen_exports; \
 sys.exit(pollen_exports([read_model_spec(default_model_path())], '/opt/pollen-onnx')[0].error)"
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from pollen.common import onnx_cache
+from pollen.common import defaults, onnx_cache
 from pollen.common.engine_options import EngineOptions
 from pollen.common.errors import RequestError
 from pollen.common.model_spec import ModelSpec, default_model_path, read_model_spec
@@ -63,10 +63,11 @@ class BulkEmbedder:
     truncate: "end" (keep the start; the default here, as a corpus has long texts), "start" or
     "none" (a text over the model's limit is an error). prompt_name / prompt: as EmbedRequest's (the
     checkpoint's default prompt applies without either). dimensions: a Matryoshka prefix (0: full).
-    max_batch_tokens: tokens per engine batch (0: 16384 on cuda, 8192 on cpu, or the model's limit
-    when larger). threads: the CPU engine's threads (0: torch's as they are, ONNX Runtime's the
-    usable cores; a Ray actor's are its num_cpus). cpu_engine: "auto", "onnx" or "torch", as
-    `pollen serve --cpu-engine` (an export is made once into onnx_cache, default pollen's cache).
+    max_batch_tokens: tokens per engine batch (0: what `pollen serve` takes for the device, the
+    threads and the model: common/defaults.py). threads: the CPU engine's threads (0: torch's as
+    they are, ONNX Runtime's the usable cores; a Ray actor's are its num_cpus). cpu_engine:
+    "auto", "onnx" or "torch", as `pollen serve --cpu-engine` (an export is made once into
+    onnx_cache, default pollen's cache).
     """
 
     def __init__(self, model: str | None = None, *, device: str = "cpu", dtype: str = "auto",
@@ -90,12 +91,13 @@ class BulkEmbedder:
         except RequestError as exc:
             raise ValueError(exc.message) from None
         self.truncate, self.dimensions, self.normalize = TRUNCATE_BY_NAME[truncate], dimensions, normalize
-        self.max_batch_tokens = max_batch_tokens or max(16384 if device == "cuda" else 8192, self.spec.max_tokens)
+        self.max_batch_tokens = max_batch_tokens or defaults.batch_tokens(device, threads or usable_cores(),
+                                                                          self.spec.max_tokens)
         if self.max_batch_tokens < self.spec.max_tokens:
             raise ValueError(f"max_batch_tokens {self.max_batch_tokens} is below the model's limit of "
                              f"{self.spec.max_tokens} tokens: one long text could never be batched")
         if dtype == "auto":
-            dtype = "bfloat16" if device == "cuda" else "float32"
+            dtype = defaults.dtype(device)
         self.engine = onnx_engine(self.spec, cpu_engine, dtype, threads, onnx_cache) if device == "cpu" else None
         if self.engine is None:
             if threads:

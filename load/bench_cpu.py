@@ -144,11 +144,13 @@ def make_contender(key: str, args, onnx: dict | None, model_dir: str):
     if key == "pollen-torch":
         return cc.PollenContender([*args.pollen_flag, "--cpu-engine", "torch"], args.streams, args.per_message, key)
     if key == "engine":
+        from pollen.common import defaults
+        from pollen.common.model_spec import read_model_spec
         from pollen.server.config import CPU_WORKER_ENV, ServeConfig
-        from pollen.server.process.app import auto_batch_tokens
 
         serve = ServeConfig(device="cpu")
-        return cc.ChildContender(key, "pollen-engine", {"model_dir": model_dir, "batch_tokens": auto_batch_tokens(serve),
+        batch_tokens = defaults.batch_tokens("cpu", serve.worker_threads, read_model_spec(model_dir).max_tokens)
+        return cc.ChildContender(key, "pollen-engine", {"model_dir": model_dir, "batch_tokens": batch_tokens,
                                                         "threads": serve.worker_threads, "onnx_cache": args.onnx_dir},
                                  env=CPU_WORKER_ENV, library=False)
     if key == "st":

@@ -317,9 +317,9 @@ def cross_encoder_calls(path: str, size: int, queries: list[str], docs: list[str
 def bench_cpu(args) -> None:
     from load.bench_cpu import machine
     from load.rerank_models import make_trained_minilm_reranker
+    from pollen.common import defaults
     from pollen.common.model_spec import default_model_path
     from pollen.server.config import ServeConfig
-    from pollen.server.process.app import auto_batch_tokens
 
     path = make_trained_minilm_reranker(args.minilm or default_model_path(), args.root)
     queries, docs = workload()
@@ -349,7 +349,7 @@ def bench_cpu(args) -> None:
             f"One Rerank of 1 query x {DOCS} documents of about 200 tokens at a time, each call its own query and "
             f"documents, {args.calls} calls a contender a round, {args.rounds} alternating rounds; CrossEncoder's "
             f"predict on the same pairs. {NOTE} pollen's defaults here: {cfg.worker_threads} worker threads, "
-            f"--max-batch-tokens {auto_batch_tokens(cfg)}.\n\n" + "\n".join(lines))
+            f"--max-batch-tokens {defaults.batch_tokens('cpu', cfg.worker_threads, 0)}.\n\n" + "\n".join(lines))
     print(text)
     write_result("rerank", "cpu", "Reranking on the CPU through `pollen serve --device cpu`", text,
                  {"rows": rows, "torch": torch.__version__, "machine": host}, args.out)

@@ -10,6 +10,7 @@ import resource
 import sys
 import textwrap
 
+from pollen.common import defaults
 from pollen.common.engine_options import EngineOptions, parse_switch
 from pollen.common.model_spec import DEFAULT_MODEL_NAME, TASK_CHOICES, default_model_path
 from pollen.server.observe import tracing
@@ -429,7 +430,7 @@ class ServeConfig:
         return EngineOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineOptions)})
 
     def worker_dtype(self) -> str:
-        return self.dtype if self.dtype != "auto" else "bfloat16" if self.device == "cuda" else "float32"
+        return self.dtype if self.dtype != "auto" else defaults.dtype(self.device)
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None, environ: dict[str, str] | None = None) -> ServeConfig:

@@ -5,7 +5,7 @@ known rows into the raw area, normalizing the flagged ones with the engines' own
 Every kind of request is checked against postprocess.finish on its rows: the common float32 case
 (answered by its raw rows, normalized or not), Matryoshka cuts, every encoding, native int8,
 contextual chunks, CHUNK_MEAN, requests spread over several batches, and failed batches. The
-row cap keeps every record within the ring's max_record. Then the worker's own submit/answer
+row cap keeps every record within the ring's max_record. Then the worker's own launch_batch/answer
 loop on a real ring: a failed batch, and a ring too small for two open records.
 """
 from __future__ import annotations
@@ -294,11 +294,11 @@ def test_worker_fails_a_batch_alone_and_answers_requests_it_cuts(worker):
     spread = make_job(1, [4, 4, 4])
     spread.rec.ids[4] = 999  # its second sequence poisons the batch that holds it
     fine = make_job(2, [3])
-    worker.submit(worker.slots[0], [(fine, 0, 1), (spread, 0, 1)], 0)
+    worker.launch_batch(worker.slots[0], [(fine, 0, 1), (spread, 0, 1)], 0)
     worker.answer(worker.slots[0].open[0].popleft())
-    worker.submit(worker.slots[0], [(spread, 1, 2)], 0)
+    worker.launch_batch(worker.slots[0], [(spread, 1, 2)], 0)
     worker.answer(worker.slots[0].open[0].popleft())
-    worker.submit(worker.slots[0], [(spread, 2, 3)], 0)
+    worker.launch_batch(worker.slots[0], [(spread, 2, 3)], 0)
     worker.answer(worker.slots[0].open[0].popleft())
     got = read_all(worker.links[0].responses)
     kinds = [k for k, _ in got]
@@ -316,7 +316,7 @@ def test_worker_commits_its_open_record_when_the_ring_cannot_hold_two(worker):
     worker.slots[0].engine = FailingEngine(poison=-1)
     rows = (worker.links[0].responses.max_record - records.raw_at(1)) // (4 * HIDDEN)  # over half the ring, with the error
     first, second = make_job(1, [1] * rows), make_job(2, [1] * rows)
-    worker.submit(worker.slots[0], [(first, 0, rows)], 0)
+    worker.launch_batch(worker.slots[0], [(first, 0, rows)], 0)
     assert len(worker.slots[0].open[0]) == 1
     worker.write_error(make_job(3, [1]), "cancelled " * 20, records.CANCELLED)  # goes after the open record
     assert read_all(worker.links[0].responses) == []
@@ -328,7 +328,7 @@ def test_worker_commits_its_open_record_when_the_ring_cannot_hold_two(worker):
 
     reader = threading.Thread(target=frontend)
     reader.start()
-    worker.submit(worker.slots[0], [(second, 0, rows)], 0)  # room only once the first record is committed and read
+    worker.launch_batch(worker.slots[0], [(second, 0, rows)], 0)  # room only once the first record is committed and read
     reader.join(10)
     assert [b.shares[0].plan.spans[0][0] for b in worker.slots[0].open[0]] == [second]
     assert [k for k, _ in got] == [records.BATCH_RESULT, records.RESULT]
@@ -377,9 +377,9 @@ def test_side_by_side_a_bulk_batch_holds_no_record_and_never_delays_an_interacti
     worker.side_by_side = True
     ring = worker.links[0].responses
     bulk, query = make_job(1, [4] * 6, priority=1), make_job(2, [3])
-    worker.submit(worker.slots[0], [(bulk, 0, 6)], Lane.BULK)
+    worker.launch_batch(worker.slots[0], [(bulk, 0, 6)], Lane.BULK)
     assert ring.free_bytes() == ring.capacity  # nothing held for the bulk batch
-    worker.submit(worker.slots[0], [(query, 0, 1)], Lane.INTERACTIVE)
+    worker.launch_batch(worker.slots[0], [(query, 0, 1)], Lane.INTERACTIVE)
     assert ring.free_bytes() < ring.capacity
     engine.pending[1].finished = True
     assert worker.collect()
@@ -406,8 +406,8 @@ def test_with_two_models_side_by_side_one_model_s_long_batch_never_holds_back_th
     worker.side_by_side, worker.hold_records = True, False
     ring = worker.links[0].responses
     long_batch, query = make_job(1, [4] * 6), make_job(2, [3])
-    worker.submit(worker.slots[0], [(long_batch, 0, 6)], Lane.INTERACTIVE)
-    worker.submit(worker.slots[1], [(query, 0, 1)], Lane.INTERACTIVE)
+    worker.launch_batch(worker.slots[0], [(long_batch, 0, 6)], Lane.INTERACTIVE)
+    worker.launch_batch(worker.slots[1], [(query, 0, 1)], Lane.INTERACTIVE)
     assert ring.free_bytes() == ring.capacity  # nothing held for either
     second.pending[0].finished = True
     assert worker.collect()

@@ -73,7 +73,7 @@ def test_while_the_engine_holds_interactive_launches_bulk_ones_go_on():
     slot = ModelSlot(0, None, holding, 0, Batcher(4096, 4096, 1 << 20))
     w.side_by_side, w.slots = True, [slot]
     w.launched = []
-    w.submit = lambda slot, spans, lane: (w.launched.append(lane), slot.open[lane].append(object()))
+    w.launch_batch = lambda slot, spans, lane: (w.launched.append(lane), slot.open[lane].append(object()))
     slot.batcher.add(make_job(1, [5]))
     slot.batcher.add(make_job(2, [5], priority=Lane.BULK))
     assert w.launch(0) and w.launched == [Lane.BULK]

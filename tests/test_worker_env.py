@@ -83,6 +83,26 @@ def test_auto_batch_tokens_by_device():
         check_limits(ServeConfig(max_batch_tokens=2048), [long])
 
 
+def test_server_and_bulk_embedder_take_the_same_automatic_values():
+    """--max-batch-tokens and --dtype auto have one home (common/defaults.py): `pollen serve` and the
+    bulk embedder get the same value for the same machine and model (the CUDA engine's default,
+    made in code, takes it from there too)."""
+    import torch
+
+    from pollen.bulk.embedder import BulkEmbedder
+    from pollen.common.model_spec import default_model_path, read_model_spec
+    from pollen.server.config import ServeConfig
+    from pollen.server.process.app import check_limits
+
+    spec = read_model_spec(default_model_path())
+    for threads in (1, 3):
+        cfg = ServeConfig(worker_threads=threads)
+        check_limits(cfg, [spec])
+        bulk = BulkEmbedder(threads=threads, cpu_engine="torch")
+        assert bulk.max_batch_tokens == cfg.max_batch_tokens == 1024 * threads
+        assert cfg.worker_dtype() == "float32" and next(bulk.engine.model.parameters()).dtype == torch.float32
+
+
 def test_tokenizer_threads_auto_on_cpu_and_as_given():
     from pollen.server.config import ServeConfig
 

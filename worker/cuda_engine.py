@@ -56,6 +56,7 @@ import time
 import numpy as np
 import torch
 
+from pollen.common import defaults
 from pollen.common.request import LANES, Lane
 from pollen.worker import cudart
 from pollen.worker.lazy import LazyTensor
@@ -132,11 +133,12 @@ class CudaEngine:
     side_by_side = True  # the lanes run at once, on streams of two priorities
     COPY_STREAM_MIN = 4096  # int32 values; smaller inputs skip the copy stream (see upload)
 
-    def __init__(self, model: EmbeddingModel, device: str, max_batch_tokens: int = 16384,
+    def __init__(self, model: EmbeddingModel, device: str, max_batch_tokens: int = 0,
                  cuda_graphs: bool = True, graph_max_tokens: int | None = None, defer_capture: bool = False,
                  bulk_sms: int = 0, interactive_step: int = 0):
         self.model = model
         self.device = torch.device(device)
+        max_batch_tokens = max_batch_tokens or defaults.batch_tokens(device, 0, model.spec.max_tokens)
         self.pooling = model.spec.pooling
         self.hidden = model.spec.output_dims  # the width of the rows written: pooled, or a head's
         # float32 attention takes a per-sequence loop that reads cu_seqlens on the host (see

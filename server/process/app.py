@@ -11,6 +11,7 @@ import platform
 import resource
 import signal
 
+from pollen.common import defaults
 from pollen.common.model_spec import ModelSpec
 from pollen.server import auth
 from pollen.server.config import ServeConfig, open_files_limit
@@ -44,38 +45,6 @@ def widest(specs: list[ModelSpec]) -> int:
     return max(max(spec.hidden_size, spec.output_dims) for spec in specs)
 
 
-# --max-batch-tokens auto, where the model's limit is lower. A GPU fills its SMs with large
-# batches. A CPU worker cuts a batch at sequence bounds into one piece per thread
-# (worker/engine.py): a batch of few sequences leaves threads idle or some pieces a sequence
-# longer than others, so it gets AUTO_CPU_TOKENS_PER_THREAD tokens per worker thread, several
-# sequences of a few hundred tokens (rerank pairs, passages) in each piece. One thread's
-# tokens/s is flat from a few hundred tokens a batch on, while the working set, which the
-# worker's heap keeps (server/config.py WORKER_HEAP_KEEP), and the time a batch holds the worker
-# grow with the batch: no more than that. A bulk batch is what an interactive query that arrives
-# behind it waits for (docs/performance.md, Levers tried), so --bulk-batch-tokens auto on the CPU
-# is half that a thread, and never below 1,024 tokens.
-AUTO_CUDA_BATCH_TOKENS = 8192
-AUTO_CPU_TOKENS_PER_THREAD = 1024
-AUTO_CPU_BULK_TOKENS_PER_THREAD = 512
-AUTO_CPU_BULK_TOKENS_MIN = 1024
-
-
-def auto_batch_tokens(cfg: ServeConfig) -> int:
-    """--max-batch-tokens auto for the device and the worker's threads, before the model's limit
-    is applied."""
-    return AUTO_CPU_TOKENS_PER_THREAD * cfg.worker_threads if cfg.device == "cpu" else AUTO_CUDA_BATCH_TOKENS
-
-
-def auto_bulk_batch_tokens(cfg: ServeConfig) -> int:
-    """--bulk-batch-tokens auto, once --max-batch-tokens is set."""
-    if cfg.device == "cuda":
-        # Bulk batches replay graphs too (an eager one would hold the worker's thread for the
-        # milliseconds of its kernel launches, in front of any interactive request).
-        return min(cfg.max_batch_tokens, cfg.graph_max_tokens or cfg.max_batch_tokens)
-    per_threads = AUTO_CPU_BULK_TOKENS_PER_THREAD * cfg.worker_threads
-    return min(cfg.max_batch_tokens, max(AUTO_CPU_BULK_TOKENS_MIN, per_threads))
-
-
 def check_limits(cfg: ServeConfig, specs: list[ModelSpec]) -> None:
     """Size what is automatic (the response rings) and refuse at start the settings that would
     fail requests later, for every served model: the token budgets fit the longest model's limit
@@ -83,9 +52,10 @@ def check_limits(cfg: ServeConfig, specs: list[ModelSpec]) -> None:
     spec = max(specs, key=lambda s: s.max_tokens)  # the longest text any model reads
     hidden = widest(specs)
     if not cfg.max_batch_tokens:
-        cfg.max_batch_tokens = max(auto_batch_tokens(cfg), spec.max_tokens)
+        cfg.max_batch_tokens = defaults.batch_tokens(cfg.device, cfg.worker_threads, spec.max_tokens)
     if not cfg.bulk_batch_tokens:
-        cfg.bulk_batch_tokens = auto_bulk_batch_tokens(cfg)
+        cfg.bulk_batch_tokens = defaults.bulk_batch_tokens(cfg.device, cfg.worker_threads, cfg.max_batch_tokens,
+                                                           cfg.graph_max_tokens)
     if cfg.max_queued_tokens < cfg.max_batch_tokens:
         raise ValueError(f"--max-queued-tokens {cfg.max_queued_tokens} is below --max-batch-tokens "
                          f"{cfg.max_batch_tokens}")
