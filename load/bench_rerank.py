@@ -29,6 +29,9 @@ Writes load/results/rerank-<kind>.md (load/results_file.py).
 each of --cpu-batch-sizes on the same pairs: p50 and p99 a call, and pairs/s at the p50.
 
     python load/bench_rerank.py --device cpu [--variant "--max-batch-tokens 1024"]
+
+--tokenize: no server, the frontend's tokenizing of one call's documents alone, the tokenizers
+library against tokie at each fan-out (load/rerank_tokenize.py); writes tokenize-<kind>.md.
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from load import corpus  # noqa: E402
+from load import corpus, rerank_tokenize  # noqa: E402
 from load.library_defaults import NOTE, library_defaults  # noqa: E402
 from load.rerank_models import RERANK_SHAPES, make_reranker  # noqa: E402
 from load.results_file import add_out_argument, device_kind, write_result  # noqa: E402
@@ -373,8 +376,14 @@ def main() -> None:
                    "during one-call Reranks, a summary a frontend under DIR/<shape>/")
     p.add_argument("--batch-sizes", type=lambda v: tuple(map(int, v.split(","))), default=BATCH_SIZES,
                    help="the reference's batch sizes, comma-separated (default: %(default)s)")
+    p.add_argument("--tokenize", action="store_true", help="only the tokenizing study (load/rerank_tokenize.py)")
+    rerank_tokenize.add_arguments(p)
     add_out_argument(p, "rerank")
     args = p.parse_args()
+    if args.tokenize:
+        if not (args.bert_tokenizer and args.qwen3_tokenizer):
+            p.error("--tokenize needs --bert-tokenizer and --qwen3-tokenizer")
+        return rerank_tokenize.run(args, workload()[1][:DOCS])
     if args.device == "cpu":
         return bench_cpu(args)
     if not (args.bert_tokenizer and args.qwen3_tokenizer):

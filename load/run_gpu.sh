@@ -47,7 +47,7 @@ step e2e "$py" load/bench_e2e.py --shape qwen3-0.6b
 step concurrency "$py" load/bench_concurrency.py "${tok[@]}" --clients 1,128,512 --kinds "$kinds" --seconds 4 --skip-engine
 step mixed "$py" load/bench_mixed.py "${tok[@]}" --seconds 6 --interactive-clients 1
 step one_client "$py" load/bench_one_client.py "${tok[@]}" --frontends 0 --calls 1500 --clients sync,aio,http
-step tokenize "$py" load/bench_tokenize.py --bert-tokenizer "${POLLEN_BERT_TOKENIZER_DIR:-}" \
+step tokenize "$py" load/bench_rerank.py --tokenize --bert-tokenizer "${POLLEN_BERT_TOKENIZER_DIR:-}" \
     --qwen3-tokenizer "${POLLEN_QWEN3_TOKENIZER:-}"
 step rerank "$py" load/bench_rerank.py --bert-tokenizer "${POLLEN_BERT_TOKENIZER_DIR:-}" \
     --qwen3-tokenizer "${POLLEN_QWEN3_TOKENIZER:-}"

@@ -20,6 +20,15 @@ sys.path.insert(0, str(REPO))
 from load import ab_report, arch_models, results_file  # noqa: E402
 
 
+def test_load_holds_at_most_twelve_benchmark_scripts_each_described_in_performance_md():
+    """A knob study is a flag of its benchmark, not a script of its own: load/ keeps at most 12
+    benchmarks, and docs/performance.md says what each measures."""
+    scripts = sorted(p.name for p in (REPO / "load").glob("bench_*.py"))
+    assert len(scripts) <= 12, scripts
+    named = (REPO / "docs" / "performance.md").read_text()
+    assert [s for s in scripts if s not in named] == []
+
+
 @pytest.mark.parametrize("name, kind", [("NVIDIA H200", "gpu-h200"), ("NVIDIA H100 80GB HBM3", "gpu-h100-80gb-hbm3"),
                                         ("NVIDIA GeForce RTX 4090", "gpu-geforce-rtx-4090"), ("", "gpu-unknown")])
 def test_a_gpu_kind_is_a_slug_of_its_name(name, kind):
@@ -235,8 +244,8 @@ def test_bench_cpu_smoke_run_measures_each_contender_quiet_and_busy(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_tokenize_smoke_run_times_both_libraries_and_writes_its_table(tmp_path):
-    """load/bench_tokenize.py on this machine's cores: a row for the tokenizers library and for tokie
+def test_bench_rerank_tokenize_smoke_run_times_both_libraries_and_writes_its_table(tmp_path):
+    """load/bench_rerank.py --tokenize on this machine's cores: a row for the tokenizers library and for tokie
     at each fan-out, for both tokenizers; tokie's calls tokenize more characters a second."""
     from tests.st_models import copy_bert_tokenizer
 
@@ -247,7 +256,7 @@ def test_bench_tokenize_smoke_run_times_both_libraries_and_writes_its_table(tmp_
     if not qwen3:  # any tokenizer.json stands in: the script reads the file's own kind
         qwen3 = str(bert / "tokenizer.json")
     out = tmp_path / "tokenize-cpu.md"
-    run = smoke_run("bench_tokenize.py", "--bert-tokenizer", str(bert), "--qwen3-tokenizer", qwen3,
+    run = smoke_run("bench_rerank.py", "--tokenize", "--bert-tokenizer", str(bert), "--qwen3-tokenizer", qwen3,
                     "--fan-outs", "1,0", "--callers", "1,2", "--seconds", "0.3", "--out", str(out))
     assert run.returncode == 0, run.stderr[-4000:]
     rows = results_file.read_figures(out)["rows"]

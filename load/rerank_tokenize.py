@@ -1,7 +1,8 @@
-"""Tokenizing a rerank call's documents: the tokenizers library against tokie, and tokie's fan-out.
+"""bench_rerank --tokenize: tokenizing a rerank call's documents, the tokenizers library against
+tokie, and tokie's fan-out.
 
-    python load/bench_tokenize.py --bert-tokenizer DIR --qwen3-tokenizer tokenizer.json
-           [--fan-outs 1,2,4,8,0] [--callers 1,4,8]
+    python load/bench_rerank.py --tokenize --bert-tokenizer DIR --qwen3-tokenizer tokenizer.json
+           [--fan-outs 1,2,4,8,0] [--callers 1,4,8] [--seconds 3]
 
 The texts are load/bench_rerank.py's: 100 documents of about 200 tokens (about 110,000
 characters), the documents of one Rerank call. Each row times one call that makes all their pairs
@@ -23,7 +24,6 @@ Writes load/results/tokenize-<kind>.md (load/results_file.py; <kind> is the host
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -35,8 +35,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from load.bench_rerank import DOCS, workload  # noqa: E402
-from load.results_file import add_out_argument, device_kind, write_result  # noqa: E402
+from load.results_file import device_kind, write_result  # noqa: E402
 
 SECONDS = 3.0
 LIMIT = 512  # a pair's tokens
@@ -99,20 +98,18 @@ def timed_calls(frame, tokenizer, docs: list[str], fan_out: int, callers: int, s
             "mchars_per_s": chars / elapsed / 1e6}
 
 
-def main() -> None:
+def add_arguments(p) -> None:
+    """bench_rerank's flags for this study (its --bert-tokenizer and --qwen3-tokenizer serve too)."""
+    p.add_argument("--fan-outs", default="1,2,4,8,0", help="--tokenize: cores each tokie call may use (0: all)")
+    p.add_argument("--callers", default="1,4,8", help="--tokenize: threads tokenizing at once")
+    p.add_argument("--seconds", type=float, default=SECONDS, help="--tokenize: seconds a row")
+
+
+def run(args, docs: list[str]) -> None:
+    """The study on one Rerank call's documents; writes tokenize-<kind>.md (or args.out)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # as in a frontend
     from pollen.server.pipeline.tokenizer import TextTokenizer
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--bert-tokenizer", required=True, help="a BERT tokenizer directory (the MiniLM one)")
-    p.add_argument("--qwen3-tokenizer", required=True, help="the real Qwen3 tokenizer.json")
-    p.add_argument("--fan-outs", default="1,2,4,8,0", help="cores each tokie call may use (0: all)")
-    p.add_argument("--callers", default="1,4,8", help="threads tokenizing at once")
-    p.add_argument("--seconds", type=float, default=SECONDS)
-    add_out_argument(p, "tokenize")
-    args = p.parse_args()
-    _, docs = workload()
-    docs = docs[:DOCS]
     fan_outs = [int(x) for x in args.fan_outs.split(",")]
     callers = [int(x) for x in args.callers.split(",")]
     cores = len(os.sched_getaffinity(0))
@@ -138,7 +135,7 @@ def main() -> None:
         fan = r["fan_out"] if r["library"] == "tokie" else 1
         lines.append(f"| {r['tokenizer']} | {r['library']} | {fan} | {r['callers']} | {r['p50_ms']:.2f} | "
                      f"{r['p99_ms']:.2f} | {r['mchars_per_s']:.1f} |")
-    text = (f"One call tokenizes the {DOCS} documents of a Rerank call ({sum(map(len, docs)):,} characters, "
+    text = (f"One call tokenizes the {len(docs)} documents of a Rerank call ({sum(map(len, docs)):,} characters, "
             f"about 200 tokens each) into pairs as a frontend does (server/tasks/rerank.py PairFrame.tokie_pairs, "
             f"or PairFrame.pairs for the tokenizers library); {cores} cores. "
             f"Each caller thread may use `cores a call may use` cores (its CPU affinity, a window of its own), "
@@ -147,6 +144,3 @@ def main() -> None:
     write_result("tokenize", device_kind(), "Tokenizing a rerank call's documents", text,
                  {"rows": rows, "cores": cores}, args.out)
 
-
-if __name__ == "__main__":
-    main()
