@@ -33,3 +33,18 @@ def test_the_cpu_engines_are_engines():
         assert isinstance(object.__new__(engine), Engine)
         assert engine.side_by_side is False
     assert CudaEngine.side_by_side is True
+
+
+def test_make_engine_takes_every_option_of_each_engine_by_name_and_type():
+    """make_engine's options are typed parameters, not **options: each is one of the CUDA engine's
+    or the CPU engine's, with the same default, so none is dropped or renamed on the way."""
+    from pollen.worker.engine import make_engine
+
+    made = inspect.signature(make_engine).parameters
+    assert all(p.kind is not p.VAR_KEYWORD for p in made.values())
+    theirs = {**{k: v for k, v in inspect.signature(EagerEngine).parameters.items() if k != "model"},
+              **{k: v for k, v in inspect.signature(CudaEngine).parameters.items() if k not in ("model", "device")}}
+    ours = {k: v for k, v in made.items() if k not in ("model", "device")}
+    assert set(ours) == set(theirs), (sorted(ours), sorted(theirs))
+    for name, p in ours.items():
+        assert p.default == theirs[name].default, name

@@ -64,16 +64,19 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-def make_engine(model, device: str, threads: int | None = None, adapt_threads: bool = True,
-                pieces: bool = True, **options) -> Engine:
+def make_engine(model, device: str, *, threads: int | None = None, adapt_threads: bool = True,
+                pieces: bool = True, max_batch_tokens: int = 0, cuda_graphs: bool = True,
+                graph_max_tokens: int | None = None, defer_capture: bool = False, bulk_sms: int = 0,
+                interactive_step: int = 0) -> Engine:
     """The engine that runs a torch model (worker/models/base.py, EmbeddingModel) on `device`.
-    threads, adapt_threads (worker/thread_choice.py) and pieces (EngineOptions.cpu_pieces) matter
-    to the CPU engine only; options (max_batch_tokens, cuda_graphs, graph_max_tokens,
-    defer_capture, bulk_sms, interactive_step) to the CUDA engine only."""
+    The CPU engine takes threads, adapt_threads (worker/thread_choice.py) and pieces
+    (EngineOptions.cpu_pieces); the CUDA engine the rest, as worker/cuda_engine.py's CudaEngine
+    describes them (max_batch_tokens 0: common/defaults.py's)."""
     if device.startswith("cuda"):
         from pollen.worker.cuda_engine import CudaEngine
 
-        return CudaEngine(model, device, **options)
+        return CudaEngine(model, device, max_batch_tokens, cuda_graphs=cuda_graphs, graph_max_tokens=graph_max_tokens,
+                          defer_capture=defer_capture, bulk_sms=bulk_sms, interactive_step=interactive_step)
     from pollen.worker.eager_engine import EagerEngine
 
     return EagerEngine(model, threads, adapt_threads, pieces)
