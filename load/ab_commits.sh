@@ -16,6 +16,8 @@
 # each is measured; FIGURES (default: engine e2e unary one) which figures. On an H200 a commit's turn
 # takes about 2 minutes, so the default is about 8 minutes. SHAPE (default qwen3-0.6b) is the model's shape
 # (load/gpu_models.py); DEVICE=cpu SHAPE=qwen3-tiny FIGURES="unary one" checks this script without a GPU.
+# SERVER_FLAGS (default none) go to both commits' servers for unary and one: e.g. a GPU host's
+# frontend count and spins on the CPU, SERVER_FLAGS="--frontends 2 --frontend-spin-us 5000".
 set -uo pipefail
 [[ $# -eq 2 ]] || { sed -n '2,16p' "$0" >&2; exit 2; }
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -23,6 +25,7 @@ py=${PYTHON:-$(command -v python || command -v python3)}
 rounds=${ROUNDS:-2}
 figures=" ${FIGURES:-engine e2e unary one} "
 shape=${SHAPE:-qwen3-0.6b}
+server_flags=${SERVER_FLAGS:-}
 device=${DEVICE:-cuda}
 tok=${POLLEN_QWEN3_TOKENIZER:-}
 if [[ ( $figures == *" unary "* || $figures == *" one "* ) && ! -f $tok ]]; then
@@ -76,9 +79,9 @@ figure() {  # figure NAME OUT: one benchmark's quick run for the A/B, its result
         e2e) timeout 300 "$py" load/bench_e2e.py --shape "$shape" --docs-only --docs-scale 0.5 --out "$out" ;;
         unary) timeout 300 "$py" load/bench_concurrency.py --shape "$shape" --device "$device" --tokenizer "$tok" \
                    --clients 1,32,128,512 --kinds unary,unary-one-connection --seconds 4 --skip-engine --skip-cold \
-                   --out "$out" ;;
+                   --server-flags "$server_flags" --out "$out" ;;
         one) timeout 300 "$py" load/bench_one_client.py --shape "$shape" --device "$device" --tokenizer "$tok" \
-                 --frontends 0 --clients sync --calls 1000 --out "$out" ;;
+                 --frontends 0 --clients sync --calls 1000 --server-flags "$server_flags" --out "$out" ;;
     esac >"$out.log" 2>&1 || { echo "  $name failed (last lines of its log):" >&2; tail -5 "$out.log" >&2; }
 }
 
@@ -96,4 +99,4 @@ for round in $(seq 1 "$rounds"); do
     done
 done
 "$py" load/ab_report.py "$work" "$old_label" "$new_label" \
-    --command "ROUNDS=$rounds FIGURES=\"${figures:1:-1}\" SHAPE=$shape DEVICE=$device bash load/ab_commits.sh $1 $2"
+    --command "ROUNDS=$rounds FIGURES=\"${figures:1:-1}\" SHAPE=$shape DEVICE=$device${server_flags:+ SERVER_FLAGS=\"$server_flags\"} bash load/ab_commits.sh $1 $2"
