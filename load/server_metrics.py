@@ -12,7 +12,10 @@ def settled_samples(http_target: str) -> list:
     after the cold start once showed 51 tokens a batch that way), so this waits that long first."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from pollen.server.observe.metrics import FLUSH_S
+    try:
+        from pollen.server.observe.metrics import FLUSH_S
+    except ImportError:  # a pollen before server/ was split by role (load/ab_commits.sh measures one)
+        from pollen.server.metrics import FLUSH_S
 
     time.sleep(FLUSH_S + 0.25)
     with urllib.request.urlopen(f"http://{http_target}/metrics", timeout=30) as reply:
