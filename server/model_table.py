@@ -72,6 +72,10 @@ class ModelTable:
     def __init__(self, models: list[ServedModel]):
         self.models = models
         self.by_name = {model.name: model for model in models}
+        # A request that names no model gets the first of its task (None: of any), looked up once.
+        self.first_of = {None: models[0] if models else None}
+        for model in reversed(models):
+            self.first_of[model.task] = model
 
     @classmethod
     def build(cls, cfg: ServeConfig, specs: list[ModelSpec], router: Router, executor: Executor,
@@ -104,7 +108,7 @@ class ModelTable:
             if model is None:
                 raise invalid(f"model {echo(name)} is not served here; the models served: {self.served()}")
         else:
-            model = next((m for m in self.models if task is None or m.task == task), None)
+            model = self.first_of.get(task)
         if model is None or (task is not None and model.task != task):
             able = [m.name for m in self.models if m.task == task]
             what = f"model {model.name} is {KINDS[model.task]}: " if model is not None else ""

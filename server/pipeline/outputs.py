@@ -28,7 +28,12 @@ class Outputs:
     sparse: bool
 
 
+DENSE = Outputs(dense=True, tokens=False, sparse=False)
+
+
 def wanted(request: pb.EmbedRequest, spec: ModelSpec) -> Outputs:
+    if not (request.outputs or spec.sparse_terms or request.sparse_tokens or request.HasField("sparse_top_k")):
+        return DENSE  # the plain request: a dense embedder's vectors, nothing else asked
     outputs = set(request.outputs)
     unknown = outputs - _OUTPUTS
     if unknown:
