@@ -16,8 +16,11 @@ sys.path.insert(0, str(REPO))
 
 from load.results_file import NAME, RESULTS, read_figures  # noqa: E402
 
-# The benchmarks (load/bench_<name>.py), the locust file's hand-written result and load/ab_commits.sh's table.
-BENCHMARKS = {p.stem.removeprefix("bench_") for p in (REPO / "load").glob("bench_*.py")} | {"locust", "ab"}
+# The benchmarks (load/bench_<name>.py), the studies a benchmark runs under a flag of its own
+# (bench_rerank --tokenize), the locust file's hand-written result and load/ab_commits.sh's table.
+STUDIES = {"tokenize": "rerank"}
+BENCHMARKS = ({p.stem.removeprefix("bench_") for p in (REPO / "load").glob("bench_*.py")} | {"locust", "ab"}
+              | {study for study, bench in STUDIES.items() if (REPO / "load" / f"bench_{bench}.py").exists()})
 HAND_WRITTEN = {"locust"}  # no result writer: no json block
 
 
